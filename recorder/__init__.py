@@ -1,0 +1,31 @@
+"""The recorder: capture a forward pass at operation resolution.
+
+Stages, each in its own module and none importing a later one:
+``intercept`` (torch function mode + module hooks) → ``label`` (entries, layers,
+passes) → ``emit`` (what to keep); ``capture`` wires them for ``tl.trace``.
+"""
+
+from .capture import record_forward, trace
+from .entries import ModuleEntry, OpEntry, SourceLocation
+from .selectors import Selector, all_, func, in_module, label, module, none
+from .stats import Stats, compute_stats
+from .trace import Trace, TraceView
+
+__all__ = [
+    "ModuleEntry",
+    "OpEntry",
+    "Selector",
+    "SourceLocation",
+    "Stats",
+    "Trace",
+    "TraceView",
+    "all_",
+    "compute_stats",
+    "func",
+    "in_module",
+    "label",
+    "module",
+    "none",
+    "record_forward",
+    "trace",
+]

@@ -1,0 +1,96 @@
+"""``tl.trace``: record one forward pass at operation resolution, into memory.
+
+Wires the three stages together: intercept (torch function mode and module hooks) →
+label (entries, layers, passes) → emit (what to keep).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from tracelake.errors import NestedTraceError, TraceLakeWarning
+
+from .emit import MemoryEmitter
+from .intercept import Interceptor
+from .label import Emitter, Labeller
+from .selectors import as_selector
+from .trace import Trace
+
+__all__ = ["record_forward", "trace"]
+
+log = logging.getLogger("tracelake.recorder")
+
+_STATS_CHOICES = ("saved", "all")
+
+
+class _Warner:
+    """Reports what could not be recorded, once per function and kind of failure."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, type]] = set()
+
+    def __call__(self, what: str, exc: BaseException) -> None:
+        key = (what, type(exc))
+        log.debug("could not record %s", what, exc_info=exc)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        warnings.warn(
+            f"tracelake could not fully record {what} ({type(exc).__name__}: {exc}); "
+            "the forward pass went on unchanged and the entry may be incomplete",
+            TraceLakeWarning,
+            stacklevel=2,
+        )
+
+
+def _check_model(model: object) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"tracelake records torch.nn.Module forward passes; got {type(model).__name__}. "
+            "Wrap a plain function in an nn.Module whose forward calls it."
+        )
+    return model
+
+
+def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict,
+                   emitter: Emitter) -> tuple[Labeller, Any]:
+    """Run ``model(*args, **kwargs)`` once under interception; return the labeller and
+    the model's output. The forward's own exceptions propagate unchanged, after every
+    mode and hook has been removed."""
+    if Interceptor.active():
+        raise NestedTraceError(
+            "a tracelake recording is already active in this thread; "
+            "finish it before starting another (recordings cannot be nested)"
+        )
+    labeller = Labeller(model, emitter)
+    with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
+        labeller.add_inputs(args, kwargs)
+    with Interceptor(labeller, _Warner()):
+        output = model(*args, **kwargs)
+    with torch._C.DisableTorchFunction():
+        labeller.add_outputs(output)
+    labeller.finish()
+    return labeller, output
+
+
+def trace(model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved",
+          **kwargs: Any) -> Trace:
+    """Run one forward pass of ``model`` and return its :class:`Trace`.
+
+    Every torch call that returns a tensor is recorded as an op, with its label, module
+    stack, dataflow edges, source line, shape and dtype. ``save`` (a selector: ``tl.func``,
+    ``tl.in_module``, ``tl.module``, ``tl.label``, ``tl.all``, ``tl.none``; default all)
+    picks the tensors to keep as detached copies. ``stats="all"`` also computes summary
+    statistics of ops that are not saved (saved ones always have them). Remaining
+    positional and keyword arguments go to the model.
+    """
+    model = _check_model(model)
+    selector = as_selector(save)
+    if stats not in _STATS_CHOICES:
+        raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
+    labeller, output = record_forward(model, args, kwargs, MemoryEmitter(selector, stats))
+    return Trace(labeller.entries, labeller.module_entries, output, type(model).__name__)

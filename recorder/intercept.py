@@ -1,0 +1,233 @@
+"""Intercept: turn a forward pass into a stream of raw events.
+
+A private ``TorchFunctionMode`` sees every torch call (functional calls, Tensor methods,
+operators, in-place ops) and torch's global module hooks see every module call. Both hand
+raw events to an :class:`Events` receiver; nothing here knows about labels or saving.
+Nothing in torch is patched: the mode is pushed and the hooks registered on entry, and
+both are removed in ``finally`` even when the forward pass raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, Protocol
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from tracelake.errors import NestedTraceError
+
+from .entries import SourceLocation
+
+__all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
+
+
+class Events(Protocol):
+    """What the interceptor reports. Implementations must not raise into the forward."""
+
+    def on_call(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple) -> None:
+        """A torch call returned ``tensors`` (its tensor outputs, flattened)."""
+
+    def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
+        """A module's forward is about to run."""
+
+    def on_module_exit(self, module: torch.nn.Module, output: Any) -> None:
+        """A module's forward returned (or raised: then ``output`` is ``None``)."""
+
+
+# Binary operators whose dunder spelling maps onto the torch function's name.
+_DUNDER_NAMES = {
+    "truediv": "div",
+    "floordiv": "floor_divide",
+    "mod": "remainder",
+    "and": "bitwise_and",
+    "or": "bitwise_or",
+    "xor": "bitwise_xor",
+    "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift",
+    "invert": "bitwise_not",
+    "abs": "abs",
+    "neg": "neg",
+    "pos": "positive",
+}
+_BINARY = {"add", "sub", "mul", "matmul", "pow", "div", "truediv", "floordiv", "mod",
+           "and", "or", "xor", "lshift", "rshift"}
+
+
+@functools.cache
+def func_name(func: Any) -> str:
+    """The plain name of a torch function: ``relu``, ``add``, ``add_``, ``getitem``, ``T``."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a Tensor property such as .T or .data
+        owner = getattr(func, "__self__", None)
+        return str(getattr(owner, "__name__", "attribute"))
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        core = name[2:-2]
+        if core[0] == "i" and core[1:] in _BINARY:  # __iadd__ is add_
+            return _DUNDER_NAMES.get(core[1:], core[1:]) + "_"
+        if core[0] == "r" and core[1:] in _BINARY:  # __radd__ is add
+            return _DUNDER_NAMES.get(core[1:], core[1:])
+        return _DUNDER_NAMES.get(core, core)
+    return name
+
+
+def flatten_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors inside ``obj`` (tensor, tuple, list or dict, nested), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    found: list[torch.Tensor] = []
+    if depth > 8:
+        return found
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            found.extend(flatten_tensors(item, depth + 1))
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            found.extend(flatten_tensors(item, depth + 1))
+    return found
+
+
+def _internal_roots() -> tuple[str, ...]:
+    import tracelake
+
+    roots = {os.path.dirname(torch.__file__)}
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for sub in ("tracelake", "recorder", "store", "query"):
+        roots.add(os.path.join(pkg, sub))
+    roots.add(os.path.dirname(os.path.abspath(tracelake.__file__)))
+    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
+
+
+class SourceFinder:
+    """Finds the first frame outside torch and tracelake, caching per file and line."""
+
+    def __init__(self) -> None:
+        self._roots = _internal_roots()
+        self._internal: dict[str, bool] = {}
+        self._locations: dict[tuple[Any, int], SourceLocation] = {}
+
+    def _is_internal(self, filename: str) -> bool:
+        flag = self._internal.get(filename)
+        if flag is None:
+            flag = filename.startswith(self._roots) or filename.startswith("<frozen")
+            self._internal[filename] = flag
+        return flag
+
+    def find(self, frame: FrameType | None) -> SourceLocation | None:
+        while frame is not None:
+            code = frame.f_code
+            if not self._is_internal(code.co_filename):
+                key = (code, frame.f_lineno)
+                loc = self._locations.get(key)
+                if loc is None:
+                    loc = SourceLocation(code.co_filename, frame.f_lineno, code.co_name)
+                    self._locations[key] = loc
+                return loc
+            frame = frame.f_back
+        return None
+
+
+class _Mode(TorchFunctionMode):
+    """The private interception mode. torch disables it while its handler runs, so the
+    recorder's own torch calls (copies, statistics) are never recorded."""
+
+    def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
+        super().__init__()
+        self._events = events
+        self._on_error = on_error
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if kwargs is None:
+            kwargs = {}
+        out = func(*args, **kwargs)
+        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+            tensors: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            tensors = flatten_tensors(out)
+            if not tensors:
+                return out
+        elif out is None and func is torch.Tensor.__setitem__:
+            tensors = (args[0],)  # x[i] = v writes into x
+        elif isinstance(out, Iterator) and func is torch.Tensor.__iter__:
+            rows = tuple(out)  # `for row in x` unbinds x: record the rows it yields
+            out = iter(rows)
+            tensors = rows
+        else:
+            return out
+        name = func_name(func)
+        try:
+            self._events.on_call(func, name, args, kwargs, tuple(tensors))
+        except Exception as exc:  # never break the user's forward pass
+            self._on_error(name, exc)
+        return out
+
+
+class Interceptor:
+    """Context manager: push the mode and register global module hooks for one thread.
+
+    Refuses to nest: one recording per thread at a time.
+    """
+
+    def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
+        self._events = events
+        self._on_error = on_error
+        self._mode = _Mode(events, on_error)
+        self._thread = threading.get_ident()
+        self._handles: list[Any] = []
+        self._entered = False
+
+    @staticmethod
+    def active() -> bool:
+        return any(isinstance(m, _Mode) for m in _get_current_function_mode_stack())
+
+    def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        with torch._C.DisableTorchFunction():
+            try:
+                self._events.on_module_enter(module, args)
+            except Exception as exc:
+                self._on_error(f"module {type(module).__name__}", exc)
+
+    def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        with torch._C.DisableTorchFunction():
+            try:
+                self._events.on_module_exit(module, output)
+            except Exception as exc:
+                self._on_error(f"module {type(module).__name__}", exc)
+
+    def __enter__(self) -> Interceptor:
+        if self._entered or self.active():
+            raise NestedTraceError(
+                "a tracelake recording is already active in this thread; "
+                "finish it before starting another (recordings cannot be nested)"
+            )
+        self._entered = True
+        try:
+            self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))
+            self._handles.append(
+                nn_module.register_module_forward_hook(self._post_hook, always_call=True)
+            )
+            self._mode.__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._mode.__exit__(*exc_info)
+        finally:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+

@@ -1,0 +1,222 @@
+"""Typed selectors: which entries a recording saves.
+
+A selector answers two questions: does it select this op entry (by function, module,
+label), and does it select this module call's entry. They compose with ``&``, ``|`` and
+``~``. Arguments are checked when a selector is built; wrong types raise ``TypeError``.
+
+    tl.func("relu", "gelu")          ops by function name (in-place variants included)
+    tl.in_module("encoder")          ops executed inside encoder or its submodules, and
+                                     the module entries of encoder and its submodules
+    tl.module("encoder.layers.0")    module entries, by exact named_modules() path
+    tl.label("relu_1_2", "input_1")  entries by label; a bare layer label selects all passes
+    tl.all(), tl.none()
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .entries import ModuleEntry, OpEntry
+
+__all__ = ["Selector", "all_", "as_selector", "func", "in_module", "label", "module", "none"]
+
+
+class Selector(ABC):
+    """Decides which entries of a recording are saved."""
+
+    @abstractmethod
+    def matches_op(self, op: OpEntry) -> bool:
+        """Whether the op entry (input, op or output) is selected."""
+
+    @abstractmethod
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        """Whether the module call's entry is selected."""
+
+    def __and__(self, other: object) -> Selector:
+        if not isinstance(other, Selector):
+            return NotImplemented
+        return _And(self, other)
+
+    def __or__(self, other: object) -> Selector:
+        if not isinstance(other, Selector):
+            return NotImplemented
+        return _Or(self, other)
+
+    def __invert__(self) -> Selector:
+        return _Not(self)
+
+
+def _names(kind: str, values: tuple[object, ...]) -> tuple[str, ...]:
+    if not values:
+        raise TypeError(f"tl.{kind}() needs at least one name, e.g. tl.{kind}('relu')")
+    for value in values:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"tl.{kind}() takes strings, got {type(value).__name__} {value!r}"
+            )
+    return tuple(values)  # type: ignore[arg-type]
+
+
+def _within(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+class _Func(Selector):
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        # A name selects its in-place variant too: nn.ReLU(inplace=True) runs relu_.
+        self._match = frozenset(names) | {n + "_" for n in names}
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return op.func in self._match
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"tl.func({', '.join(map(repr, self.names))})"
+
+
+class _InModule(Selector):
+    def __init__(self, path: str):
+        self.path = path
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return any(_within(path, self.path) for path, _ in op.modules)
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return _within(entry.path, self.path)
+
+    def __repr__(self) -> str:
+        return f"tl.in_module({self.path!r})"
+
+
+class _Module(Selector):
+    def __init__(self, paths: tuple[str, ...]):
+        self.paths = frozenset(paths)
+        self._order = paths
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return False
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return entry.path in self.paths or f"{entry.path}:{entry.pass_num}" in self.paths
+
+    def __repr__(self) -> str:
+        return f"tl.module({', '.join(map(repr, self._order))})"
+
+
+class _Label(Selector):
+    def __init__(self, labels: tuple[str, ...]):
+        self.labels = frozenset(labels)
+        self._order = labels
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return op.layer in self.labels or f"{op.layer}:{op.pass_num}" in self.labels
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return entry.path in self.labels or f"{entry.path}:{entry.pass_num}" in self.labels
+
+    def __repr__(self) -> str:
+        return f"tl.label({', '.join(map(repr, self._order))})"
+
+
+class _Const(Selector):
+    def __init__(self, value: bool):
+        self.value = value
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return self.value
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return self.value
+
+    def __repr__(self) -> str:
+        return "tl.all()" if self.value else "tl.none()"
+
+
+class _And(Selector):
+    def __init__(self, left: Selector, right: Selector):
+        self.left, self.right = left, right
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return self.left.matches_op(op) and self.right.matches_op(op)
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return self.left.matches_module(entry) and self.right.matches_module(entry)
+
+    def __repr__(self) -> str:
+        return f"({self.left!r} & {self.right!r})"
+
+
+class _Or(Selector):
+    def __init__(self, left: Selector, right: Selector):
+        self.left, self.right = left, right
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return self.left.matches_op(op) or self.right.matches_op(op)
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return self.left.matches_module(entry) or self.right.matches_module(entry)
+
+    def __repr__(self) -> str:
+        return f"({self.left!r} | {self.right!r})"
+
+
+class _Not(Selector):
+    def __init__(self, inner: Selector):
+        self.inner = inner
+
+    def matches_op(self, op: OpEntry) -> bool:
+        return not self.inner.matches_op(op)
+
+    def matches_module(self, entry: ModuleEntry) -> bool:
+        return not self.inner.matches_module(entry)
+
+    def __repr__(self) -> str:
+        return f"~{self.inner!r}"
+
+
+def func(*names: str) -> Selector:
+    """Ops by the torch function's plain name: ``tl.func("relu", "gelu")``."""
+    return _Func(_names("func", names))
+
+
+def in_module(path: str) -> Selector:
+    """Ops run inside the module at ``path`` (or any submodule), and those module entries."""
+    (checked,) = _names("in_module", (path,))
+    return _InModule(checked)
+
+
+def module(*paths: str) -> Selector:
+    """Module entries by exact ``named_modules()`` path (``"encoder"`` or ``"encoder:2"``)."""
+    return _Module(_names("module", paths))
+
+
+def label(*labels: str) -> Selector:
+    """Entries by label; a bare label of a multi-pass layer or module selects every pass."""
+    return _Label(_names("label", labels))
+
+
+def all_() -> Selector:
+    """Every entry (the default)."""
+    return _Const(True)
+
+
+def none() -> Selector:
+    """No entry: metadata, edges and (with ``stats="all"``) statistics only."""
+    return _Const(False)
+
+
+def as_selector(save: object) -> Selector:
+    """The selector for a ``save=`` argument: ``None`` means everything."""
+    if save is None:
+        return all_()
+    if isinstance(save, Selector):
+        return save
+    raise TypeError(
+        f"save= takes a selector such as tl.func('relu') or tl.in_module('encoder'), "
+        f"not {type(save).__name__} {save!r}"
+    )

@@ -1,0 +1,184 @@
+"""The trace interface: look up entries by label, list them, tabulate them.
+
+:class:`TraceView` holds the logic every kind of trace shares (in memory here; stored
+runs later answer through the same class); :class:`Trace` is the in-memory result of
+``tl.trace``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tracelake.errors import AmbiguousLabelError, LabelError
+
+from .entries import ModuleEntry, OpEntry
+
+if TYPE_CHECKING:
+    import pandas
+
+__all__ = ["Trace", "TraceView"]
+
+_STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
+                "inf_count")
+
+
+class TraceView:
+    """Entries of one recorded forward pass, in execution order.
+
+    ``view[label]`` returns an :class:`OpEntry` (``"relu_1_2"``, ``"linear_1_1:2"``,
+    ``"input_1"``, ``"output_1"``) or a :class:`ModuleEntry` (``"encoder.layers.0"``,
+    ``"encoder:2"``); an ``int`` indexes ops in execution order.
+    """
+
+    def __init__(self, ops: list[OpEntry], modules: list[ModuleEntry]):
+        self._ops = ops
+        self._modules = modules
+        self._op_by_label = {op.label: op for op in ops}
+        self._module_by_label = {m.label: m for m in modules}
+        self._passes: dict[str, list[str]] = {}
+        for op in ops:
+            if op.num_passes > 1:
+                self._passes.setdefault(op.layer, []).append(op.label)
+        for m in modules:
+            if m.num_passes > 1:
+                self._passes.setdefault(m.path, []).append(m.label)
+
+    @property
+    def labels(self) -> list[str]:
+        """Every op label in execution order, pass-qualified where a layer ran several."""
+        return [op.label for op in self._ops]
+
+    @property
+    def ops(self) -> list[OpEntry]:
+        return list(self._ops)
+
+    @property
+    def modules(self) -> list[ModuleEntry]:
+        """Module call entries, in the order the calls began."""
+        return list(self._modules)
+
+    @property
+    def module_labels(self) -> list[str]:
+        return [m.label for m in self._modules]
+
+    @property
+    def inputs(self) -> list[OpEntry]:
+        return [op for op in self._ops if op.kind == "input"]
+
+    @property
+    def outputs(self) -> list[OpEntry]:
+        return [op for op in self._ops if op.kind == "output"]
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __iter__(self) -> Iterator[OpEntry]:
+        return iter(self._ops)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._op_by_label or key in self._module_by_label
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, int) and not isinstance(key, bool):
+            try:
+                return self._ops[key]
+            except IndexError:
+                raise LabelError(
+                    key, message=f"op index {key} out of range: this trace has {len(self)} ops"
+                ) from None
+        if not isinstance(key, str):
+            raise TypeError(f"look entries up by label (str) or index (int), not {key!r}")
+        entry = self._op_by_label.get(key) or self._module_by_label.get(key)
+        if entry is not None:
+            return entry
+        if key in self._passes:
+            raise AmbiguousLabelError(key, self._passes[key])
+        raise LabelError(key, [*self._op_by_label, *self._module_by_label])
+
+    def find(self, func: str | None = None, module: str | None = None) -> list[OpEntry]:
+        """Ops by function name and/or innermost module path (exact match)."""
+        return [
+            op
+            for op in self._ops
+            if (func is None or op.func == func) and (module is None or op.module == module)
+        ]
+
+    def df(self) -> pandas.DataFrame:
+        """One row per op entry: metadata, edges, source and summary statistics."""
+        import pandas
+
+        rows = []
+        for op in self._ops:
+            stats = op.stats
+            row = {
+                "index": op.index,
+                "label": op.label,
+                "layer": op.layer,
+                "pass": op.pass_num,
+                "func": op.func,
+                "kind": op.kind,
+                "module": op.module,
+                "shape": op.shape,
+                "dtype": str(op.dtype).removeprefix("torch."),
+                "device": op.device,
+                "nbytes": op.nbytes,
+                "saved": op.saved,
+                "parents": op.parents,
+                "source": str(op.source) if op.source else None,
+            }
+            for name in _STAT_FIELDS:
+                row[name] = getattr(stats, name) if stats is not None else None
+            rows.append(row)
+        return pandas.DataFrame(rows)
+
+    def _summary(self) -> str:
+        saved = sum(1 for op in self._ops if op.saved)
+        return f"{len(self._ops)} ops ({saved} saved), {len(self._modules)} module calls"
+
+
+class Trace(TraceView):
+    """The in-memory result of :func:`tracelake.trace`.
+
+    ``output`` is what the model returned, untouched. ``cleanup()`` frees every saved
+    tensor; the trace can also be used as a context manager that cleans up on exit.
+    """
+
+    def __init__(self, ops: list[OpEntry], modules: list[ModuleEntry], output: Any,
+                 model_class: str):
+        super().__init__(ops, modules)
+        self.output = output
+        self.model_class = model_class
+
+    @property
+    def nbytes_saved(self) -> int:
+        """Bytes held by saved tensors (shared copies counted once)."""
+        seen: dict[int, int] = {}
+        for op in self._ops:
+            if op._out is not None:
+                seen[id(op._out)] = op._out.numel() * op._out.element_size()
+        for m in self._modules:
+            for t in m._outputs or ():
+                seen[id(t)] = t.numel() * t.element_size()
+            for t in m._inputs or ():
+                seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def cleanup(self) -> None:
+        """Free every saved tensor and the model output; metadata stays readable."""
+        for op in self._ops:
+            op._out = None
+            op._freed = op.saved
+        for m in self._modules:
+            m._out = m._inputs = m._outputs = None
+            m._freed = m.saved
+        self.output = None
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return f"<Trace of {self.model_class}: {self._summary()}>"

@@ -1,0 +1,79 @@
+"""The one exception hierarchy of tracelake.
+
+Every error a public call raises on purpose is a ``TraceLakeError``; exceptions of the
+libraries underneath (torch, duckdb, zarr, lark) are converted at the edge with
+``raise ... from exc`` so that callers only ever need to catch this tree::
+
+    TraceLakeError
+    ├── RecorderError              capture could not start or a trace was misused
+    │   └── NestedTraceError       a recording is already active in this thread
+    └── LabelError (KeyError)      no entry has that label
+        └── AmbiguousLabelError    a bare label names a layer or module with several passes
+
+Warnings the recorder emits instead of breaking a user's forward pass are
+``TraceLakeWarning`` (a ``UserWarning``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "AmbiguousLabelError",
+    "LabelError",
+    "NestedTraceError",
+    "RecorderError",
+    "TraceLakeError",
+    "TraceLakeWarning",
+]
+
+
+class TraceLakeError(Exception):
+    """Base class of every error tracelake raises on purpose."""
+
+
+class RecorderError(TraceLakeError):
+    """Capture could not start, or a trace was used in a way it cannot serve."""
+
+
+class NestedTraceError(RecorderError):
+    """A tracelake recording is already active in this thread."""
+
+
+class LabelError(TraceLakeError, KeyError):
+    """No entry of a trace has the label asked for.
+
+    A ``KeyError`` too, so ``label in trace`` idioms and ``dict``-style handling work.
+    """
+
+    def __init__(self, label: object, known: Iterable[str] = (), *, message: str | None = None):
+        self.label = label
+        if message is None:
+            close = difflib.get_close_matches(str(label), list(known), n=5, cutoff=0.6)
+            message = f"no entry labelled {label!r}"
+            if close:
+                message += "; did you mean " + ", ".join(repr(c) for c in close) + "?"
+            else:
+                message += "; trace.labels lists every op label and trace.modules every module"
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return self.message
+
+
+class AmbiguousLabelError(LabelError):
+    """A bare label was asked for, but that layer or module ran several passes."""
+
+    def __init__(self, label: str, passes: Iterable[str]):
+        self.passes = tuple(passes)
+        listed = ", ".join(repr(p) for p in self.passes)
+        super().__init__(
+            label,
+            message=f"{label!r} ran {len(self.passes)} passes; ask for one of them: {listed}",
+        )
+
+
+class TraceLakeWarning(UserWarning):
+    """Something was recorded only partly, so that the user's forward pass could go on."""
