@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
@@ -57,6 +57,7 @@ _DUNDER_NAMES = {
 }
 _BINARY = {"add", "sub", "mul", "matmul", "pow", "div", "truediv", "floordiv", "mod",
            "and", "or", "xor", "lshift", "rshift"}
+_COMMUTATIVE = {"add", "mul", "and", "or", "xor"}
 
 
 @functools.cache
@@ -70,8 +71,10 @@ def func_name(func: Any) -> str:
         core = name[2:-2]
         if core[0] == "i" and core[1:] in _BINARY:  # __iadd__ is add_
             return _DUNDER_NAMES.get(core[1:], core[1:]) + "_"
-        if core[0] == "r" and core[1:] in _BINARY:  # __radd__ is add
-            return _DUNDER_NAMES.get(core[1:], core[1:])
+        if core[0] == "r" and core[1:] in _BINARY:
+            plain = _DUNDER_NAMES.get(core[1:], core[1:])
+            # 1 + x is add; 2 - x is rsub, as torch.rsub: the operands are swapped.
+            return plain if core[1:] in _COMMUTATIVE else "r" + plain
         return _DUNDER_NAMES.get(core, core)
     return name
 
@@ -92,29 +95,39 @@ def flatten_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _internal_roots() -> tuple[str, ...]:
+def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
+    """Folders whose frames are never "user code" (torch, the recorder, store and query),
+    and the facade's own files (its demo model is user code, so it stays out)."""
     import tracelake
 
-    roots = {os.path.dirname(torch.__file__)}
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for sub in ("tracelake", "recorder", "store", "query"):
-        roots.add(os.path.join(pkg, sub))
-    roots.add(os.path.dirname(os.path.abspath(tracelake.__file__)))
-    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
+    here = os.path.dirname(os.path.abspath(__file__))
+    top = os.path.dirname(here)
+    roots = [os.path.dirname(torch.__file__)] + [os.path.join(top, sub) for sub in
+                                                ("recorder", "store", "query")]
+    facade = os.path.dirname(os.path.abspath(tracelake.__file__))
+    files = frozenset(
+        os.path.join(facade, name) for name in os.listdir(facade)
+        if name.endswith(".py") and name != "demo.py"
+    )
+    return tuple(r.rstrip(os.sep) + os.sep for r in roots), files
 
 
 class SourceFinder:
     """Finds the first frame outside torch and tracelake, caching per file and line."""
 
     def __init__(self) -> None:
-        self._roots = _internal_roots()
+        self._roots, self._files = _internal_roots()
         self._internal: dict[str, bool] = {}
         self._locations: dict[tuple[Any, int], SourceLocation] = {}
 
     def _is_internal(self, filename: str) -> bool:
         flag = self._internal.get(filename)
         if flag is None:
-            flag = filename.startswith(self._roots) or filename.startswith("<frozen")
+            flag = (
+                filename.startswith(self._roots)
+                or filename in self._files
+                or filename.startswith("<frozen")
+            )
             self._internal[filename] = flag
         return flag
 
@@ -153,10 +166,6 @@ class _Mode(TorchFunctionMode):
                 return out
         elif out is None and func is torch.Tensor.__setitem__:
             tensors = (args[0],)  # x[i] = v writes into x
-        elif isinstance(out, Iterator) and func is torch.Tensor.__iter__:
-            rows = tuple(out)  # `for row in x` unbinds x: record the rows it yields
-            out = iter(rows)
-            tensors = rows
         else:
             return out
         name = func_name(func)

@@ -55,7 +55,7 @@ class _Layer:
 class _Frame:
     """One module call on the stack."""
 
-    __slots__ = ("entry", "module", "path", "pass_num", "root", "start")
+    __slots__ = ("entry", "module", "pass_num", "path", "root", "start")
 
     def __init__(self, module: torch.nn.Module, path: str, pass_num: int, start: int,
                  entry: ModuleEntry):
@@ -69,7 +69,7 @@ class _Frame:
 
 def _is_inplace(name: str, kwargs: dict) -> bool:
     return (name.endswith("_") and not name.startswith("_")) or name == "setitem" or (
-        "out" in kwargs and kwargs["out"] is not None
+        kwargs.get("out") is not None
     )
 
 
@@ -135,6 +135,8 @@ class Labeller:
         for key, value in kwargs.items():
             self._scan(value, key, parents, parent_args, params)
         source = self._source.find(sys._getframe(1))
+        if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
+            name += "_"
         inplace = _is_inplace(name, kwargs)
         frame = self._stack[-1] if self._stack else None
         parent_t, args_t, params_t = tuple(parents), tuple(parent_args), tuple(params)
@@ -155,10 +157,12 @@ class Labeller:
                 if other.func == entry.func and other.out_index == entry.out_index:
                     layer = other._layer
         if layer is None:
-            n_func = self._func_counts.get(entry.func, 0) + 1
-            self._func_counts[entry.func] = n_func
+            # In-place variants count with their function: mul_ is labelled mul_2_7.
+            base = entry.func[:-1] if entry.inplace and entry.func.endswith("_") else entry.func
+            n_func = self._func_counts.get(base, 0) + 1
+            self._func_counts[base] = n_func
             self._n_layers += 1
-            layer = _Layer(f"{entry.func}_{n_func}_{self._n_layers}")
+            layer = _Layer(f"{base}_{n_func}_{self._n_layers}")
         layer.passes += 1
         entry._layer = layer
         entry.layer = layer.label

@@ -28,7 +28,7 @@ from tracelake.recorder import (
     none,
     trace,
 )
-from tracelake.recorder import all_ as all  # noqa: A004 - the seed's spelling, tl.all()
+from tracelake.recorder import all_ as all
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,327 @@
+"""Capture overhead of tracelake (and of the alternatives) relative to a plain forward.
+
+Run: ``python benchmarks/capture_overhead.py [--repeats 9] [--models gpt2,mlp,cnn,chain]
+[--markdown] [--no-torchlens]``.
+
+Conditions, all measured in one process on the same model object and input:
+
+* ``plain``: ``model(*args)``.
+* ``hooks``: a forward hook on every module of ``model.modules()`` storing
+  ``output.detach()`` for tensor outputs; registering and removing the handles is timed.
+* ``tracelake none``: ``tl.trace(model, *args, save=tl.none())`` (metadata only).
+* ``tracelake none+stats``: the same with ``stats="all"`` (summary stats of every op).
+* ``tracelake all``: ``tl.trace(model, *args)`` (default: save every op's output).
+* ``torchlens all`` / ``torchlens none``: ``torchlens.trace(m, list(args),
+  capture=CaptureOptions(layers_to_save="all" | None))``, only when TorchLens imports.
+  TorchLens patches torch functions process-wide and wraps module ``forward`` methods
+  persistently, which would slow every other condition; so it traces its own deep copy
+  of the model, and ``wrap_torch()``/``unwrap_torch()`` run untimed around its samples.
+  Its ``ScalarEscapeWarning``s are silenced.
+
+Method: everything runs under ``torch.no_grad()`` with ``torch.set_num_threads(1)``.
+Each condition is warmed up twice; the second warm-up call sets how many calls one
+sample makes (enough for ~20 ms, so sub-millisecond models are not timer noise). Then
+``--repeats`` rounds follow; in each round every condition takes one sample, in an order
+rotated by one each round (round-robin), so drift and noise hit all conditions alike.
+The garbage collector is collected before and disabled during a sample (as ``timeit``
+does); traces are cleaned up (``log.cleanup()``) after the sample, untimed. Reported:
+the median time per call; "x plain", the median over rounds of that round's
+condition/plain ratio (paired, robust to drift); and µs/op, the median over rounds of
+(condition - plain) / ops, ops being ``len(log)`` of the trace (TorchLens: ``len(trace)``).
+
+Models: ``gpt2`` is ``transformers.GPT2Model`` (no LM head, so the 50k-vocab projection
+does not dilute overhead) from ``GPT2Config(n_layer=4, n_embd=256, n_head=4)``, random
+weights, ``attn_implementation="sdpa"``, ``use_cache=False``, input ids (4, 128); ``mlp``
+is 4 Linear+ReLU layers of width 256 on (32, 256); ``cnn`` is two conv/ReLU/max-pool
+stages and a Linear on (8, 3, 32, 32); ``chain`` applies 1,000 elementwise ops (``+1``,
+``*0.5``, ``relu``, ``sin``, repeated) to a (4, 4) tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import tracelake as tl
+
+try:  # optional comparison; the benchmark runs without it
+    import torchlens
+    from torchlens.backends.torch.wrappers import unwrap_torch, wrap_torch
+    from torchlens.options import CaptureOptions
+except Exception:  # ImportError, or an API this script does not know
+    torchlens = None
+
+ALL_MODELS = ("gpt2", "mlp", "cnn", "chain")
+SAMPLE_TARGET_S = 0.02
+
+
+class Chain(nn.Module):
+    """``n_ops`` small elementwise ops in a row: a per-op overhead probe."""
+
+    def __init__(self, n_ops: int = 1000) -> None:
+        super().__init__()
+        self.n_ops = n_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n_ops):
+            step = i % 4
+            if step == 0:
+                x = x + 1
+            elif step == 1:
+                x = x * 0.5
+            elif step == 2:
+                x = torch.relu(x)
+            else:
+                x = x.sin()
+        return x
+
+
+def build_model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A model (eval mode, seeded random weights) and its positional inputs."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2Model
+
+        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128,
+                            use_cache=False, attn_implementation="sdpa")
+        model: nn.Module = GPT2Model(config)
+        args: tuple[Any, ...] = (torch.randint(0, config.vocab_size, (4, 128)),)
+    elif name == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            layers += [nn.Linear(256, 256), nn.ReLU()]
+        model, args = nn.Sequential(*layers), (torch.randn(32, 256),)
+    elif name == "cnn":
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )
+        args = (torch.randn(8, 3, 32, 32),)
+    elif name == "chain":
+        model, args = Chain(1000), (torch.randn(4, 4),)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODELS)}")
+    return model.eval(), args
+
+
+def _noop(*_: object) -> None:
+    return None
+
+
+@dataclass
+class Condition:
+    """One way of running the forward pass. ``run`` is timed; the rest is not."""
+
+    name: str
+    run: Callable[[], Any]
+    dispose: Callable[[Any], None] = _noop
+    count: Callable[[Any], int] | None = None  # ops recorded, from one result
+    setup: Callable[[], None] = _noop
+    teardown: Callable[[], None] = _noop
+    number: int = 1  # calls per sample
+    ops: int | None = None
+    samples: list[float] = field(default_factory=list)  # seconds per call, one per round
+
+
+def _hooked_forward(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+    saved: dict[str, torch.Tensor] = {}
+
+    def make_hook(name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                saved[name] = output.detach()
+        return hook
+
+    handles = [m.register_forward_hook(make_hook(n)) for n, m in model.named_modules()]
+    try:
+        model(*args)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return saved
+
+
+def _torchlens_conditions(model: nn.Module, args: tuple[Any, ...]) -> list[Condition]:
+    own = copy.deepcopy(model)  # TorchLens wraps module forwards persistently
+
+    def runner(layers: str | None) -> Callable[[], Any]:
+        def run() -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torchlens.trace(own, list(args),
+                                       capture=CaptureOptions(layers_to_save=layers))
+        return run
+
+    common: dict[str, Any] = {"dispose": lambda t: t.cleanup(), "count": len,
+                              "setup": wrap_torch, "teardown": unwrap_torch}
+    return [Condition("torchlens all", runner("all"), **common),
+            Condition("torchlens none", runner(None), **common)]
+
+
+def build_conditions(model: nn.Module, args: tuple[Any, ...],
+                     with_torchlens: bool) -> list[Condition]:
+    def cleanup(log: Any) -> None:
+        log.cleanup()
+
+    conditions = [
+        Condition("plain", lambda: model(*args)),
+        Condition("hooks (detach)", lambda: _hooked_forward(model, args)),
+        Condition("tracelake none", lambda: tl.trace(model, *args, save=tl.none()),
+                  cleanup, len),
+        Condition("tracelake none+stats",
+                  lambda: tl.trace(model, *args, save=tl.none(), stats="all"), cleanup, len),
+        Condition("tracelake all", lambda: tl.trace(model, *args), cleanup, len),
+    ]
+    if with_torchlens:
+        conditions += _torchlens_conditions(model, args)
+    return conditions
+
+
+def take_sample(cond: Condition, number: int) -> float:
+    """Seconds per call over ``number`` back-to-back calls, GC off, disposal untimed."""
+    results: list[Any] = []
+    cond.setup()
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            for _ in range(number):
+                results.append(cond.run())
+            elapsed = time.perf_counter() - start
+        finally:
+            gc.enable()
+        if cond.count is not None and cond.ops is None:
+            cond.ops = cond.count(results[0])
+        for result in results:
+            cond.dispose(result)
+    finally:
+        cond.teardown()
+    return elapsed / number
+
+
+def measure(conditions: list[Condition], repeats: int) -> None:
+    for cond in conditions:  # warm-up; the second call calibrates the sample size
+        take_sample(cond, 1)
+        cond.number = max(1, math.ceil(SAMPLE_TARGET_S / take_sample(cond, 1)))
+    for r in range(repeats):
+        shift = r % len(conditions)
+        for cond in conditions[shift:] + conditions[:shift]:
+            cond.samples.append(take_sample(cond, cond.number))
+
+
+@dataclass
+class Row:
+    model: str
+    condition: str
+    median_ms: float
+    ratio: float
+    ops: int | None
+    us_per_op: float | None
+
+
+def summarize(model: str, conditions: list[Condition]) -> list[Row]:
+    plain = conditions[0].samples
+    rows = []
+    for cond in conditions:
+        ratio = statistics.median(c / p for c, p in zip(cond.samples, plain, strict=True))
+        per_op = None
+        if cond.ops:
+            per_op = statistics.median(
+                (c - p) / cond.ops * 1e6 for c, p in zip(cond.samples, plain, strict=True))
+        rows.append(Row(model, cond.name, statistics.median(cond.samples) * 1e3, ratio,
+                        cond.ops, per_op))
+    return rows
+
+
+def render(rows: list[Row], markdown: bool) -> str:
+    header = ["model", "condition", "median ms", "x plain", "ops", "µs/op"]
+    body = [[r.model, r.condition, f"{r.median_ms:.3f}", f"{r.ratio:.2f}x",
+             "" if r.ops is None else str(r.ops),
+             "" if r.us_per_op is None else f"{r.us_per_op:.1f}"] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---", "---", "---:", "---:", "---:", "---:"]) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+def render_targets(rows: list[Row], markdown: bool) -> str:
+    def find(model: str, condition: str) -> Row | None:
+        return next((r for r in rows if r.model == model and r.condition == condition), None)
+
+    checks: list[tuple[str, Row | None, Callable[[Row], float], float, str]] = [
+        ("metadata-only (tracelake none) <= 1.2x plain, GPT-2", find("gpt2", "tracelake none"),
+         lambda r: r.ratio, 1.2, "x"),
+        ("metadata-only <= 10 µs per op, chain", find("chain", "tracelake none"),
+         lambda r: r.us_per_op if r.us_per_op is not None else math.inf, 10.0, " µs/op"),
+        ("save-all (tracelake all) <= 2x plain, GPT-2", find("gpt2", "tracelake all"),
+         lambda r: r.ratio, 2.0, "x"),
+    ]
+    lines = ["## Targets" if markdown else "Targets"]
+    for text, row, value, limit, unit in checks:
+        if row is None:
+            verdict = "not run"
+        else:
+            got = value(row)
+            verdict = f"{'MET' if got <= limit else 'MISSED'} (measured {got:.2f}{unit})"
+        lines.append(f"{'- ' if markdown else '  '}{text}: {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
+    parser.add_argument("--models", default=",".join(ALL_MODELS),
+                        help="comma-separated subset of gpt2,mlp,cnn,chain")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument("--no-torchlens", action="store_true", help="skip TorchLens")
+    ns = parser.parse_args(argv)
+    models = [m.strip() for m in ns.models.split(",") if m.strip()]
+    if unknown := sorted(set(models) - set(ALL_MODELS)):
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(ALL_MODELS)}")
+    if ns.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    with_torchlens = torchlens is not None and not ns.no_torchlens
+
+    torch.set_num_threads(1)
+    lens = f"torchlens {torchlens.__version__}" if with_torchlens else "torchlens not used"
+    print(f"torch {torch.__version__}, tracelake {tl.__version__}, {lens}, "
+          f"python {platform.python_version()}, threads 1, repeats {ns.repeats}"
+          + (" (fewer than 7: medians are fragile)" if ns.repeats < 7 else ""))
+    started = time.perf_counter()
+    rows: list[Row] = []
+    with torch.no_grad():
+        for name in models:
+            model, args = build_model(name)
+            conditions = build_conditions(model, args, with_torchlens)
+            measure(conditions, ns.repeats)
+            rows += summarize(name, conditions)
+    print()
+    print(render(rows, ns.markdown))
+    print()
+    print(render_targets(rows, ns.markdown))
+    print(f"\n(total benchmark time {time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The public surface: a small, explicit namespace and one exception tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import tracelake as tl
+from tracelake import errors
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(tl.__all__) == sorted([
+        "AmbiguousLabelError", "LabelError", "ModuleEntry", "NestedTraceError", "OpEntry",
+        "RecorderError", "Selector", "SourceLocation", "Stats", "Trace", "TraceLakeError",
+        "TraceLakeWarning", "__version__", "all", "func", "in_module", "label", "module",
+        "none", "trace",
+    ])
+    for name in tl.__all__:
+        assert hasattr(tl, name), name
+
+
+def test_every_error_is_a_tracelake_error() -> None:
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if issubclass(cls, Exception) and not issubclass(cls, Warning):
+            assert issubclass(cls, tl.TraceLakeError), name
+    assert issubclass(tl.LabelError, KeyError)
+    assert issubclass(tl.AmbiguousLabelError, tl.LabelError)
+    assert issubclass(tl.TraceLakeWarning, UserWarning)
+
+
+def test_import_defines_names_and_does_nothing_else() -> None:
+    code = (
+        "import torch\n"
+        "from torch.nn.modules import module as m\n"
+        "from torch.overrides import _get_current_function_mode_stack as modes\n"
+        "import tracelake, tracelake.recorder, tracelake.store, tracelake.query\n"
+        "assert not m._global_forward_hooks and not m._global_forward_pre_hooks\n"
+        "assert not modes()\n"
+        "import sys\n"
+        "assert not {'recorder', 'store', 'query'} & set(sys.modules), 'top-level names'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_cli_demo_runs(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tracelake.cli", "demo"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )
+    assert "scaled_dot_product_attention" in done.stdout
+    assert "relu_1_21" in done.stdout
+    assert "encoder passes: ['encoder:1', 'encoder:2']" in done.stdout
+    assert ": True" in done.stdout  # the saved relu output survived the in-place mul_
