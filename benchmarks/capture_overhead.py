@@ -1,40 +1,34 @@
-"""Capture overhead of tracelake (and of the alternatives) relative to a plain forward.
+"""Capture overhead of tracelake (and alternatives) relative to a plain forward pass.
 
 Run: ``python benchmarks/capture_overhead.py [--repeats 9] [--models gpt2,mlp,cnn,chain]
-[--markdown] [--no-torchlens]``.
-
-Conditions, all measured in one process on the same model object and input:
+[--markdown] [--no-torchlens]``. Conditions, measured in one process on one model and input:
 
 * ``plain``: ``model(*args)``.
-* ``hooks``: a forward hook on every module of ``model.modules()`` storing
-  ``output.detach()`` for tensor outputs; registering and removing the handles is timed.
-* ``tracelake none``: ``tl.trace(model, *args, save=tl.none())`` (metadata only).
-* ``tracelake none+stats``: the same with ``stats="all"`` (summary stats of every op).
-* ``tracelake all``: ``tl.trace(model, *args)`` (default: save every op's output).
-* ``torchlens all`` / ``torchlens none``: ``torchlens.trace(m, list(args),
-  capture=CaptureOptions(layers_to_save="all" | None))``, only when TorchLens imports.
-  TorchLens patches torch functions process-wide and wraps module ``forward`` methods
-  persistently, which would slow every other condition; so it traces its own deep copy
-  of the model, and ``wrap_torch()``/``unwrap_torch()`` run untimed around its samples.
-  Its ``ScalarEscapeWarning``s are silenced.
+* ``hooks (detach)``: a forward hook on every module storing ``output.detach()`` for tensor
+  outputs; registering and removing the handles is timed.
+* ``tracelake none``: ``tl.trace(model, *args, save=tl.none())`` (metadata only);
+  ``tracelake none+stats`` adds ``stats="all"``; ``tracelake all`` saves every op.
+* ``torchlens all`` / ``torchlens none`` (only if ``import torchlens`` works):
+  ``torchlens.trace(m, list(args), capture=CaptureOptions(layers_to_save="all" | None))``.
+  TorchLens patches torch process-wide and wraps module forwards persistently, which
+  would slow every other condition, so it traces a deep copy of the model and
+  ``wrap_torch()`` / ``unwrap_torch()`` run untimed around each of its samples.
 
-Method: everything runs under ``torch.no_grad()`` with ``torch.set_num_threads(1)``.
-Each condition is warmed up twice; the second warm-up call sets how many calls one
-sample makes (enough for ~20 ms, so sub-millisecond models are not timer noise). Then
-``--repeats`` rounds follow; in each round every condition takes one sample, in an order
-rotated by one each round (round-robin), so drift and noise hit all conditions alike.
-The garbage collector is collected before and disabled during a sample (as ``timeit``
-does); traces are cleaned up (``log.cleanup()``) after the sample, untimed. Reported:
-the median time per call; "x plain", the median over rounds of that round's
-condition/plain ratio (paired, robust to drift); and µs/op, the median over rounds of
-(condition - plain) / ops, ops being ``len(log)`` of the trace (TorchLens: ``len(trace)``).
+Method: ``torch.no_grad()``, ``torch.set_num_threads(1)``. Each condition is warmed up
+twice; the second call sets how many calls one sample makes (~20 ms worth, so fast models
+are not timer noise). Then ``--repeats`` rounds; in each, every condition takes one
+sample, in an order rotated by one per round (round-robin), so drift and noise hit all
+conditions alike. GC is collected before and disabled during a sample (as ``timeit``
+does); traces are ``cleanup()``-ed after it, untimed. Reported: median ms per call;
+"x plain" = median over rounds of that round's condition/plain ratio (paired); µs/op =
+median over rounds of (condition - plain) / ops, ops = ``len(log)`` (TorchLens:
+``len(trace)``).
 
-Models: ``gpt2`` is ``transformers.GPT2Model`` (no LM head, so the 50k-vocab projection
-does not dilute overhead) from ``GPT2Config(n_layer=4, n_embd=256, n_head=4)``, random
+Models: ``gpt2`` = ``transformers.GPT2Model`` (no LM head, so the 50k-vocab projection
+does not dilute overhead), ``GPT2Config(n_layer=4, n_embd=256, n_head=4)``, random
 weights, ``attn_implementation="sdpa"``, ``use_cache=False``, input ids (4, 128); ``mlp``
-is 4 Linear+ReLU layers of width 256 on (32, 256); ``cnn`` is two conv/ReLU/max-pool
-stages and a Linear on (8, 3, 32, 32); ``chain`` applies 1,000 elementwise ops (``+1``,
-``*0.5``, ``relu``, ``sin``, repeated) to a (4, 4) tensor.
+= 4 x (Linear 256 + ReLU) on (32, 256); ``cnn`` = 2 x (conv, ReLU, max-pool) + Linear on
+(8, 3, 32, 32); ``chain`` = 1,000 elementwise ops (``+1``, ``*0.5``, relu, sin) on (4, 4).
 """
 
 from __future__ import annotations
@@ -60,8 +54,10 @@ try:  # optional comparison; the benchmark runs without it
     import torchlens
     from torchlens.backends.torch.wrappers import unwrap_torch, wrap_torch
     from torchlens.options import CaptureOptions
+
+    HAVE_TORCHLENS = True
 except Exception:  # ImportError, or an API this script does not know
-    torchlens = None
+    HAVE_TORCHLENS = False
 
 ALL_MODELS = ("gpt2", "mlp", "cnn", "chain")
 SAMPLE_TARGET_S = 0.02
@@ -94,8 +90,10 @@ def build_model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
-        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128,
-                            use_cache=False, attn_implementation="sdpa")
+        settings: dict[str, Any] = {"n_layer": 4, "n_embd": 256, "n_head": 4,
+                                    "n_positions": 128, "use_cache": False,
+                                    "attn_implementation": "sdpa"}
+        config = GPT2Config(**settings)
         model: nn.Module = GPT2Model(config)
         args: tuple[Any, ...] = (torch.randint(0, config.vocab_size, (4, 128)),)
     elif name == "mlp":
@@ -301,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown model(s) {unknown}; choose from {', '.join(ALL_MODELS)}")
     if ns.repeats < 1:
         parser.error("--repeats must be at least 1")
-    with_torchlens = torchlens is not None and not ns.no_torchlens
+    with_torchlens = HAVE_TORCHLENS and not ns.no_torchlens
 
     torch.set_num_threads(1)
     lens = f"torchlens {torchlens.__version__}" if with_torchlens else "torchlens not used"
