@@ -6,7 +6,7 @@ passes) → ``emit`` (what to keep); ``capture`` wires them for ``tl.trace``.
 """
 
 from .capture import record_forward, trace
-from .entries import ModuleEntry, OpEntry, SourceLocation
+from .entries import ModuleEntry, OpEntry, OpTable, SourceLocation
 from .selectors import Selector, all_, func, in_module, label, module, none
 from .stats import Stats, compute_stats
 from .trace import Trace, TraceView
@@ -14,6 +14,7 @@ from .trace import Trace, TraceView
 __all__ = [
     "ModuleEntry",
     "OpEntry",
+    "OpTable",
     "Selector",
     "SourceLocation",
     "Stats",

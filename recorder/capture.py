@@ -15,8 +15,9 @@ import torch
 from tracelake.errors import NestedTraceError, TraceLakeWarning
 
 from .emit import MemoryEmitter
+from .entries import OpTable
 from .intercept import Interceptor
-from .label import Emitter, Labeller
+from .labels import Emitter, Labeller
 from .selectors import as_selector
 from .trace import Trace
 
@@ -56,17 +57,17 @@ def _check_model(model: object) -> torch.nn.Module:
     return model
 
 
-def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict,
-                   emitter: Emitter) -> tuple[Labeller, Any]:
-    """Run ``model(*args, **kwargs)`` once under interception; return the labeller and
-    the model's output. The forward's own exceptions propagate unchanged, after every
-    mode and hook has been removed."""
+def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter,
+                   table: OpTable) -> tuple[Labeller, Any]:
+    """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
+    the labeller and the model's output. The forward's own exceptions propagate
+    unchanged, after every mode and hook has been removed."""
     if Interceptor.active():
         raise NestedTraceError(
             "a tracelake recording is already active in this thread; "
             "finish it before starting another (recordings cannot be nested)"
         )
-    labeller = Labeller(model, emitter)
+    labeller = Labeller(model, emitter, table)
     with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
         labeller.add_inputs(args, kwargs)
     with Interceptor(labeller, _Warner()):
@@ -92,5 +93,16 @@ def trace(model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "sa
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
-    labeller, output = record_forward(model, args, kwargs, MemoryEmitter(selector, stats))
-    return Trace(labeller.entries, labeller.module_entries, output, type(model).__name__)
+    table = OpTable()
+    emitter = MemoryEmitter(selector, stats, table)
+    labeller, output = record_forward(model, args, kwargs, emitter, table)
+    with torch._C.DisableTorchFunction():
+        lost = emitter.finish()
+    for index in lost:
+        warnings.warn(
+            f"{table.labels[index]} was written in place by an operation tracelake could "
+            "not intercept, or could not be copied, so its value is not saved",
+            TraceLakeWarning,
+            stacklevel=2,
+        )
+    return Trace(table, emitter, labeller.module_entries, output, type(model).__name__)

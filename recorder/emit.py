@@ -1,9 +1,11 @@
 """Emit: decide what to keep of each labelled entry, and keep it in memory.
 
-A saved tensor is a detached, contiguous copy taken the moment the op returns, so later
-in-place ops cannot change it. A module's inputs and outputs, and the model's outputs,
-are usually the very tensors some op just produced: then the op's copy is shared instead
-of copied again, unless the tensor was written in place since (its version counter moved).
+Saved tensors are copy-on-write: a selected tensor is first kept as a detached alias of
+the live tensor (no bytes copied), and copied only when something could change it: just
+before an intercepted in-place op writes to its storage, or, when the recording ends, if
+anything besides the trace still holds that storage (the user's inputs and outputs,
+buffers, the autograd graph). A write the recorder could not intercept is detected by
+the tensor's version counter, and that value is dropped rather than kept wrong.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from typing import Any
 
 import torch
 
-from .entries import ModuleEntry, OpEntry
-from .selectors import Selector
-from .stats import compute_stats
+from tracelake.errors import RecorderError
 
-__all__ = ["MemoryEmitter", "copy_tensor", "tensor_version"]
+from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
+from .selectors import Selector
+from .stats import Stats, compute_stats
+
+__all__ = ["MemoryEmitter", "TensorSlots", "copy_tensor", "structure", "tensor_version"]
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:
@@ -28,7 +32,7 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
 
 
 def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached copy that shares nothing with ``tensor``."""
+    """A detached, contiguous copy that shares nothing with ``tensor``."""
     with torch.no_grad():
         try:
             return tensor.detach().clone(memory_format=torch.contiguous_format)
@@ -36,65 +40,213 @@ def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.detach().clone()
 
 
-def share_or_copy(tensor: torch.Tensor, producer: OpEntry | None) -> torch.Tensor:
-    """The producer's saved copy when it still equals ``tensor``, else a new copy."""
-    if producer is not None and producer._out is not None:
+def _storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share ``tensor``'s storage, if torch says."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:
+        return None
+    storage = tensor.untyped_storage()
+    return int(counter(storage._cdata)) - 1  # minus the handle just taken
+
+
+def _freed_error() -> RecorderError:
+    return RecorderError("this trace was freed by cleanup(); record it again to read its tensors")
+
+
+class TensorSlots:
+    """Saved tensors, numbered; kept as aliases until they might change (copy on write)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor | None] = []
+        self.versions: list[int | None] = []
+        self._aliases: dict[int, list[int]] = {}  # storage address -> slots aliasing it
+        self.freed = False
+
+    def put(self, tensor: torch.Tensor) -> int:
+        slot = len(self.tensors)
         version = tensor_version(tensor)
-        if version is not None and version == producer._version:
-            return producer._out
-    return copy_tensor(tensor)
+        kept = None
+        if version is not None and tensor.layout is torch.strided:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            # Alias what spans most of its storage, or a storage the trace holds anyway;
+            # a small view must not keep a large base alive on its own.
+            if address in self._aliases or (
+                storage.nbytes() <= 2 * tensor.numel() * tensor.element_size()
+            ):
+                kept = tensor.detach()
+                self._aliases.setdefault(address, []).append(slot)
+        self.tensors.append(kept if kept is not None else copy_tensor(tensor))
+        self.versions.append(version)
+        return slot
+
+    def holds(self, slot: int, tensor: torch.Tensor) -> bool:
+        """Whether ``slot`` still holds the value ``tensor`` has now."""
+        version = self.versions[slot]
+        return version is not None and version == tensor_version(tensor)
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is about to be written: copy every alias of it first."""
+        if not self._aliases or not isinstance(tensor, torch.Tensor):
+            return
+        try:
+            address = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        for slot in self._aliases.pop(address, ()):
+            kept = self.tensors[slot]
+            if kept is not None:
+                self.tensors[slot] = copy_tensor(kept)
+
+    def settle(self) -> list[int]:
+        """End of recording: copy aliases that anything else still holds; drop (and
+        return) slots written by something the recorder could not intercept, or that
+        could not be copied."""
+        lost: list[int] = []
+        for slots in self._aliases.values():
+            live = []
+            for slot in slots:
+                kept = self.tensors[slot]
+                if kept is None:
+                    continue
+                if tensor_version(kept) != self.versions[slot]:
+                    self.tensors[slot] = None
+                    lost.append(slot)
+                else:
+                    live.append(slot)
+            if not live:
+                continue
+            distinct = {id(self.tensors[slot]) for slot in live}
+            users = _storage_users(self.tensors[live[0]])  # type: ignore[arg-type]
+            if users is not None and users <= len(distinct):
+                continue  # only the trace holds this memory: nothing can change it now
+            for slot in live:
+                try:
+                    self.tensors[slot] = copy_tensor(self.tensors[slot])  # type: ignore[arg-type]
+                except Exception:
+                    self.tensors[slot] = None
+                    lost.append(slot)
+        self._aliases.clear()
+        return lost
+
+    def get(self, slot: int) -> torch.Tensor | None:
+        if self.freed:
+            raise _freed_error()
+        return self.tensors[slot]
+
+    def free(self) -> None:
+        self.tensors = []
+        self._aliases.clear()
+        self.freed = True
 
 
-def rebuild(obj: Any, copies: list[torch.Tensor], depth: int = 0) -> Any:
-    """``obj``'s structure with its tensors replaced, in flatten order, by ``copies``.
+def structure(obj: Any, slots: list[int], depth: int = 0) -> Any:
+    """``obj``'s shape with its tensors replaced, in flatten order, by :class:`SlotRef`.
 
     Tuples, lists and dicts (model-output dataclasses included) keep their shape as plain
     containers; other non-tensor leaves are kept when they are plain values, else ``None``.
     """
     if isinstance(obj, torch.Tensor):
-        return copies.pop(0)
+        return SlotRef(slots.pop(0))
     if depth > 8:
         return None
     if isinstance(obj, (tuple, list)):
-        items = [rebuild(item, copies, depth + 1) for item in obj]
+        items = [structure(item, slots, depth + 1) for item in obj]
         return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
-        return {key: rebuild(value, copies, depth + 1) for key, value in obj.items()}
+        return {key: structure(value, slots, depth + 1) for key, value in obj.items()}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return None
 
 
 class MemoryEmitter:
-    """Keeps selected tensors on their entries, for an in-memory :class:`Trace`."""
+    """Keeps selected tensors in memory for an in-memory trace; a :class:`TensorSource`."""
 
-    def __init__(self, selector: Selector, stats: str):
+    def __init__(self, selector: Selector, stats: str, table: OpTable):
         self._selector = selector
+        self._const = selector.constant
         self._stats_all = stats == "all"
+        self._table = table
+        self.slots = TensorSlots()
+        self._op_slot: dict[int, int] = {}
+        self._stats: dict[int, Stats] = {}
+        #: False when no op entry needs anything: the labeller then skips on_entry.
+        self.wants_ops = self._const is not False or self._stats_all
 
-    def on_entry(self, entry: OpEntry, tensor: torch.Tensor, same_as: OpEntry | None) -> None:
-        if self._selector.matches_op(entry):
-            entry._out = share_or_copy(tensor, same_as)
-            entry._version = tensor_version(tensor)
-            entry.saved = True
+    # -- the emitter protocol -----------------------------------------------------------
+
+    def _slot_for(self, tensor: torch.Tensor, producer: int) -> int:
+        slot = self._op_slot.get(producer, -1) if producer >= 0 else -1
+        if slot >= 0 and self.slots.holds(slot, tensor):
+            return slot
+        return self.slots.put(tensor)
+
+    def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
+        selected = self._const
+        if selected is None:
+            selected = self._selector.matches_op(OpEntry(self._table, None, index))
+        if selected:
+            self._op_slot[index] = self._slot_for(tensor, same_as)
         elif self._stats_all:
-            entry._stats = compute_stats(tensor)
+            self._stats[index] = compute_stats(tensor)
 
-    def on_module_enter(
-        self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[OpEntry | None]
-    ) -> None:
-        if self._selector.matches_module(entry):
-            entry._inputs = tuple(map(share_or_copy, tensors, producers))
+    def before_write(self, tensor: torch.Tensor) -> None:
+        self.slots.before_write(tensor)
 
-    def on_module_exit(
-        self,
-        entry: ModuleEntry,
-        output: Any,
-        tensors: list[torch.Tensor],
-        producers: list[OpEntry | None],
-    ) -> None:
+    def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
+                        producers: list[int]) -> None:
         if self._selector.matches_module(entry):
-            copies = list(map(share_or_copy, tensors, producers))
-            entry._outputs = tuple(copies)
-            entry._out = rebuild(output, copies)
-            entry.saved = True
+            entry._input_slots = tuple(map(self._slot_for, tensors, producers))
+            entry._tensors = self
+
+    def on_module_exit(self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor],
+                       producers: list[int]) -> None:
+        if self._selector.matches_module(entry):
+            slots = list(map(self._slot_for, tensors, producers))
+            entry._output_slots = tuple(slots)
+            entry._structure = structure(output, slots)
+            entry._tensors = self
+
+    def finish(self) -> list[int]:
+        """Settle the aliases; return the op entries whose values had to be dropped."""
+        lost = set(self.slots.settle())
+        return [index for index, slot in self._op_slot.items() if slot in lost]
+
+    # -- the tensor source --------------------------------------------------------------
+
+    def op_tensor(self, index: int) -> torch.Tensor | None:
+        slot = self._op_slot.get(index)
+        return None if slot is None else self.slots.get(slot)
+
+    def op_saved(self, index: int) -> bool:
+        slot = self._op_slot.get(index)
+        return slot is not None and (self.slots.freed or self.slots.tensors[slot] is not None)
+
+    def op_stats(self, index: int) -> Stats | None:
+        # Stats of a saved tensor are computed from the saved value on first use: the
+        # same numbers as at record time, without charging the forward pass.
+        stats = self._stats.get(index)
+        if stats is None and not self.slots.freed:
+            tensor = self.op_tensor(index)
+            if tensor is not None:
+                stats = self._stats[index] = compute_stats(tensor)
+        return stats
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        return self.slots.get(slot)  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by saved tensors, each storage counted once."""
+        if self.slots.freed:
+            return 0
+        sizes: dict[int, int] = {}
+        for tensor in self.slots.tensors:
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
+
+    def cleanup(self) -> None:
+        self.slots.free()

@@ -1,22 +1,29 @@
 """The entries a trace is made of: one per recorded tensor, one per module call.
 
-These classes are the one interface that an in-memory ``Trace`` and a stored run share:
-everything but the tensor itself is plain metadata, and the tensor is reached through
-``out``, which an entry either holds or reads lazily.
+A recording keeps its metadata as one tuple per entry in an :class:`OpTable` (cheap to
+append on the forward thread, and column-shaped for a catalog); :class:`OpEntry` is a
+light view of one row. Tensors live apart, in a :class:`TensorSource`, so that a stored
+run can read them lazily behind the same entry classes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import functools
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from tracelake.errors import RecorderError
+from .stats import Stats
 
-from .stats import Stats, compute_stats
-
-__all__ = ["ModuleEntry", "OpEntry", "SourceLocation"]
+__all__ = [
+    "ModuleEntry",
+    "OpEntry",
+    "OpTable",
+    "SlotRef",
+    "SourceLocation",
+    "TensorSource",
+]
 
 
 class SourceLocation(NamedTuple):
@@ -30,127 +37,209 @@ class SourceLocation(NamedTuple):
         return f"{self.file}:{self.line}"
 
 
-def _freed_error() -> RecorderError:
-    return RecorderError("this trace was freed by cleanup(); record it again to read its tensors")
+# Fields of an OpTable row, in order. LAYER is the index of the layer's first entry;
+# N_FUNC / N_LAYER number the layer (for inputs and outputs: N_FUNC is their number and
+# N_LAYER is 0). PARENTS and PARENT_ARGS are lists that are never changed once written.
+(FUNC, KIND, MODULES, PARENTS, PARENT_ARGS, SITE, SHAPE, DTYPE, DEVICE, OUT_INDEX, INPLACE,
+ PARAMS, LAYER, PASS, N_FUNC, N_LAYER) = range(16)
+
+
+class OpTable:
+    """Metadata of every entry of one recording, one row tuple per entry.
+
+    ``passes`` counts the passes of layers that ran more than once. ``finish()`` derives
+    labels, children and source locations.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.passes: dict[int, int] = {}
+        self.labels: list[str] = []
+        self._children: list[tuple[int, ...]] | None = None
+        self._sources: dict[tuple[Any, int], SourceLocation] = {}
+
+    def layer_label(self, layer: int) -> str:
+        """The label of a layer (given by its first entry), without pass."""
+        row = self.rows[layer]
+        func, n_layer = row[FUNC], row[N_LAYER]
+        if not n_layer:
+            return f"{func}_{row[N_FUNC]}"  # input_1, output_1
+        base = func[:-1] if row[INPLACE] and func[-1] == "_" else func
+        return f"{base}_{row[N_FUNC]}_{n_layer}"
+
+    def num_passes(self, layer: int) -> int:
+        return self.passes.get(layer, 1)
+
+    def finish(self) -> None:
+        """Write the final labels: a layer's label, with ``:pass`` if it ran several."""
+        rows = self.rows
+        passes = self.passes
+        layer_label = self.layer_label
+        labels: list[str] = []
+        for index, row in enumerate(rows):
+            layer = row[LAYER]
+            if layer == index:
+                label = layer_label(index)
+                labels.append(f"{label}:1" if layer in passes else label)
+            else:
+                labels.append(f"{labels[layer][:-2]}:{row[PASS]}")
+        self.labels = labels
+
+    def children(self, index: int) -> tuple[int, ...]:
+        """Entries that consumed entry ``index`` (computed for all entries on first use)."""
+        if self._children is None:
+            kids: list[list[int]] = [[] for _ in self.rows]
+            for child, row in enumerate(self.rows):
+                for parent in row[PARENTS]:
+                    kids[parent].append(child)
+            self._children = [tuple(dict.fromkeys(k)) for k in kids]
+        return self._children[index]
+
+    def source(self, index: int) -> SourceLocation | None:
+        site = self.rows[index][SITE]
+        if site is None:
+            return None
+        loc = self._sources.get(site)
+        if loc is None:
+            code, line = site
+            loc = self._sources[site] = SourceLocation(code.co_filename, line, code.co_name)
+        return loc
+
+
+class TensorSource(Protocol):
+    """Where saved tensors and statistics of entries are kept."""
+
+    def op_tensor(self, index: int) -> torch.Tensor | None:
+        """The saved tensor of op entry ``index``, or ``None`` when it was not saved."""
+
+    def op_saved(self, index: int) -> bool: ...
+
+    def op_stats(self, index: int) -> Stats | None: ...
+
+    def slot_tensor(self, slot: int) -> torch.Tensor: ...
+
+
+class SlotRef(NamedTuple):
+    """Stands for a saved tensor inside a module entry's output structure."""
+
+    slot: int
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return str(device)
 
 
 class OpEntry:
     """One recorded tensor: a model input, the output of an operation, or a model output.
-
-    Attributes are read-only metadata:
 
     - ``label``: pass-qualified when the layer ran several passes (``linear_1_1:2``);
       ``layer`` is the label without the pass, ``pass_num`` the pass (from 1) and
       ``num_passes`` how many the layer ran.
     - ``func``: the torch function's plain name (``relu``, ``add_``, ``getitem``);
       ``input`` and ``output`` for the model's inputs and outputs.
-    - ``kind``: ``"input"``, ``"op"`` or ``"output"``.
-    - ``index``: position in execution order among all entries.
+    - ``kind``: ``"input"``, ``"op"`` or ``"output"``; ``index``: execution order.
     - ``module``: innermost module path ("" at top level); ``modules``: the whole stack as
       ``(path, pass)`` pairs, outermost first.
     - ``parents`` / ``children``: labels of the entries this one consumed / fed;
-      ``parent_args`` gives, for each parent, the argument position it was passed at.
+      ``parent_args`` gives, for each parent edge, the argument position it came in at.
     - ``source``: a :class:`SourceLocation` or ``None``.
     - ``shape``, ``dtype``, ``device``, ``nbytes``; ``out_index`` (position among the
       tensors one call returned), ``inplace``, ``params`` (parameter names the call used).
-    - ``saved``: whether ``out`` holds the tensor; ``stats``: summary statistics, or
-      ``None`` when the tensor was neither saved nor asked for with ``stats="all"``.
+    - ``saved``, ``out`` (the detached copy, or ``None``) and ``stats`` (summary
+      statistics, or ``None`` when the tensor was neither saved nor asked for with
+      ``stats="all"``).
     """
 
-    __slots__ = (
-        "_freed",
-        "_layer",
-        "_out",
-        "_stats",
-        "_version",
-        "children",
-        "device",
-        "dtype",
-        "func",
-        "index",
-        "inplace",
-        "kind",
-        "label",
-        "layer",
-        "modules",
-        "num_passes",
-        "out_index",
-        "params",
-        "parent_args",
-        "parent_indices",
-        "parents",
-        "pass_num",
-        "saved",
-        "shape",
-        "source",
-    )
+    __slots__ = ("_row", "_table", "_tensors", "index")
 
-    def __init__(
-        self,
-        index: int,
-        func: str,
-        kind: str,
-        tensor: torch.Tensor,
-        modules: tuple[tuple[str, int], ...],
-        parent_indices: tuple[int, ...],
-        parent_args: tuple[str, ...],
-        source: SourceLocation | None,
-        out_index: int = 0,
-        inplace: bool = False,
-        params: tuple[str, ...] = (),
-    ) -> None:
+    def __init__(self, table: OpTable, tensors: TensorSource | None, index: int):
+        self._table = table
+        self._tensors = tensors
+        self._row = table.rows[index]
         self.index = index
-        self.func = func
-        self.kind = kind
-        self.modules = modules
-        self.parent_indices = parent_indices
-        self.parent_args = parent_args
-        self.source = source
-        self.out_index = out_index
-        self.inplace = inplace
-        self.params = params
-        self.shape: tuple[int, ...] = tuple(tensor.shape)
-        self.dtype: torch.dtype = tensor.dtype
-        self.device: str = str(tensor.device)
-        # Filled in by the labeller as the recording goes and when it finishes.
-        self._layer: Any = None
-        self.layer = ""
-        self.label = ""
-        self.pass_num = 1
-        self.num_passes = 1
-        self.parents: tuple[str, ...] = ()
-        self.children: tuple[str, ...] = ()
-        self.saved = False
-        self._out: torch.Tensor | None = None
-        self._version: int | None = None
-        self._stats: Stats | None = None
-        self._freed = False
+
+    func = property(lambda self: self._row[FUNC])
+    kind = property(lambda self: self._row[KIND])
+    modules = property(lambda self: self._row[MODULES])
+    dtype = property(lambda self: self._row[DTYPE])
+    out_index = property(lambda self: self._row[OUT_INDEX])
+    inplace = property(lambda self: self._row[INPLACE])
+    params = property(lambda self: self._row[PARAMS])
+    pass_num = property(lambda self: self._row[PASS])
 
     @property
     def module(self) -> str:
-        return self.modules[-1][0] if self.modules else ""
+        modules = self._row[MODULES]
+        return modules[-1][0] if modules else ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._row[SHAPE])
+
+    @property
+    def device(self) -> str:
+        return _device_name(self._row[DEVICE])
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return int(self._row[SHAPE].numel()) * self._row[DTYPE].itemsize
+
+    @property
+    def parent_args(self) -> tuple[str, ...]:
+        return tuple(str(pos) for pos in self._row[PARENT_ARGS])
+
+    @property
+    def layer(self) -> str:
+        return self._table.layer_label(self._row[LAYER])
+
+    @property
+    def num_passes(self) -> int:
+        return self._table.num_passes(self._row[LAYER])
+
+    @property
+    def label(self) -> str:
+        return self._table.labels[self.index]
+
+    @property
+    def parents(self) -> tuple[str, ...]:
+        labels = self._table.labels
+        return tuple(dict.fromkeys(labels[p] for p in self._row[PARENTS]))
+
+    @property
+    def parent_indices(self) -> tuple[int, ...]:
+        return tuple(self._row[PARENTS])
+
+    @property
+    def children(self) -> tuple[str, ...]:
+        labels = self._table.labels
+        return tuple(labels[c] for c in self._table.children(self.index))
+
+    @property
+    def source(self) -> SourceLocation | None:
+        return self._table.source(self.index)
+
+    @property
+    def saved(self) -> bool:
+        return self._tensors is not None and self._tensors.op_saved(self.index)
 
     @property
     def out(self) -> torch.Tensor | None:
         """The saved tensor (a detached copy), or ``None`` when it was not selected."""
-        if self._freed:
-            raise _freed_error()
-        return self._out
+        return self._tensors.op_tensor(self.index) if self._tensors is not None else None
 
     @property
     def stats(self) -> Stats | None:
-        # Stats of a saved tensor are computed from the immutable saved copy on first
-        # use: the same numbers as at record time, without charging the forward pass.
-        if self._stats is None and self._out is not None:
-            self._stats = compute_stats(self._out)
-        return self._stats
+        return self._tensors.op_stats(self.index) if self._tensors is not None else None
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, OpEntry) and other._table is self._table
+            and other.index == self.index
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self._table), self.index))
 
     def __repr__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -183,35 +272,50 @@ class ModuleEntry:
     _input_indices: tuple[int, ...] = ()
     _output_indices: tuple[int, ...] = ()
     _op_range: tuple[int, int] = (0, 0)
-    _inputs: tuple[torch.Tensor, ...] | None = None
-    _outputs: tuple[torch.Tensor, ...] | None = None
-    _out: Any = None
-    saved: bool = False
-    _freed: bool = False
+    _input_slots: tuple[int, ...] | None = None
+    _output_slots: tuple[int, ...] | None = None
+    _structure: Any = None
+    _tensors: TensorSource | None = field(default=None, repr=False)
 
     @property
     def module(self) -> str:
         return self.path
 
-    def _check(self) -> None:
-        if self._freed:
-            raise _freed_error()
-
     @property
-    def out(self) -> Any:
-        self._check()
-        return self._out
+    def saved(self) -> bool:
+        return self._output_slots is not None
+
+    def _resolve(self, slots: tuple[int, ...] | None) -> tuple[torch.Tensor, ...] | None:
+        if slots is None or self._tensors is None:
+            return None
+        return tuple(self._tensors.slot_tensor(s) for s in slots)
 
     @property
     def outputs(self) -> tuple[torch.Tensor, ...] | None:
-        self._check()
-        return self._outputs
+        return self._resolve(self._output_slots)
 
     @property
     def inputs(self) -> tuple[torch.Tensor, ...] | None:
-        self._check()
-        return self._inputs
+        return self._resolve(self._input_slots)
+
+    @property
+    def out(self) -> Any:
+        if self._output_slots is None or self._tensors is None:
+            return None
+        return _fill(self._structure, self._tensors)
 
     def __repr__(self) -> str:
         state = "saved" if self.saved else "not saved"
         return f"<ModuleEntry {self.label}: {self.type}, {state}>"
+
+
+def _fill(structure: Any, tensors: TensorSource) -> Any:
+    if isinstance(structure, SlotRef):
+        return tensors.slot_tensor(structure.slot)
+    if isinstance(structure, tuple):
+        return tuple(_fill(item, tensors) for item in structure)
+    if isinstance(structure, list):
+        return [_fill(item, tensors) for item in structure]
+    if isinstance(structure, dict):
+        return {key: _fill(value, tensors) for key, value in structure.items()}
+    return structure

@@ -13,7 +13,6 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -22,13 +21,17 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from tracelake.errors import NestedTraceError
 
-from .entries import SourceLocation
-
 __all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
+
+_Tensor = torch.Tensor
+_NO_KWARGS: dict[str, Any] = {}
 
 
 class Events(Protocol):
     """What the interceptor reports. Implementations must not raise into the forward."""
+
+    def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
+        """An in-place call is about to run: it writes into ``args[0]`` or ``out=``."""
 
     def on_call(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple) -> None:
         """A torch call returned ``tensors`` (its tensor outputs, flattened)."""
@@ -113,36 +116,22 @@ def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
 
 
 class SourceFinder:
-    """Finds the first frame outside torch and tracelake, caching per file and line."""
+    """Finds the first frame outside torch and tracelake; classifies each code object once."""
 
     def __init__(self) -> None:
         self._roots, self._files = _internal_roots()
-        self._internal: dict[str, bool] = {}
-        self._locations: dict[tuple[Any, int], SourceLocation] = {}
+        #: id(code) -> (code, internal); the code object guards against reused ids.
+        self.codes: dict[int, tuple[Any, bool]] = {}
 
-    def _is_internal(self, filename: str) -> bool:
-        flag = self._internal.get(filename)
-        if flag is None:
-            flag = (
-                filename.startswith(self._roots)
-                or filename in self._files
-                or filename.startswith("<frozen")
-            )
-            self._internal[filename] = flag
-        return flag
-
-    def find(self, frame: FrameType | None) -> SourceLocation | None:
-        while frame is not None:
-            code = frame.f_code
-            if not self._is_internal(code.co_filename):
-                key = (code, frame.f_lineno)
-                loc = self._locations.get(key)
-                if loc is None:
-                    loc = SourceLocation(code.co_filename, frame.f_lineno, code.co_name)
-                    self._locations[key] = loc
-                return loc
-            frame = frame.f_back
-        return None
+    def classify(self, code: Any) -> tuple[Any, bool]:
+        filename = code.co_filename
+        internal = (
+            filename.startswith(self._roots)
+            or filename in self._files
+            or filename.startswith("<frozen")
+        )
+        rec = self.codes[id(code)] = (code, internal)
+        return rec
 
 
 class _Mode(TorchFunctionMode):
@@ -152,28 +141,47 @@ class _Mode(TorchFunctionMode):
     def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
         super().__init__()
         self._events = events
+        self._on_call = events.on_call
         self._on_error = on_error
+        self._names: dict[Any, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if kwargs is None:
-            kwargs = {}
-        out = func(*args, **kwargs)
-        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+        # Runs once per torch call of the user's forward pass: kept lean.
+        name = self._names.get(func)
+        if name is None:
+            name = self._names[func] = func_name(func)
+        if kwargs:
+            if name[-1] == "_" or name == "setitem" or "out" in kwargs or (
+                kwargs.get("inplace") is True
+            ):
+                self._before_write(name, args, kwargs)
+            out = func(*args, **kwargs)
+        else:
+            kwargs = _NO_KWARGS
+            if name[-1] == "_" or name == "setitem":
+                self._before_write(name, args, kwargs)
+            out = func(*args)
+        if out.__class__ is _Tensor or isinstance(out, _Tensor):
             tensors: Any = (out,)
         elif isinstance(out, (tuple, list)):
-            tensors = flatten_tensors(out)
+            tensors = tuple(flatten_tensors(out))
             if not tensors:
                 return out
-        elif out is None and func is torch.Tensor.__setitem__:
+        elif out is None and func is _Tensor.__setitem__:
             tensors = (args[0],)  # x[i] = v writes into x
         else:
             return out
-        name = func_name(func)
         try:
-            self._events.on_call(func, name, args, kwargs, tuple(tensors))
+            self._on_call(func, name, args, kwargs, tensors)
         except Exception as exc:  # never break the user's forward pass
             self._on_error(name, exc)
         return out
+
+    def _before_write(self, name: str, args: tuple, kwargs: dict) -> None:
+        try:
+            self._events.before_write(name, args, kwargs)
+        except Exception as exc:
+            self._on_error(name, exc)
 
 
 class Interceptor:

@@ -26,6 +26,9 @@ __all__ = ["Selector", "all_", "as_selector", "func", "in_module", "label", "mod
 class Selector(ABC):
     """Decides which entries of a recording are saved."""
 
+    #: True or False when the answer is the same for every entry (tl.all(), tl.none()).
+    constant: bool | None = None
+
     @abstractmethod
     def matches_op(self, op: OpEntry) -> bool:
         """Whether the op entry (input, op or output) is selected."""
@@ -126,6 +129,7 @@ class _Label(Selector):
 class _Const(Selector):
     def __init__(self, value: bool):
         self.value = value
+        self.constant = value
 
     def matches_op(self, op: OpEntry) -> bool:
         return self.value

@@ -38,11 +38,16 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def compute_stats(tensor: torch.Tensor) -> Stats:
-    """Compute :class:`Stats` of ``tensor`` (any dtype, any device) with one host sync."""
+    """Compute :class:`Stats` of ``tensor`` (any dtype, any device) with one host sync.
+
+    Cheap reductions only (sum, norm, min/max, nonzeros); ``std`` comes from the first
+    two moments when that is well conditioned, else from a second pass; NaN and Inf are
+    counted only when the sum or norm shows there are any.
+    """
     with torch.no_grad():
         x = tensor.detach()
         numel = x.numel()
-        if numel == 0:
+        if numel == 0 or x.device.type == "meta":
             return _EMPTY
         if x.is_complex():
             return _complex_stats(x.abs(), numel)
@@ -51,31 +56,30 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
             x = x.to(torch.float64)
         elif x.dtype in _LOW_PRECISION or x.dtype.itemsize < 2:
             x = x.float()
-        std, mean = torch.std_mean(x, correction=0)
         low, high = torch.aminmax(x)
-        parts = [
-            mean,
-            std,
-            low,
-            high,
-            torch.linalg.vector_norm(x),
-            torch.count_nonzero(x),
-            torch.isnan(x).sum(),
-            torch.isinf(x).sum(),
-        ]
-        mean_, std_, min_, max_, l2, nonzero, nans, infs = (
-            torch.stack([p.to(torch.float64) for p in parts]).tolist()
-        )
+        parts = torch.stack([x.sum(), torch.linalg.vector_norm(x), low, high,
+                             torch.count_nonzero(x).to(x.dtype)])
+        total, l2, min_, max_, nonzero = parts.to(torch.float64).tolist()
+        mean = total / numel
+        spread = l2 * l2 / numel - mean * mean
+        if math.isfinite(spread) and spread >= 0.5 * l2 * l2 / numel:
+            std = math.sqrt(spread)
+        else:  # mean dominates (or overflow): E[x^2] - mean^2 would cancel; go again
+            std = torch.linalg.vector_norm(x - mean).item() / math.sqrt(numel)
+        nans = infs = 0
+        if not (math.isfinite(total) and math.isfinite(l2)):
+            nans = int(torch.isnan(x).sum().item())
+            infs = int(torch.isinf(x).sum().item())
     return Stats(
-        mean=mean_,
-        std=std_,
+        mean=mean,
+        std=std,
         min=min_,
         max=max_,
         absmax=math.nan if nans else max(abs(min_), abs(max_)),
         l2=l2,
         frac_zero=(numel - nonzero) / numel,
-        nan_count=int(nans),
-        inf_count=int(infs),
+        nan_count=nans,
+        inf_count=infs,
     )
 
 

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import AmbiguousLabelError, LabelError
 
-from .entries import ModuleEntry, OpEntry
+from .entries import ModuleEntry, OpEntry, OpTable, TensorSource
 
 if TYPE_CHECKING:
     import pandas
+
+    from .emit import MemoryEmitter
 
 __all__ = ["Trace", "TraceView"]
 
@@ -31,27 +33,40 @@ class TraceView:
     ``"encoder:2"``); an ``int`` indexes ops in execution order.
     """
 
-    def __init__(self, ops: list[OpEntry], modules: list[ModuleEntry]):
-        self._ops = ops
+    def __init__(self, table: OpTable, tensors: TensorSource | None,
+                 modules: list[ModuleEntry]):
+        self._table = table
+        self._tensors = tensors
         self._modules = modules
-        self._op_by_label = {op.label: op for op in ops}
+        self._index_by_label = dict(zip(table.labels, range(len(table.labels)), strict=True))
         self._module_by_label = {m.label: m for m in modules}
-        self._passes: dict[str, list[str]] = {}
-        for op in ops:
-            if op.num_passes > 1:
-                self._passes.setdefault(op.layer, []).append(op.label)
-        for m in modules:
-            if m.num_passes > 1:
-                self._passes.setdefault(m.path, []).append(m.label)
+        self._passes: dict[str, list[str]] | None = None
+
+    def _entry(self, index: int) -> OpEntry:
+        return OpEntry(self._table, self._tensors, index)
+
+    def _multi_pass(self) -> dict[str, list[str]]:
+        """Bare layer labels and module paths that ran several passes -> their labels."""
+        if self._passes is None:
+            passes: dict[str, list[str]] = {}
+            table = self._table
+            for layer in sorted(table.passes):
+                bare = table.layer_label(layer)
+                passes[bare] = [f"{bare}:{n}" for n in range(1, table.passes[layer] + 1)]
+            for m in self._modules:
+                if m.num_passes > 1:
+                    passes.setdefault(m.path, []).append(m.label)
+            self._passes = passes
+        return self._passes
 
     @property
     def labels(self) -> list[str]:
         """Every op label in execution order, pass-qualified where a layer ran several."""
-        return [op.label for op in self._ops]
+        return list(self._table.labels)
 
     @property
     def ops(self) -> list[OpEntry]:
-        return list(self._ops)
+        return [self._entry(i) for i in range(len(self._table.rows))]
 
     @property
     def modules(self) -> list[ModuleEntry]:
@@ -64,43 +79,47 @@ class TraceView:
 
     @property
     def inputs(self) -> list[OpEntry]:
-        return [op for op in self._ops if op.kind == "input"]
+        return [op for op in self if op.kind == "input"]
 
     @property
     def outputs(self) -> list[OpEntry]:
-        return [op for op in self._ops if op.kind == "output"]
+        return [op for op in self if op.kind == "output"]
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self._table.rows)
 
     def __iter__(self) -> Iterator[OpEntry]:
-        return iter(self._ops)
+        return map(self._entry, range(len(self._table.rows)))
 
     def __contains__(self, key: object) -> bool:
-        return key in self._op_by_label or key in self._module_by_label
+        return key in self._index_by_label or key in self._module_by_label
 
     def __getitem__(self, key: str | int) -> Any:
         if isinstance(key, int) and not isinstance(key, bool):
             try:
-                return self._ops[key]
+                return self._entry(range(len(self))[key])
             except IndexError:
                 raise LabelError(
                     key, message=f"op index {key} out of range: this trace has {len(self)} ops"
                 ) from None
         if not isinstance(key, str):
             raise TypeError(f"look entries up by label (str) or index (int), not {key!r}")
-        entry = self._op_by_label.get(key) or self._module_by_label.get(key)
-        if entry is not None:
-            return entry
-        if key in self._passes:
-            raise AmbiguousLabelError(key, self._passes[key])
-        raise LabelError(key, [*self._op_by_label, *self._module_by_label])
+        index = self._index_by_label.get(key)
+        if index is not None:
+            return self._entry(index)
+        module = self._module_by_label.get(key)
+        if module is not None:
+            return module
+        passes = self._multi_pass()
+        if key in passes:
+            raise AmbiguousLabelError(key, passes[key])
+        raise LabelError(key, [*self._index_by_label, *self._module_by_label])
 
     def find(self, func: str | None = None, module: str | None = None) -> list[OpEntry]:
         """Ops by function name and/or innermost module path (exact match)."""
         return [
             op
-            for op in self._ops
+            for op in self
             if (func is None or op.func == func) and (module is None or op.module == module)
         ]
 
@@ -109,7 +128,7 @@ class TraceView:
         import pandas
 
         rows = []
-        for op in self._ops:
+        for op in self:
             stats = op.stats
             row = {
                 "index": op.index,
@@ -133,8 +152,8 @@ class TraceView:
         return pandas.DataFrame(rows)
 
     def _summary(self) -> str:
-        saved = sum(1 for op in self._ops if op.saved)
-        return f"{len(self._ops)} ops ({saved} saved), {len(self._modules)} module calls"
+        saved = sum(1 for op in self if op.saved)
+        return f"{len(self)} ops ({saved} saved), {len(self._modules)} module calls"
 
 
 class Trace(TraceView):
@@ -144,34 +163,21 @@ class Trace(TraceView):
     tensor; the trace can also be used as a context manager that cleans up on exit.
     """
 
-    def __init__(self, ops: list[OpEntry], modules: list[ModuleEntry], output: Any,
-                 model_class: str):
-        super().__init__(ops, modules)
+    def __init__(self, table: OpTable, emitter: MemoryEmitter, modules: list[ModuleEntry],
+                 output: Any, model_class: str):
+        super().__init__(table, emitter, modules)
+        self._emitter = emitter
         self.output = output
         self.model_class = model_class
 
     @property
     def nbytes_saved(self) -> int:
-        """Bytes held by saved tensors (shared copies counted once)."""
-        seen: dict[int, int] = {}
-        for op in self._ops:
-            if op._out is not None:
-                seen[id(op._out)] = op._out.numel() * op._out.element_size()
-        for m in self._modules:
-            for t in m._outputs or ():
-                seen[id(t)] = t.numel() * t.element_size()
-            for t in m._inputs or ():
-                seen[id(t)] = t.numel() * t.element_size()
-        return sum(seen.values())
+        """Bytes held by saved tensors; tensors sharing memory are counted once."""
+        return self._emitter.nbytes
 
     def cleanup(self) -> None:
         """Free every saved tensor and the model output; metadata stays readable."""
-        for op in self._ops:
-            op._out = None
-            op._freed = op.saved
-        for m in self._modules:
-            m._out = m._inputs = m._outputs = None
-            m._freed = m.saved
+        self._emitter.cleanup()
         self.output = None
 
     def __enter__(self) -> Trace:

@@ -116,11 +116,11 @@ def test_other_threads_are_not_recorded() -> None:
 
 
 class Fragile(torch.Tensor):
-    """A tensor subclass whose copies fail: the recorder cannot save it."""
+    """A tensor subclass that refuses to be copied or aliased: the recorder cannot save it."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.clone:
+        if func in (torch.Tensor.clone, torch.Tensor.detach):
             raise RuntimeError("this tensor cannot be copied")
         return super().__torch_function__(func, types, args, kwargs or {})
 

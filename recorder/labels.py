@@ -1,0 +1,315 @@
+"""Label: turn raw interception events into entries with TorchLens-compatible labels.
+
+Labels are ``{func}_{n_func}_{n_layer}``: ``n_func`` counts layers of that function,
+``n_layer`` layers overall, both from 1, inputs and outputs not counted. When a module is
+called again (weight tying, a loop over one block), the k-th op of that call belongs to the
+same layer as the k-th op of the module's first call, provided the function matches; its
+label then carries the pass (``linear_1_1:2``). The module that decides is the outermost
+one on the stack that is on a repeated call. Whether a layer ends with several passes is
+known only at the end, so final labels are written by :meth:`OpTable.finish`.
+
+``on_call`` runs once per torch call of the user's forward pass: it is written for speed
+(locals, one row tuple per entry, no per-op objects beyond that tuple).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
+from .intercept import SourceFinder, flatten_tensors
+
+__all__ = ["Emitter", "Labeller"]
+
+_Tensor = torch.Tensor
+_getframe = sys._getframe
+_ref = weakref.ref
+_NO_PARAMS: tuple[str, ...] = ()
+
+
+class Emitter(Protocol):
+    """Where labelled entries go (the emit stage): memory, or a store's writer."""
+
+    #: False when no op entry needs anything; on_entry is then never called.
+    wants_ops: bool
+
+    def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
+        """Entry ``index`` was added; ``same_as`` is the entry that produced this very
+        tensor object (model outputs), or -1."""
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """An in-place op is about to write into ``tensor``'s storage."""
+
+    def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
+                        producers: list[int]) -> None:
+        """A module call began with these input tensors (producer entries, -1 if none)."""
+
+    def on_module_exit(self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor],
+                       producers: list[int]) -> None:
+        """A module call returned ``output`` (its tensors flattened in ``tensors``)."""
+
+
+class _Frame:
+    """One module call on the stack."""
+
+    __slots__ = ("entry", "module", "pass_num", "path", "root", "start")
+
+    def __init__(self, module: torch.nn.Module, path: str, pass_num: int, start: int,
+                 entry: ModuleEntry):
+        self.module = module
+        self.path = path
+        self.pass_num = pass_num
+        self.start = start
+        self.entry = entry
+        self.root: _Frame | None = None
+
+
+class Labeller:
+    """Receives interception events, appends rows to an :class:`OpTable`, and hands each
+    entry to an emitter."""
+
+    def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
+        self.table = table
+        self.module_entries: list[ModuleEntry] = []
+        self._emitter = emitter
+        self._emit = emitter.on_entry if emitter.wants_ops else None
+        self._rows = table.rows
+        self._passes = table.passes
+        self._modules: dict[int, tuple[weakref.ref, str]] = {
+            id(m): (weakref.ref(m), path) for path, m in model.named_modules() if path
+        }
+        self._params: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self._params.update({id(b): n for n, b in model.named_buffers()})
+        self._producers: dict[int, tuple[weakref.ref, int]] = {}
+        self._stack: list[_Frame] = []
+        self._stack_key: tuple[tuple[str, int], ...] = ()
+        self._root: _Frame | None = None  # the stack top's root, read once per op
+        self._calls: dict[str, int] = {}
+        self._first_call: dict[str, list[int]] = {}
+        self._func_counts: dict[str, int] = {}
+        self._n_layers = 0
+        self._n_inputs = 0
+        self._n_outputs = 0
+        self._source = SourceFinder()
+        self._codes = self._source.codes
+
+    # -- producers -------------------------------------------------------------------
+
+    def _producer(self, tensor: torch.Tensor) -> int:
+        rec = self._producers.get(id(tensor))
+        if rec is not None and rec[0]() is tensor:
+            return rec[1]
+        return -1
+
+    def _scan_more(self, items: Any, parents: list[int], where: list[Any],
+                   params: tuple[str, ...]) -> tuple[str, ...]:
+        """The uncommon arguments: keyword tensors and tensors inside lists / tuples."""
+        for pos, value in items:
+            if isinstance(value, _Tensor):
+                candidates: Any = ((pos, value),)
+            elif type(value) in (list, tuple):
+                candidates = ((f"{pos}.{j}", item) for j, item in enumerate(value))
+            else:
+                continue
+            for key, tensor in candidates:
+                if not isinstance(tensor, _Tensor):
+                    continue
+                producer = self._producer(tensor)
+                if producer >= 0:
+                    parents.append(producer)
+                    where.append(key)
+                elif id(tensor) in self._params:
+                    params = (*params, self._params[id(tensor)])
+        return params
+
+    # -- events from the interceptor ---------------------------------------------------
+
+    def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
+        written = kwargs.get("out") if kwargs else None
+        if written is None and args:
+            written = args[0]
+        for tensor in flatten_tensors(written):
+            self._emitter.before_write(tensor)
+
+    def on_call(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple) -> None:
+        # Hot path, once per torch call: everything inline, locals only.
+        producers = self._producers
+        param_names = self._params
+        parents: list[int] = []
+        where: list[Any] = []
+        params = _NO_PARAMS
+        for pos, value in enumerate(args):
+            if isinstance(value, _Tensor):
+                rec = producers.get(id(value))
+                if rec is not None and rec[0]() is value:
+                    parents.append(rec[1])
+                    where.append(pos)
+                elif id(value) in param_names:
+                    params = (*params, param_names[id(value)])
+            elif (value.__class__ is list or value.__class__ is tuple) and value:
+                params = self._scan_more(((pos, value),), parents, where, params)
+        inplace = name[-1] == "_" or name == "setitem"
+        if kwargs:
+            params = self._scan_more(kwargs.items(), parents, where, params)
+            if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
+                name += "_"
+                inplace = True
+            elif kwargs.get("out") is not None:
+                inplace = True
+
+        # The first frame outside torch and tracelake (0: here, 1: the mode).
+        frame: Any = _getframe(2)
+        codes = self._codes
+        site = None
+        while frame is not None:
+            code = frame.f_code
+            known = codes.get(id(code))
+            if known is None or known[0] is not code:
+                known = self._source.classify(code)
+            if not known[1]:
+                site = (code, frame.f_lineno)
+                break
+            frame = frame.f_back
+
+        rows = self._rows
+        root = self._root
+        stack_key = self._stack_key
+        emit = self._emit
+        for i, tensor in enumerate(tensors):
+            index = len(rows)
+            layer = -1
+            if root is not None:
+                layer = self._repeat_of(root, index, name, i)
+            if layer < 0:
+                # A new layer, identified by this row; in-place variants count with
+                # their function (mul_ is labelled mul_2_7).
+                base = name[:-1] if inplace and name[-1] == "_" else name
+                n_func = self._func_counts.get(base, 0) + 1
+                self._func_counts[base] = n_func
+                self._n_layers += 1
+                rows.append((name, "op", stack_key, parents, where, site, tensor.shape,
+                             tensor.dtype, tensor.device, i, inplace, params, index, 1,
+                             n_func, self._n_layers))
+            else:
+                first = rows[layer]
+                pass_num = self._passes.get(layer, 1) + 1
+                self._passes[layer] = pass_num
+                rows.append((name, "op", stack_key, parents, where, site, tensor.shape,
+                             tensor.dtype, tensor.device, i, inplace, params, layer, pass_num,
+                             first[N_FUNC], first[N_LAYER]))
+            producers[id(tensor)] = (_ref(tensor), index)
+            if emit is not None:
+                emit(index, tensor, -1)
+
+    def _repeat_of(self, root: _Frame, index: int, name: str, out_index: int) -> int:
+        """The layer this op repeats: the op at the same position of the first call of
+        ``root`` (the outermost module on a repeated call), if it ran the same function."""
+        start, end = self._first_call[root.path]
+        candidate = start + index - root.start
+        if candidate < end:
+            other = self._rows[candidate]
+            if other[FUNC] == name and other[OUT_INDEX] == out_index:
+                return int(other[LAYER])
+        return -1
+
+    def _path_of(self, module: torch.nn.Module) -> str | None:
+        rec = self._modules.get(id(module))
+        if rec is None or rec[0]() is not module:
+            return None  # the model itself, or a module that is not part of it
+        return rec[1]
+
+    def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
+        path = self._path_of(module)
+        if path is None:
+            return
+        calls = self._calls.get(path, 0) + 1
+        self._calls[path] = calls
+        start = len(self._rows)
+        if calls == 1:
+            self._first_call[path] = [start, -1]
+        entry = ModuleEntry(path, type(module).__name__, calls, len(self.module_entries))
+        tensors = flatten_tensors(args)
+        producers = [self._producer(t) for t in tensors]
+        entry._input_indices = tuple(producers)
+        frame = _Frame(module, path, calls, start, entry)
+        parent = self._stack[-1] if self._stack else None
+        if parent is not None and parent.root is not None:
+            frame.root = parent.root
+        elif calls > 1:
+            frame.root = frame
+        self._stack.append(frame)
+        self._stack_key = (*self._stack_key, (path, calls))
+        self._root = frame.root
+        self.module_entries.append(entry)
+        self._emitter.on_module_enter(entry, tensors, producers)
+
+    def on_module_exit(self, module: torch.nn.Module, output: Any) -> None:
+        if self._path_of(module) is None:
+            return
+        for depth in range(len(self._stack) - 1, -1, -1):
+            if self._stack[depth].module is module:
+                break
+        else:
+            return
+        frame = self._stack[depth]
+        del self._stack[depth:]
+        self._stack_key = self._stack_key[:depth]
+        self._root = self._stack[-1].root if self._stack else None
+        end = len(self._rows)
+        if frame.pass_num == 1:
+            self._first_call[frame.path][1] = end
+        entry = frame.entry
+        entry._op_range = (frame.start, end)
+        tensors = flatten_tensors(output)
+        producers = [self._producer(t) for t in tensors]
+        entry._output_indices = tuple(producers)
+        self._emitter.on_module_exit(entry, output, tensors, producers)
+
+    # -- the model's inputs and outputs --------------------------------------------------
+
+    def _boundary(self, kind: str, tensor: torch.Tensor, parent: int) -> None:
+        if kind == "input":
+            self._n_inputs += 1
+            number = self._n_inputs
+        else:
+            self._n_outputs += 1
+            number = self._n_outputs
+        rows = self._rows
+        index = len(rows)
+        parents = [parent] if parent >= 0 else []
+        rows.append((kind, kind, (), parents, [0] * len(parents), None, tensor.shape,
+                     tensor.dtype, tensor.device, 0, False, _NO_PARAMS, index, 1, number, 0))
+        self._producers[id(tensor)] = (_ref(tensor), index)
+        if self._emit is not None:
+            self._emit(index, tensor, parent)
+
+    def add_inputs(self, args: tuple, kwargs: dict) -> None:
+        for tensor in flatten_tensors([*args, *kwargs.values()]):
+            self._boundary("input", tensor, -1)
+
+    def add_outputs(self, output: Any) -> None:
+        for tensor in flatten_tensors(output):
+            self._boundary("output", tensor, self._producer(tensor))
+
+    # -- final labels --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        table = self.table
+        table.finish()
+        labels = table.labels
+
+        def named(indices: tuple[int, ...]) -> tuple[str, ...]:
+            return tuple(labels[i] for i in indices if i >= 0)
+
+        for m in self.module_entries:
+            m.num_passes = self._calls[m.path]
+            m.label = m.path if m.num_passes == 1 else f"{m.path}:{m.pass_num}"
+            m.input_labels = named(m._input_indices)
+            m.output_labels = named(m._output_indices)
+            start, end = m._op_range
+            if end > start:
+                m.first_op, m.last_op = labels[start], labels[end - 1]
