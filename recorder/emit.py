@@ -40,6 +40,24 @@ def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.detach().clone()
 
 
+def copy_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of tensors that share one storage, sharing one new storage in the same
+    layout (one copy of the bytes, however many views); per-tensor copies where that
+    cannot be done (tensor subclasses, unusual layouts)."""
+    if len(tensors) > 1 and all(type(t) is torch.Tensor for t in tensors):
+        try:
+            with torch.no_grad():
+                storage = tensors[0].untyped_storage().clone()
+                return [
+                    torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        storage, t.storage_offset(), t.size(), t.stride())
+                    for t in tensors
+                ]
+        except (RuntimeError, TypeError):
+            pass
+    return [copy_tensor(t) for t in tensors]
+
+
 def _storage_users(tensor: torch.Tensor) -> int | None:
     """How many tensors (and storage handles) share ``tensor``'s storage, if torch says."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
@@ -60,6 +78,7 @@ class TensorSlots:
         self.tensors: list[torch.Tensor | None] = []
         self.versions: list[int | None] = []
         self._aliases: dict[int, list[int]] = {}  # storage address -> slots aliasing it
+        self._lost: list[int] = []  # slots that could not be copied when they had to be
         self.freed = False
 
     def put(self, tensor: torch.Tensor) -> int:
@@ -93,10 +112,21 @@ class TensorSlots:
             address = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return
-        for slot in self._aliases.pop(address, ()):
-            kept = self.tensors[slot]
-            if kept is not None:
-                self.tensors[slot] = copy_tensor(kept)
+        self._copy_slots(self._aliases.pop(address, ()))
+
+    def _copy_slots(self, slots: list[int]) -> None:
+        """Replace the aliases in ``slots`` (all of one storage) by copies; what cannot be
+        copied is dropped, never kept as an alias that is about to change."""
+        live = [slot for slot in slots if self.tensors[slot] is not None]
+        try:
+            copies = copy_together([self.tensors[slot] for slot in live])  # type: ignore[misc]
+        except Exception:
+            for slot in live:
+                self.tensors[slot] = None
+            self._lost.extend(live)
+            return
+        for slot, copy in zip(live, copies, strict=True):
+            self.tensors[slot] = copy
 
     def settle(self) -> list[int]:
         """End of recording: copy aliases that anything else still holds; drop (and
@@ -120,14 +150,9 @@ class TensorSlots:
             users = _storage_users(self.tensors[live[0]])  # type: ignore[arg-type]
             if users is not None and users <= len(distinct):
                 continue  # only the trace holds this memory: nothing can change it now
-            for slot in live:
-                try:
-                    self.tensors[slot] = copy_tensor(self.tensors[slot])  # type: ignore[arg-type]
-                except Exception:
-                    self.tensors[slot] = None
-                    lost.append(slot)
+            self._copy_slots(live)
         self._aliases.clear()
-        return lost
+        return lost + self._lost
 
     def get(self, slot: int) -> torch.Tensor | None:
         if self.freed:

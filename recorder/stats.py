@@ -41,8 +41,8 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
     """Compute :class:`Stats` of ``tensor`` (any dtype, any device) with one host sync.
 
     Cheap reductions only (sum, norm, min/max, nonzeros); ``std`` comes from the first
-    two moments when that is well conditioned, else from a second pass; NaN and Inf are
-    counted only when the sum or norm shows there are any.
+    two moments when that is well conditioned, else from a shifted second pass; NaN and
+    Inf are counted only when min or max shows there are any.
     """
     with torch.no_grad():
         x = tensor.detach()
@@ -60,16 +60,17 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         parts = torch.stack([x.sum(), torch.linalg.vector_norm(x), low, high,
                              torch.count_nonzero(x).to(x.dtype)])
         total, l2, min_, max_, nonzero = parts.to(torch.float64).tolist()
-        mean = total / numel
-        spread = l2 * l2 / numel - mean * mean
-        if math.isfinite(spread) and spread >= 0.5 * l2 * l2 / numel:
-            std = math.sqrt(spread)
-        else:  # mean dominates (or overflow): E[x^2] - mean^2 would cancel; go again
-            std = torch.linalg.vector_norm(x - mean).item() / math.sqrt(numel)
         nans = infs = 0
-        if not (math.isfinite(total) and math.isfinite(l2)):
+        if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
             nans = int(torch.isnan(x).sum().item())
             infs = int(torch.isinf(x).sum().item())
+        else:
+            if not math.isfinite(l2):  # squares overflowed the tensor's dtype
+                l2 = torch.linalg.vector_norm(x, dtype=torch.float64).item()
+            if not math.isfinite(total):
+                total = x.sum(dtype=torch.float64).item()
+        mean = total / numel
+        std = _std(x, numel, mean, l2) if not (nans or infs) else math.nan
     return Stats(
         mean=mean,
         std=std,
@@ -81,6 +82,19 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         nan_count=nans,
         inf_count=infs,
     )
+
+
+def _std(x: torch.Tensor, numel: int, mean: float, l2: float) -> float:
+    second = l2 * l2 / numel
+    spread = second - mean * mean
+    if spread >= 0.5 * second:
+        return math.sqrt(spread)
+    # The mean dominates: E[x^2] - mean^2 would cancel. Shift by the mean rounded to the
+    # tensor's dtype (the subtraction is then exact) and correct for the rounding.
+    shift = torch.tensor(mean, dtype=x.dtype).item()
+    centred = torch.linalg.vector_norm(x - shift, dtype=torch.float64).item()
+    variance = centred * centred / numel - (mean - shift) ** 2
+    return math.sqrt(max(variance, 0.0))
 
 
 def _complex_stats(magnitude: torch.Tensor, numel: int) -> Stats:

@@ -1,0 +1,94 @@
+"""Summary statistics agree with a float64 reference, for every dtype the recorder meets."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from tracelake.recorder.stats import Stats, compute_stats
+
+finite32 = st.floats(-1e6, 1e6, allow_nan=False, width=32)
+special = st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1e30, -3.5])
+
+
+def reference(values: np.ndarray) -> dict:
+    x = values.astype(np.float64).ravel()
+    finite = np.isfinite(x).all()
+    with np.errstate(all="ignore"):
+        return {
+            "mean": x.mean(),
+            "std": x.std(),
+            "min": x.min(),
+            "max": x.max(),
+            "l2": np.sqrt((x * x).sum()) if finite else math.nan,
+            "frac_zero": float((x == 0).mean()),
+            "nan_count": int(np.isnan(x).sum()),
+            "inf_count": int(np.isinf(x).sum()),
+        }
+
+
+def close(got: float | None, want: float, rel: float, scale: float) -> bool:
+    """Within ``rel`` of the reference, or of the data's magnitude ``scale`` (float32
+    accumulation errors grow with the values summed, not with the result)."""
+    assert got is not None
+    return got == pytest.approx(want, rel=rel, abs=rel * scale + 1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=arrays(np.float32, st.integers(1, 300), elements=st.one_of(finite32, special)))
+def test_float32_stats_match_float64_reference(values: np.ndarray) -> None:
+    stats = compute_stats(torch.from_numpy(values))
+    want = reference(values)
+    assert stats.nan_count == want["nan_count"]
+    assert stats.inf_count == want["inf_count"]
+    assert stats.frac_zero == want["frac_zero"]
+    if want["nan_count"] or want["inf_count"]:
+        return  # moments are NaN/Inf by definition; the counts above are what matters
+    assert stats.min == want["min"] and stats.max == want["max"]
+    assert stats.absmax == max(abs(want["min"]), abs(want["max"]))
+    scale = max(abs(want["min"]), abs(want["max"]))
+    assert close(stats.mean, want["mean"], 1e-5, scale)
+    assert close(stats.l2, want["l2"], 1e-5, scale)
+    assert close(stats.std, want["std"], 1e-4, scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(offset=st.floats(-1e4, 1e4), scale=st.floats(1e-3, 10), n=st.integers(2, 2000))
+def test_std_is_accurate_when_the_mean_dominates(offset: float, scale: float, n: int) -> None:
+    values = (np.random.default_rng(n).standard_normal(n) * scale + offset).astype(np.float32)
+    stats = compute_stats(torch.from_numpy(values))
+    want = values.astype(np.float64).std()
+    # float32 data carry |offset| * 2**-24 of rounding each; the std is good to that.
+    assert stats.std == pytest.approx(want, rel=1e-3, abs=abs(offset) * 2**-22)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "mean", "min_", "max_", "frac_zero"),
+    [
+        (torch.tensor([1, 2, 3, 0], dtype=torch.int64), 1.5, 0.0, 3.0, 0.25),
+        (torch.tensor([True, False, False, False]), 0.25, 0.0, 1.0, 0.75),
+        (torch.tensor([-2, 4], dtype=torch.int8), 1.0, -2.0, 4.0, 0.0),
+        (torch.tensor([0.5, -1.5], dtype=torch.bfloat16), -0.5, -1.5, 0.5, 0.0),
+        (torch.tensor([0.5, -1.5], dtype=torch.float16), -0.5, -1.5, 0.5, 0.0),
+        (torch.tensor([2**53, 0], dtype=torch.int64), 2.0**52, 0.0, 2.0**53, 0.5),
+    ],
+)
+def test_non_float32_dtypes(tensor: torch.Tensor, mean: float, min_: float, max_: float,
+                            frac_zero: float) -> None:
+    stats = compute_stats(tensor)
+    assert stats.mean == mean and stats.min == min_ and stats.max == max_
+    assert stats.frac_zero == frac_zero
+
+
+def test_empty_complex_and_meta_tensors() -> None:
+    assert compute_stats(torch.empty(0, 3)) == Stats(None, None, None, None, None, None,
+                                                     None, 0, 0)
+    assert compute_stats(torch.empty(3, device="meta")).mean is None
+    z = compute_stats(torch.tensor([3 + 4j, 0j]))
+    assert z.mean is None and z.absmax == 5.0 and z.frac_zero == 0.5 and z.l2 == 5.0
