@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tracelake.errors import NestedTraceError, TraceLakeWarning
+from tracelake.errors import TraceLakeWarning
 
 from .emit import MemoryEmitter
 from .entries import OpTable
@@ -62,11 +62,7 @@ def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict, emitter: E
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    if Interceptor.active():
-        raise NestedTraceError(
-            "a tracelake recording is already active in this thread; "
-            "finish it before starting another (recordings cannot be nested)"
-        )
+    Interceptor.refuse_nesting()
     labeller = Labeller(model, emitter, table)
     with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
         labeller.add_inputs(args, kwargs)

@@ -37,7 +37,8 @@ class SourceLocation(NamedTuple):
         return f"{self.file}:{self.line}"
 
 
-# Fields of an OpTable row, in order. LAYER is the index of the layer's first entry;
+# Fields of an OpTable row, in order. SITE is (code, bytecode offset) of the user's call;
+# LAYER is the index of the layer's first entry;
 # N_FUNC / N_LAYER number the layer (for inputs and outputs: N_FUNC is their number and
 # N_LAYER is 0). PARENTS and PARENT_ARGS are lists that are never changed once written.
 (FUNC, KIND, MODULES, PARENTS, PARENT_ARGS, SITE, SHAPE, DTYPE, DEVICE, OUT_INDEX, INPLACE,
@@ -101,7 +102,9 @@ class OpTable:
             return None
         loc = self._sources.get(site)
         if loc is None:
-            code, line = site
+            code, offset = site
+            line = next((line for start, end, line in code.co_lines()
+                         if start <= offset < end and line is not None), code.co_firstlineno)
             loc = self._sources[site] = SourceLocation(code.co_filename, line, code.co_name)
         return loc
 

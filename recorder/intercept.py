@@ -9,7 +9,6 @@ both are removed in ``finally`` even when the forward pass raises.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable
@@ -63,7 +62,6 @@ _BINARY = {"add", "sub", "mul", "matmul", "pow", "div", "truediv", "floordiv", "
 _COMMUTATIVE = {"add", "mul", "and", "or", "xor"}
 
 
-@functools.cache
 def func_name(func: Any) -> str:
     """The plain name of a torch function: ``relu``, ``add``, ``add_``, ``getitem``, ``T``."""
     name = getattr(func, "__name__", None) or type(func).__name__
@@ -199,8 +197,13 @@ class Interceptor:
         self._entered = False
 
     @staticmethod
-    def active() -> bool:
-        return any(isinstance(m, _Mode) for m in _get_current_function_mode_stack())
+    def refuse_nesting() -> None:
+        """Raise :class:`NestedTraceError` if a recording is active in this thread."""
+        if any(isinstance(m, _Mode) for m in _get_current_function_mode_stack()):
+            raise NestedTraceError(
+                "a tracelake recording is already active in this thread; "
+                "finish it before starting another (recordings cannot be nested)"
+            )
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
         if threading.get_ident() != self._thread:
@@ -221,11 +224,9 @@ class Interceptor:
                 self._on_error(f"module {type(module).__name__}", exc)
 
     def __enter__(self) -> Interceptor:
-        if self._entered or self.active():
-            raise NestedTraceError(
-                "a tracelake recording is already active in this thread; "
-                "finish it before starting another (recordings cannot be nested)"
-            )
+        if self._entered:
+            raise NestedTraceError("this interceptor is already in use")
+        self.refuse_nesting()
         self._entered = True
         try:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))

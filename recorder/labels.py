@@ -171,7 +171,7 @@ class Labeller:
             if known is None or known[0] is not code:
                 known = self._source.classify(code)
             if not known[1]:
-                site = (code, frame.f_lineno)
+                site = (code, frame.f_lasti)  # the line is looked up when asked for
                 break
             frame = frame.f_back
 

@@ -34,6 +34,8 @@ class Stats:
 
 
 _EMPTY = Stats(None, None, None, None, None, None, None, 0, 0)
+# Up to this many elements, plain Python beats torch's per-kernel dispatch.
+_SMALL = 64
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -56,6 +58,8 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
             x = x.to(torch.float64)
         elif x.dtype in _LOW_PRECISION or x.dtype.itemsize < 2:
             x = x.float()
+        if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
+            return _small_stats(x.reshape(-1).tolist())
         low, high = torch.aminmax(x)
         parts = torch.stack([x.sum(), torch.linalg.vector_norm(x), low, high,
                              torch.count_nonzero(x).to(x.dtype)])
@@ -79,6 +83,27 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         absmax=math.nan if nans else max(abs(min_), abs(max_)),
         l2=l2,
         frac_zero=(numel - nonzero) / numel,
+        nan_count=nans,
+        inf_count=infs,
+    )
+
+
+def _small_stats(values: list[float]) -> Stats:
+    """Stats of a tiny tensor's values in plain Python floats: exact two-pass std."""
+    numel = len(values)
+    nans = sum(1 for v in values if v != v)
+    infs = sum(1 for v in values if v in (math.inf, -math.inf))
+    low, high = min(values), max(values)
+    bad = nans or infs
+    mean = (sum(values) if bad else math.fsum(values)) / numel  # fsum refuses inf - inf
+    return Stats(
+        mean=mean,
+        std=math.nan if bad else math.sqrt(math.fsum((v - mean) ** 2 for v in values) / numel),
+        min=math.nan if nans else low,
+        max=math.nan if nans else high,
+        absmax=math.nan if nans else max(abs(low), abs(high)),
+        l2=math.nan if nans else math.sqrt(math.fsum(v * v for v in values)),
+        frac_zero=sum(1 for v in values if v == 0) / numel,
         nan_count=nans,
         inf_count=infs,
     )
