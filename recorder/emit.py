@@ -112,7 +112,7 @@ class TensorSlots:
             address = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return
-        self._copy_slots(self._aliases.pop(address, ()))
+        self._copy_slots(self._aliases.pop(address, []))
 
     def _copy_slots(self, slots: list[int]) -> None:
         """Replace the aliases in ``slots`` (all of one storage) by copies; what cannot be
