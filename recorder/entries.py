@@ -210,10 +210,6 @@ class OpEntry:
         return tuple(dict.fromkeys(labels[p] for p in self._row[PARENTS]))
 
     @property
-    def parent_indices(self) -> tuple[int, ...]:
-        return tuple(self._row[PARENTS])
-
-    @property
     def children(self) -> tuple[str, ...]:
         labels = self._table.labels
         return tuple(labels[c] for c in self._table.children(self.index))
