@@ -32,8 +32,10 @@ class Events(Protocol):
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         """An in-place call is about to run: it writes into ``args[0]`` or ``out=``."""
 
-    def on_call(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple) -> None:
-        """A torch call returned ``tensors`` (its tensor outputs, flattened)."""
+    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple,
+                inplace: bool) -> None:
+        """A torch call returned ``tensors`` (its tensor outputs, flattened); ``inplace``
+        says whether it wrote into an argument."""
 
     def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
         """A module's forward is about to run."""
@@ -53,8 +55,6 @@ _DUNDER_NAMES = {
     "lshift": "bitwise_left_shift",
     "rshift": "bitwise_right_shift",
     "invert": "bitwise_not",
-    "abs": "abs",
-    "neg": "neg",
     "pos": "positive",
 }
 _BINARY = {"add", "sub", "mul", "matmul", "pow", "div", "truediv", "floordiv", "mod",
@@ -148,15 +148,18 @@ class _Mode(TorchFunctionMode):
         name = self._names.get(func)
         if name is None:
             name = self._names[func] = func_name(func)
+        # One rule says what writes in place: a trailing underscore (add_, and __iadd__
+        # named add_), x[i] = v, out=, and inplace=True (F.relu(x, inplace=True)).
+        writes = name[-1] == "_" or name == "setitem"
         if kwargs:
-            if name[-1] == "_" or name == "setitem" or "out" in kwargs or (
-                kwargs.get("inplace") is True
-            ):
+            if not writes and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
+                writes = True
+            if writes:
                 self._before_write(name, args, kwargs)
             out = func(*args, **kwargs)
         else:
             kwargs = _NO_KWARGS
-            if name[-1] == "_" or name == "setitem":
+            if writes:
                 self._before_write(name, args, kwargs)
             out = func(*args)
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
@@ -170,7 +173,7 @@ class _Mode(TorchFunctionMode):
         else:
             return out
         try:
-            self._on_call(func, name, args, kwargs, tensors)
+            self._on_call(name, args, kwargs, tensors, writes)
         except Exception as exc:  # never break the user's forward pass
             self._on_error(name, exc)
         return out

@@ -135,7 +135,8 @@ class Labeller:
         for tensor in flatten_tensors(written):
             self._emitter.before_write(tensor)
 
-    def on_call(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple) -> None:
+    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple,
+                inplace: bool) -> None:
         # Hot path, once per torch call: everything inline, locals only.
         producers = self._producers
         param_names = self._params
@@ -152,14 +153,10 @@ class Labeller:
                     params = (*params, param_names[id(value)])
             elif (value.__class__ is list or value.__class__ is tuple) and value:
                 params = self._scan_more(((pos, value),), parents, where, params)
-        inplace = name[-1] == "_" or name == "setitem"
         if kwargs:
             params = self._scan_more(kwargs.items(), parents, where, params)
             if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
                 name += "_"
-                inplace = True
-            elif kwargs.get("out") is not None:
-                inplace = True
 
         # The first frame outside torch and tracelake (0: here, 1: the mode).
         frame: Any = _getframe(2)
