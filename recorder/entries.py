@@ -9,6 +9,7 @@ run can read them lazily behind the same entry classes.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -40,7 +41,7 @@ class SourceLocation(NamedTuple):
 # Fields of an OpTable row, in order. SITE is (code, bytecode offset) of the user's call;
 # LAYER is the index of the layer's first entry;
 # N_FUNC / N_LAYER number the layer (for inputs and outputs: N_FUNC is their number and
-# N_LAYER is 0). PARENTS and PARENT_ARGS are lists that are never changed once written.
+# N_LAYER is 0). Every field is a plain value or a tuple of plain values.
 (FUNC, KIND, MODULES, PARENTS, PARENT_ARGS, SITE, SHAPE, DTYPE, DEVICE, OUT_INDEX, INPLACE,
  PARAMS, LAYER, PASS, N_FUNC, N_LAYER) = range(16)
 
@@ -176,9 +177,7 @@ class OpEntry:
         modules = self._row[MODULES]
         return modules[-1][0] if modules else ""
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._row[SHAPE])
+    shape = property(lambda self: self._row[SHAPE])
 
     @property
     def device(self) -> str:
@@ -186,7 +185,7 @@ class OpEntry:
 
     @property
     def nbytes(self) -> int:
-        return int(self._row[SHAPE].numel()) * self._row[DTYPE].itemsize
+        return math.prod(self._row[SHAPE]) * self._row[DTYPE].itemsize
 
     @property
     def parent_args(self) -> tuple[str, ...]:

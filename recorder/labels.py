@@ -29,6 +29,7 @@ _Tensor = torch.Tensor
 _getframe = sys._getframe
 _ref = weakref.ref
 _NO_PARAMS: tuple[str, ...] = ()
+_SCALARS = frozenset({int, float, bool, type(None), str})
 
 
 class Emitter(Protocol):
@@ -143,13 +144,17 @@ class Labeller:
         parents: list[int] = []
         where: list[Any] = []
         params = _NO_PARAMS
-        for pos, value in enumerate(args):
-            if isinstance(value, _Tensor):
-                rec = producers.get(id(value))
-                if rec is not None and rec[0]() is value:
-                    parents.append(rec[1])
-                    where.append(pos)
-                elif id(value) in param_names:
+        pos = -1
+        for value in args:
+            pos += 1
+            rec = producers.get(id(value))
+            if rec is not None and rec[0]() is value:
+                parents.append(rec[1])
+                where.append(pos)
+            elif value.__class__ in _SCALARS:
+                continue
+            elif isinstance(value, _Tensor):
+                if id(value) in param_names:
                     params = (*params, param_names[id(value)])
             elif (value.__class__ is list or value.__class__ is tuple) and value:
                 params = self._scan_more(((pos, value),), parents, where, params)
@@ -172,6 +177,10 @@ class Labeller:
                 break
             frame = frame.f_back
 
+        # Rows keep tuples of plain values only: Python's GC then stops tracking them, so a
+        # long recording does not make every full collection of a large heap slower.
+        parents_t = tuple(parents) if parents else ()
+        where_t = tuple(where) if where else ()
         rows = self._rows
         root = self._root
         stack_key = self._stack_key
@@ -188,16 +197,16 @@ class Labeller:
                 n_func = self._func_counts.get(base, 0) + 1
                 self._func_counts[base] = n_func
                 self._n_layers += 1
-                rows.append((name, "op", stack_key, parents, where, site, tensor.shape,
-                             tensor.dtype, tensor.device, i, inplace, params, index, 1,
-                             n_func, self._n_layers))
+                rows.append((name, "op", stack_key, parents_t, where_t, site,
+                             tuple(tensor.shape), tensor.dtype, tensor.device, i, inplace,
+                             params, index, 1, n_func, self._n_layers))
             else:
                 first = rows[layer]
                 pass_num = self._passes.get(layer, 1) + 1
                 self._passes[layer] = pass_num
-                rows.append((name, "op", stack_key, parents, where, site, tensor.shape,
-                             tensor.dtype, tensor.device, i, inplace, params, layer, pass_num,
-                             first[N_FUNC], first[N_LAYER]))
+                rows.append((name, "op", stack_key, parents_t, where_t, site,
+                             tuple(tensor.shape), tensor.dtype, tensor.device, i, inplace,
+                             params, layer, pass_num, first[N_FUNC], first[N_LAYER]))
             producers[id(tensor)] = (_ref(tensor), index)
             if emit is not None:
                 emit(index, tensor, -1)
@@ -277,8 +286,8 @@ class Labeller:
             number = self._n_outputs
         rows = self._rows
         index = len(rows)
-        parents = [parent] if parent >= 0 else []
-        rows.append((kind, kind, (), parents, [0] * len(parents), None, tensor.shape,
+        parents = (parent,) if parent >= 0 else ()
+        rows.append((kind, kind, (), parents, (0,) * len(parents), None, tuple(tensor.shape),
                      tensor.dtype, tensor.device, 0, False, _NO_PARAMS, index, 1, number, 0))
         self._producers[id(tensor)] = (_ref(tensor), index)
         if self._emit is not None:
