@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -52,4 +53,5 @@ def test_cli_demo_runs(tmp_path) -> None:
     assert "scaled_dot_product_attention" in done.stdout
     assert "relu_1_21" in done.stdout
     assert "encoder passes: ['encoder:1', 'encoder:2']" in done.stdout
-    assert ": True" in done.stdout  # the saved relu output survived the in-place mul_
+    # the saved relu output survived the in-place mul_ (one line, however long the paths)
+    assert re.search(r"in place on the same tensor\): True$", done.stdout, re.M)

@@ -65,9 +65,12 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(
         f"\n{relu.label}: parents {list(relu.parents)}, source {relu.source}; its saved copy "
         f"times 0.5 equals {scaled.label} ({scaled.func}, in place on the same tensor): "
-        f"{untouched}"
+        f"{untouched}",
+        soft_wrap=True,  # prose: never folded, whatever the width of the paths in it
     )
-    console.print(f"encoder passes: {[m.label for m in log.modules if m.path == 'encoder']}")
+    console.print(
+        f"encoder passes: {[m.label for m in log.modules if m.path == 'encoder']}", soft_wrap=True
+    )
     log.cleanup()
     return 0
 
