@@ -5,13 +5,14 @@ Stages, each in its own module and none importing a later one:
 passes) → ``emit`` (what to keep); ``capture`` wires them for ``tl.trace``.
 """
 
-from .capture import record_forward, trace
+from .capture import ForwardRecording, record_forward, trace
 from .entries import ModuleEntry, OpEntry, OpTable, SourceLocation
 from .selectors import Selector, all_, func, in_module, label, module, none
 from .stats import Stats, compute_stats
 from .trace import Trace, TraceView
 
 __all__ = [
+    "ForwardRecording",
     "ModuleEntry",
     "OpEntry",
     "OpTable",

@@ -57,21 +57,44 @@ def _check_model(model: object) -> torch.nn.Module:
     return model
 
 
+class ForwardRecording:
+    """One forward pass under interception, in two halves, for callers that cannot wrap
+    the call themselves (a store's recording block starts a step in a module's pre-hook
+    and ends it in its post-hook): ``start(args, kwargs)``, the forward, ``stop(output)``.
+    ``stop`` must run even if the forward raises (it removes the mode and hooks)."""
+
+    def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
+        Interceptor.refuse_nesting()
+        self.labeller = Labeller(model, emitter, table)
+        self._interceptor = Interceptor(self.labeller, _Warner())
+
+    def start(self, args: tuple, kwargs: dict) -> None:
+        with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
+            self.labeller.add_inputs(args, kwargs)
+        self._interceptor.__enter__()
+
+    def stop(self, output: Any, failed: bool = False) -> None:
+        self._interceptor.__exit__(None, None, None)
+        if not failed:
+            with torch._C.DisableTorchFunction():
+                self.labeller.add_outputs(output)
+        self.labeller.finish()
+
+
 def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter,
                    table: OpTable) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    Interceptor.refuse_nesting()
-    labeller = Labeller(model, emitter, table)
-    with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
-        labeller.add_inputs(args, kwargs)
-    with Interceptor(labeller, _Warner()):
+    recording = ForwardRecording(model, emitter, table)
+    recording.start(args, kwargs)
+    try:
         output = model(*args, **kwargs)
-    with torch._C.DisableTorchFunction():
-        labeller.add_outputs(output)
-    labeller.finish()
-    return labeller, output
+    except BaseException:
+        recording._interceptor.__exit__(None, None, None)
+        raise
+    recording.stop(output)
+    return recording.labeller, output
 
 
 def trace(model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved",

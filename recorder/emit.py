@@ -20,7 +20,14 @@ from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
 from .stats import Stats, compute_stats
 
-__all__ = ["MemoryEmitter", "TensorSlots", "copy_tensor", "structure", "tensor_version"]
+__all__ = [
+    "MemoryEmitter",
+    "SelectingEmitter",
+    "TensorSlots",
+    "copy_tensor",
+    "structure",
+    "tensor_version",
+]
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:
@@ -185,27 +192,35 @@ def structure(obj: Any, slots: list[int], depth: int = 0) -> Any:
     return None
 
 
-class MemoryEmitter:
-    """Keeps selected tensors in memory for an in-memory trace; a :class:`TensorSource`."""
+class SelectingEmitter:
+    """What every emitter shares: which entries to keep (the selector), statistics of
+    unsaved ops on request, and module entries pointing at kept tensors. Subclasses say
+    how a tensor is kept (``_keep``, returning a slot number) and whether a slot still
+    holds a tensor's current value (``_holds``)."""
 
     def __init__(self, selector: Selector, stats: str, table: OpTable):
         self._selector = selector
         self._const = selector.constant
         self._stats_all = stats == "all"
         self._table = table
-        self.slots = TensorSlots()
         self._op_slot: dict[int, int] = {}
         self._stats: dict[int, Stats] = {}
         #: False when no op entry needs anything: the labeller then skips on_entry.
         self.wants_ops = self._const is not False or self._stats_all
 
+    def _keep(self, tensor: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def _holds(self, slot: int, tensor: torch.Tensor) -> bool:
+        raise NotImplementedError
+
     # -- the emitter protocol -----------------------------------------------------------
 
     def _slot_for(self, tensor: torch.Tensor, producer: int) -> int:
         slot = self._op_slot.get(producer, -1) if producer >= 0 else -1
-        if slot >= 0 and self.slots.holds(slot, tensor):
+        if slot >= 0 and self._holds(slot, tensor):
             return slot
-        return self.slots.put(tensor)
+        return self._keep(tensor)
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
         selected = self._const
@@ -217,13 +232,13 @@ class MemoryEmitter:
             self._stats[index] = compute_stats(tensor)
 
     def before_write(self, tensor: torch.Tensor) -> None:
-        self.slots.before_write(tensor)
+        pass
 
     def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
                         producers: list[int]) -> None:
         if self._selector.matches_module(entry):
             entry._input_slots = tuple(map(self._slot_for, tensors, producers))
-            entry._tensors = self
+            entry._tensors = self  # type: ignore[assignment]
 
     def on_module_exit(self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor],
                        producers: list[int]) -> None:
@@ -231,7 +246,20 @@ class MemoryEmitter:
             slots = list(map(self._slot_for, tensors, producers))
             entry._output_slots = tuple(slots)
             entry._structure = structure(output, slots)
-            entry._tensors = self
+            entry._tensors = self  # type: ignore[assignment]
+
+
+class MemoryEmitter(SelectingEmitter):
+    """Keeps selected tensors in memory for an in-memory trace; a :class:`TensorSource`."""
+
+    def __init__(self, selector: Selector, stats: str, table: OpTable):
+        super().__init__(selector, stats, table)
+        self.slots = TensorSlots()
+        self._keep = self.slots.put  # type: ignore[method-assign]
+        self._holds = self.slots.holds  # type: ignore[method-assign]
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        self.slots.before_write(tensor)
 
     def finish(self) -> list[int]:
         """Settle the aliases; return the op entries whose values had to be dropped."""

@@ -7,8 +7,15 @@ libraries underneath (torch, duckdb, zarr, lark) are converted at the edge with
     TraceLakeError
     ├── RecorderError              capture could not start or a trace was misused
     │   └── NestedTraceError       a recording is already active in this thread
-    └── LabelError (KeyError)      no entry has that label
-        └── AmbiguousLabelError    a bare label names a layer or module with several passes
+    ├── LabelError (KeyError)      no entry has that label
+    │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
+    └── StoreError                 a store could not be opened, written or read
+        ├── StoreNotFoundError     no store at that path (``tl.open(path, create=False)``)
+        ├── StoreFormatError       the store was written by a newer tracelake, or is damaged
+        ├── RunNotFoundError (KeyError)   no complete run has that name
+        ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
+        ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
+        └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
 
 Warnings the recorder emits instead of breaking a user's forward pass are
 ``TraceLakeWarning`` (a ``UserWarning``).
@@ -21,9 +28,16 @@ from collections.abc import Iterable
 
 __all__ = [
     "AmbiguousLabelError",
+    "ChunkCorruptError",
+    "InvalidRunNameError",
     "LabelError",
     "NestedTraceError",
     "RecorderError",
+    "RunExistsError",
+    "RunNotFoundError",
+    "StoreError",
+    "StoreFormatError",
+    "StoreNotFoundError",
     "TraceLakeError",
     "TraceLakeWarning",
 ]
@@ -73,6 +87,43 @@ class AmbiguousLabelError(LabelError):
             label,
             message=f"{label!r} ran {len(self.passes)} passes; ask for one of them: {listed}",
         )
+
+
+class StoreError(TraceLakeError):
+    """A store could not be opened, written or read."""
+
+
+class StoreNotFoundError(StoreError):
+    """There is no store at the path given (and ``create=False`` was asked for)."""
+
+
+class StoreFormatError(StoreError):
+    """The store's format is newer than this tracelake understands, or its files are not
+    a tracelake store."""
+
+
+class RunNotFoundError(StoreError, LabelError):
+    """No complete run of the store has the name asked for (a ``KeyError`` too)."""
+
+
+class RunExistsError(StoreError):
+    """A run of that name already exists; record with ``overwrite=True`` to replace it."""
+
+
+class InvalidRunNameError(StoreError, ValueError):
+    """A run name tracelake refuses (empty, too long, or with control characters)."""
+
+
+class ChunkCorruptError(StoreError):
+    """A stored chunk failed its checksum, or its file is missing or unreadable.
+
+    ``run``, ``label`` and ``chunk`` name what was damaged.
+    """
+
+    def __init__(self, run: str, label: str, chunk: str, detail: str = ""):
+        self.run, self.label, self.chunk = run, label, chunk
+        message = f"run {run!r}, {label}: stored chunk {chunk} is damaged"
+        super().__init__(f"{message} ({detail})" if detail else message)
 
 
 class TraceLakeWarning(UserWarning):
