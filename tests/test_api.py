@@ -12,10 +12,12 @@ from tracelake import errors
 
 def test_public_names_are_pinned() -> None:
     assert sorted(tl.__all__) == sorted([
-        "AmbiguousLabelError", "LabelError", "ModuleEntry", "NestedTraceError", "OpEntry",
-        "RecorderError", "Selector", "SourceLocation", "Stats", "Trace", "TraceLakeError",
+        "AmbiguousLabelError", "ChunkCorruptError", "InvalidRunNameError", "LabelError",
+        "ModuleEntry", "NestedTraceError", "OpEntry", "RecorderError", "Run", "RunExistsError",
+        "RunNotFoundError", "Selector", "SourceLocation", "Stats", "Store", "StoreError",
+        "StoreFormatError", "StoreNotFoundError", "Trace", "TraceLakeError",
         "TraceLakeWarning", "__version__", "all", "func", "in_module", "label", "module",
-        "none", "trace",
+        "none", "open", "trace",
     ])
     for name in tl.__all__:
         assert hasattr(tl, name), name
@@ -29,6 +31,9 @@ def test_every_error_is_a_tracelake_error() -> None:
     assert issubclass(tl.LabelError, KeyError)
     assert issubclass(tl.AmbiguousLabelError, tl.LabelError)
     assert issubclass(tl.TraceLakeWarning, UserWarning)
+    assert issubclass(tl.RunNotFoundError, KeyError)
+    assert issubclass(tl.InvalidRunNameError, ValueError)
+    assert issubclass(tl.ChunkCorruptError, tl.StoreError)
 
 
 def test_import_defines_names_and_does_nothing_else() -> None:

@@ -4,13 +4,24 @@
 
     log = tl.trace(model, x, save=tl.func("relu"))
     log["relu_1_2"].out
+
+    store = tl.open("runs.tl")
+    run = store.record(model, x, name="baseline", save=tl.func("relu"))
+    store["baseline"]["relu_1_2"].out
 """
 
 from tracelake.errors import (
     AmbiguousLabelError,
+    ChunkCorruptError,
+    InvalidRunNameError,
     LabelError,
     NestedTraceError,
     RecorderError,
+    RunExistsError,
+    RunNotFoundError,
+    StoreError,
+    StoreFormatError,
+    StoreNotFoundError,
     TraceLakeError,
     TraceLakeWarning,
 )
@@ -29,19 +40,30 @@ from tracelake.recorder import (
     trace,
 )
 from tracelake.recorder import all_ as all
+from tracelake.store import Run, Store
+from tracelake.store import open_store as open
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmbiguousLabelError",
+    "ChunkCorruptError",
+    "InvalidRunNameError",
     "LabelError",
     "ModuleEntry",
     "NestedTraceError",
     "OpEntry",
     "RecorderError",
+    "Run",
+    "RunExistsError",
+    "RunNotFoundError",
     "Selector",
     "SourceLocation",
     "Stats",
+    "Store",
+    "StoreError",
+    "StoreFormatError",
+    "StoreNotFoundError",
     "Trace",
     "TraceLakeError",
     "TraceLakeWarning",
@@ -52,5 +74,6 @@ __all__ = [
     "label",
     "module",
     "none",
+    "open",
     "trace",
 ]

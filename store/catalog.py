@@ -1,0 +1,298 @@
+"""The catalog: DuckDB tables of runs, ops, tensors, edges and modules.
+
+DuckDB lets one process hold a database file read-write, and then no other process can
+open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
+
+- **Writers** open it read-write only inside an exclusive ``flock`` on ``catalog.lock``,
+  for one short transaction: registering a run as ``recording`` when it starts, and
+  committing it (its rows inserted as Arrow tables and its status set to ``complete``,
+  in one transaction, after its tensors are fsync'd). Then they close it and bump
+  ``catalog.gen``. Recording itself never touches the catalog.
+- **Readers** keep an in-memory DuckDB mirror. Before answering, a reader looks at
+  ``catalog.gen``; if it moved, it takes the lock shared, attaches the file read-only,
+  copies the rows of runs committed since its last look (and drops deleted ones), and
+  lets go. A notebook that keeps a store open for hours holds no lock in between.
+
+A writer killed at any moment leaves either its whole commit or none of it (DuckDB's
+write-ahead log is replayed by the next opener); the flock dies with the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import duckdb
+
+from tracelake.errors import RunExistsError, StoreError
+
+from .layout import StorePaths, locked, try_lock
+
+__all__ = ["COMPLETE", "TABLES", "CatalogMirror", "CatalogWriter"]
+
+COMPLETE = "complete"
+RECORDING = "recording"
+FAILED = "failed"
+DELETED = "deleted"
+INTERRUPTED = "interrupted"  # shown for 'recording' runs whose writer is gone
+COLLECTED = "collected"  # gc() removed its data; the row stays so that ids never repeat
+
+_STATS = ("mean DOUBLE, std DOUBLE, min DOUBLE, max DOUBLE, absmax DOUBLE, l2 DOUBLE, "
+          "frac_zero DOUBLE, nan_count BIGINT, inf_count BIGINT")
+
+#: Column definitions of every table, in the order writers build their Arrow tables.
+TABLES: dict[str, str] = {
+    "runs": (
+        "id INTEGER, name VARCHAR, status VARCHAR, created TIMESTAMP, finished TIMESTAMP, "
+        "steps INTEGER, op_count BIGINT, bytes BIGINT, model_class VARCHAR, "
+        "param_fingerprint VARCHAR, input_fingerprint VARCHAR, torch_version VARCHAR, "
+        "device VARCHAR, meta VARCHAR, host VARCHAR, pid INTEGER, seq BIGINT"
+    ),
+    "ops": (
+        "run_id INTEGER, step INTEGER, idx INTEGER, label VARCHAR, layer VARCHAR, "
+        '"pass" INTEGER, num_passes INTEGER, func VARCHAR, kind VARCHAR, module VARCHAR, '
+        'modules STRUCT(path VARCHAR, "pass" INTEGER)[], shape BIGINT[], dtype VARCHAR, '
+        "device VARCHAR, nbytes BIGINT, out_index INTEGER, inplace BOOLEAN, "
+        "params VARCHAR[], layer_idx INTEGER, n_func INTEGER, n_layer INTEGER, "
+        "saved BOOLEAN, tensor INTEGER, source_file VARCHAR, source_line INTEGER, "
+        f"source_func VARCHAR, {_STATS}"
+    ),
+    "tensors": (
+        "run_id INTEGER, step INTEGER, slot INTEGER, \"array\" VARCHAR, byte_offset BIGINT, "
+        "nbytes BIGINT, shape BIGINT[], dtype VARCHAR, codec VARCHAR"
+    ),
+    # arg: where the parent came in ("0", "1", "weight", "0.2" for a list item); edge:
+    # the order of the child's parents.
+    "edges": (
+        "run_id INTEGER, step INTEGER, parent INTEGER, child INTEGER, arg VARCHAR, "
+        "edge INTEGER"
+    ),
+    "modules": (
+        "run_id INTEGER, step INTEGER, idx INTEGER, label VARCHAR, path VARCHAR, "
+        'type VARCHAR, "pass" INTEGER, num_passes INTEGER, first_op VARCHAR, '
+        "last_op VARCHAR, op_start INTEGER, op_end INTEGER, input_ops INTEGER[], "
+        "output_ops INTEGER[], input_tensors INTEGER[], output_tensors INTEGER[], "
+        "structure VARCHAR"
+    ),
+}
+_RUN_TABLES = ("ops", "tensors", "edges", "modules")
+
+
+def _create_schema(con: duckdb.DuckDBPyConnection) -> None:
+    for name, columns in TABLES.items():
+        con.execute(f"CREATE TABLE IF NOT EXISTS {name} ({columns})")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def _alive(paths: StorePaths, run_id: int) -> bool:
+    """Whether the process recording run ``run_id`` still holds its writing lock."""
+    fd = try_lock(paths.writing_lock(run_id))
+    if fd is None:
+        return paths.writing_lock(run_id).exists()
+    os.close(fd)
+    return False
+
+
+class CatalogWriter:
+    """Short, exclusive, transactional changes to ``catalog.duckdb``."""
+
+    def __init__(self, paths: StorePaths):
+        self.paths = paths
+
+    @contextmanager
+    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        with locked(self.paths.lock, exclusive=True):
+            try:
+                con = duckdb.connect(str(self.paths.catalog))
+            except duckdb.Error as exc:
+                raise StoreError(f"cannot open the catalog {self.paths.catalog}: {exc}") from exc
+            try:
+                _create_schema(con)
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    yield con
+                    con.execute("COMMIT")
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+                seq = con.execute("SELECT coalesce(max(seq), 0) FROM runs").fetchone()
+                self._bump(int(seq[0]) if seq else 0)
+            finally:
+                con.close()
+
+    def _bump(self, seq: int) -> None:
+        """Tell readers the catalog changed (a new value every time, even for deletes)."""
+        tmp = self.paths.gen.with_name(f".gen.{os.getpid()}")
+        tmp.write_text(f"{seq} {_now().isoformat()} {os.getpid()} {os.urandom(4).hex()}")
+        os.replace(tmp, self.paths.gen)
+
+    def ensure(self) -> None:
+        with self._transaction():
+            pass
+
+    def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
+        rows = con.execute(
+            "SELECT id, status FROM runs WHERE name = ? AND status IN (?, ?)",
+            [name, COMPLETE, RECORDING],
+        ).fetchall()
+        return [(i, s) for i, s in rows if s == COMPLETE or _alive(self.paths, i)]
+
+    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, int]:
+        """Register a run as ``recording``; return its id and the descriptor of its
+        writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
+        ever see the new run without a live writer). A complete run (or a live
+        recording) of the same name is an error unless ``overwrite``."""
+        with self._transaction() as con:
+            clash = self._live_names(con, name)
+            if clash and not overwrite:
+                raise RunExistsError(
+                    f"the store already has a run named {name!r} ({clash[0][1]}); choose "
+                    "another name, or pass overwrite=True to replace it"
+                )
+            row = con.execute("SELECT coalesce(max(id), 0) + 1 FROM runs").fetchone()
+            run_id = int(row[0]) if row else 1
+            con.execute(
+                "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
+                "model_class, torch_version, device, meta, host, pid) "
+                "VALUES (?, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, ?, ?)",
+                [run_id, name, RECORDING, _now(), info.get("model_class"),
+                 info.get("torch_version"), info.get("device"), json.dumps(info.get("meta")),
+                 socket.gethostname(), os.getpid()],
+            )
+            run_dir = self.paths.run_dir(run_id)
+            if run_dir.exists():  # left by a gc() that died before removing it
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
+            fd = try_lock(self.paths.writing_lock(run_id))
+            if fd is None:
+                raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
+        return run_id, fd
+
+    def commit(self, run_id: int, name: str, overwrite: bool, tables: dict[str, Any],
+               summary: dict[str, Any]) -> None:
+        """Make run ``run_id`` visible, with all its rows, in one transaction."""
+        with self._transaction() as con:
+            clash = [i for i, s in self._live_names(con, name) if s == COMPLETE]
+            if clash and not overwrite:
+                raise RunExistsError(
+                    f"a run named {name!r} was committed while this one was recording; "
+                    "pass overwrite=True to replace it"
+                )
+            for table in _RUN_TABLES:
+                data = tables.get(table)
+                if data is not None and data.num_rows:
+                    con.register("_incoming", data)
+                    con.execute(f"INSERT INTO {table} SELECT * FROM _incoming")
+                    con.unregister("_incoming")
+            if clash:
+                con.execute(
+                    f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
+                    f"({', '.join('?' * len(clash))})", clash,
+                )
+            row = con.execute("SELECT coalesce(max(seq), 0) + 1 FROM runs").fetchone()
+            con.execute(
+                "UPDATE runs SET status = ?, finished = ?, steps = ?, op_count = ?, bytes = ?, "
+                "param_fingerprint = ?, input_fingerprint = ?, device = coalesce(?, device), "
+                "seq = ? WHERE id = ?",
+                [COMPLETE, _now(), summary["steps"], summary["op_count"], summary["bytes"],
+                 summary.get("param_fingerprint"), summary.get("input_fingerprint"),
+                 summary.get("device"), int(row[0]) if row else 1, run_id],
+            )
+
+    def set_status(self, run_id: int, status: str) -> None:
+        with self._transaction() as con:
+            con.execute("UPDATE runs SET status = ?, finished = ? WHERE id = ?",
+                        [status, _now(), run_id])
+
+    def delete(self, name: str) -> int:
+        """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
+        with self._transaction() as con:
+            row = con.execute("SELECT id FROM runs WHERE name = ? AND status = ?",
+                              [name, COMPLETE]).fetchone()
+            if row is None:
+                return -1
+            con.execute("UPDATE runs SET status = ?, seq = (SELECT max(seq) + 1 FROM runs) "
+                        "WHERE id = ?", [DELETED, row[0]])
+            return int(row[0])
+
+    def collect(self) -> list[int]:
+        """Forget deleted, failed and interrupted runs; return their ids (their
+        directories are the caller's to remove, after this commits)."""
+        with self._transaction() as con:
+            rows = con.execute("SELECT id, status FROM runs WHERE status NOT IN (?, ?)",
+                               [COMPLETE, COLLECTED]).fetchall()
+            dead = [i for i, s in rows if s != RECORDING or not _alive(self.paths, i)]
+            if dead:
+                marks = ", ".join("?" * len(dead))
+                for table in _RUN_TABLES:
+                    con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", dead)
+                con.execute(f"UPDATE runs SET status = '{COLLECTED}' WHERE id IN ({marks})",
+                            dead)
+            return dead
+
+
+class CatalogMirror:
+    """A reader's in-memory copy of the catalog's complete runs, refreshed when the
+    catalog changed. Holds no lock and no handle on the file between refreshes."""
+
+    def __init__(self, paths: StorePaths):
+        self.paths = paths
+        self.con = duckdb.connect(":memory:")
+        _create_schema(self.con)
+        self._gen: str | None = None
+        self._loaded: set[int] = set()
+
+    def refresh(self) -> None:
+        try:
+            gen = self.paths.gen.read_text()
+        except FileNotFoundError:
+            return  # nothing was ever committed
+        if gen == self._gen:
+            return
+        with locked(self.paths.lock, exclusive=False):
+            gen = self.paths.gen.read_text()
+            con = self.con
+            con.execute(f"ATTACH '{_quote(str(self.paths.catalog))}' AS cat (READ_ONLY)")
+            try:
+                con.execute("BEGIN TRANSACTION")
+                con.execute("DELETE FROM runs")
+                con.execute("INSERT INTO runs SELECT * FROM cat.runs")
+                complete = {r[0] for r in con.execute(
+                    "SELECT id FROM runs WHERE status = ?", [COMPLETE]).fetchall()}
+                gone = sorted(self._loaded - complete)
+                new = sorted(complete - self._loaded)
+                for table in _RUN_TABLES:
+                    if gone:
+                        con.execute(f"DELETE FROM {table} WHERE run_id IN "
+                                    f"({', '.join('?' * len(gone))})", gone)
+                    if new:
+                        con.execute(f"INSERT INTO {table} SELECT * FROM cat.{table} WHERE "
+                                    f"run_id IN ({', '.join('?' * len(new))})", new)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            finally:
+                con.execute("DETACH cat")
+            self._loaded = complete
+            self._gen = gen
+
+    def query(self, sql: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
+        self.refresh()
+        return self.con.execute(sql, params or [])
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "''")

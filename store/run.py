@@ -1,0 +1,249 @@
+"""A stored run: the same entries as an in-memory trace, tensors read lazily from Zarr."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tracelake.errors import RecorderError
+from tracelake.recorder.entries import ModuleEntry, OpEntry
+from tracelake.recorder.stats import Stats
+from tracelake.recorder.trace import TraceView
+
+from .rows import load_step
+from .tensors import RunArrays, parse_dtype
+
+__all__ = ["LazyTensor", "Run", "StoredOpEntry"]
+
+
+class _Slot:
+    """Where one saved tensor of a run lives."""
+
+    __slots__ = ("array", "dtype", "nbytes", "offset", "shape")
+
+    def __init__(self, array: str, offset: int | None, nbytes: int, shape: list[int],
+                 dtype: str):
+        self.array = array
+        self.offset = offset
+        self.nbytes = nbytes
+        self.shape = tuple(shape)
+        self.dtype = parse_dtype(dtype)
+
+
+class LazyTensor:
+    """A stored tensor, read only when indexed: ``entry.array[0, :, 5:9]`` reads only the
+    chunks that selection needs and returns a torch tensor; ``entry.array[...]`` reads it
+    all. Basic indexing: ints, slices (negative bounds and steps too) and ``...``."""
+
+    def __init__(self, arrays: RunArrays, slot: _Slot, label: str):
+        self._arrays = arrays
+        self._slot = slot
+        self.label = label
+        self.shape = slot.shape
+        self.dtype = slot.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def read(self) -> torch.Tensor:
+        slot = self._slot
+        if slot.offset is not None:
+            return self._arrays.read_packed(slot.array, slot.offset, slot.nbytes, slot.dtype,
+                                            slot.shape, self.label)
+        return self._arrays.read_array(slot.array, slot.dtype, slot.shape, self.label)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        slot = self._slot
+        if slot.offset is not None or not self.shape:
+            return self.read()[key]  # packed tensors are small: read whole, index in torch
+        keys, flips = _normalise(key, self.shape)
+        data = self._arrays.read_array(slot.array, slot.dtype, self.shape, self.label, keys)
+        return data.flip(flips) if flips else data
+
+    def __repr__(self) -> str:
+        return f"<LazyTensor {self.label}: {list(self.shape)} {self.dtype}>"
+
+
+def _normalise(key: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], list[int]]:
+    """Basic indexing as zarr reads it: one int (dropped from the result, as numpy does)
+    or forward slice per dimension, and the result's dimensions to flip afterwards
+    (negative steps)."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    if any(k is None for k in key):
+        raise TypeError("None (newaxis) is not supported here; index, then unsqueeze")
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+    if len(key) > len(shape):
+        raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions")
+    key = key + (slice(None),) * (len(shape) - len(key))
+    out: list[Any] = []
+    squeeze: set[int] = set()
+    flips: list[int] = []
+    for dim, (k, n) in enumerate(zip(key, shape, strict=True)):
+        if isinstance(k, bool) or (not isinstance(k, (int, slice)) and not hasattr(k, "__index__")):
+            raise TypeError(f"unsupported index {k!r}: use ints, slices and '...'")
+        if isinstance(k, slice):
+            start, stop, step = k.indices(n)
+            if step < 0:  # read the same elements forwards, flip afterwards
+                count = len(range(start, stop, step))
+                last = start + (count - 1) * step if count else start
+                start, stop, step = (last, start + 1, -step) if count else (0, 0, 1)
+                flips.append(dim - len(squeeze))
+            out.append(slice(start, stop, step))
+        else:
+            i = int(k)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for dimension {dim} of size {n}")
+            out.append(i % n)
+            squeeze.add(dim)
+    return tuple(out), flips
+
+
+class _RunTensors:
+    """The :class:`TensorSource` of one step of a stored run."""
+
+    def __init__(self, arrays: RunArrays, slots: dict[int, _Slot], op_slots: dict[int, int],
+                 stats: dict[int, Stats], labels: list[str]):
+        self.arrays = arrays
+        self._slots = slots
+        self._op_slots = op_slots
+        self._stats = stats
+        self._labels = labels
+
+    def lazy(self, index: int) -> LazyTensor | None:
+        slot = self._op_slots.get(index)
+        if slot is None:
+            return None
+        return LazyTensor(self.arrays, self._slots[slot], self._labels[index])
+
+    def op_tensor(self, index: int) -> torch.Tensor | None:
+        lazy = self.lazy(index)
+        return None if lazy is None else lazy.read()
+
+    def op_saved(self, index: int) -> bool:
+        return index in self._op_slots
+
+    def op_stats(self, index: int) -> Stats | None:
+        return self._stats.get(index)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        return LazyTensor(self.arrays, self._slots[slot], f"tensor {slot}").read()
+
+
+class StoredOpEntry(OpEntry):
+    """An :class:`OpEntry` of a stored run; ``array`` is the lazy, indexable tensor."""
+
+    __slots__ = ()
+
+    @property
+    def array(self) -> LazyTensor | None:
+        tensors = self._tensors
+        return tensors.lazy(self.index) if isinstance(tensors, _RunTensors) else None
+
+
+class StepView(TraceView):
+    """One forward pass (step) of a stored run."""
+
+    def __init__(self, run: Run, step: int, table: Any, tensors: _RunTensors,
+                 modules: list[ModuleEntry]):
+        for m in modules:
+            if m._output_slots is not None:
+                m._tensors = tensors  # type: ignore[assignment]
+        super().__init__(table, tensors, modules)
+        self.run = run
+        self.step = step
+
+    def _entry(self, index: int) -> OpEntry:
+        return StoredOpEntry(self._table, self._tensors, index)
+
+    def __repr__(self) -> str:
+        return f"<Step {self.step} of run {self.run.name!r}: {self._summary()}>"
+
+
+class Run:
+    """A complete run of a store. With one step (``store.record``) it answers exactly like
+    an in-memory :class:`~tracelake.Trace`: ``run[label]``, ``run.labels``, ``run.df()``,
+    iteration. A run recorded over several forward passes has ``run.step(k)`` for each."""
+
+    def __init__(self, info: dict[str, Any], arrays: RunArrays,
+                 query: Callable[[str, list[Any]], Any]):
+        self.info = info
+        self.name: str = info["name"]
+        self.id: int = info["id"]
+        self.num_steps: int = info["steps"]
+        self.meta: Any = json.loads(info["meta"]) if info.get("meta") else None
+        self.model_class: str | None = info.get("model_class")
+        self._arrays = arrays
+        self._query = query
+        self._steps: dict[int, StepView] = {}
+        self._slots: dict[int, _Slot] | None = None
+
+    def _load_slots(self) -> dict[int, _Slot]:
+        if self._slots is None:
+            rows = self._query(
+                "SELECT slot, \"array\", byte_offset, nbytes, shape, dtype FROM tensors "
+                "WHERE run_id = ?", [self.id]).fetchall()
+            self._slots = {r[0]: _Slot(*r[1:]) for r in rows}
+        return self._slots
+
+    def step(self, k: int) -> StepView:
+        if not isinstance(k, int) or not 0 <= k < self.num_steps:
+            raise RecorderError(
+                f"run {self.name!r} has steps 0..{self.num_steps - 1}; step {k!r} does not exist")
+        view = self._steps.get(k)
+        if view is None:
+            table, modules, op_slots, stats = load_step(self._query, self.id, k)
+            tensors = _RunTensors(self._arrays, self._load_slots(), op_slots, stats,
+                                  table.labels)
+            view = self._steps[k] = StepView(self, k, table, tensors, modules)
+        return view
+
+    @property
+    def steps(self) -> list[StepView]:
+        return [self.step(k) for k in range(self.num_steps)]
+
+    def _only(self) -> StepView:
+        if self.num_steps != 1:
+            raise RecorderError(
+                f"run {self.name!r} has {self.num_steps} steps; pick one with run.step(k) "
+                f"(k from 0 to {self.num_steps - 1})"
+            )
+        return self.step(0)
+
+    def __getitem__(self, key: str | int) -> Any:
+        return self._only()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._only()
+
+    def __iter__(self) -> Iterator[OpEntry]:
+        return iter(self._only())
+
+    def __len__(self) -> int:
+        return len(self._only())
+
+    def __getattr__(self, name: str) -> Any:
+        # labels, ops, modules, module_labels, inputs, outputs, find, df: as a Trace.
+        if name.startswith("_") or name not in _VIEW_ATTRS:
+            raise AttributeError(name)
+        return getattr(self._only(), name)
+
+    def __repr__(self) -> str:
+        return f"<Run {self.name!r}: {self.model_class}, {self.num_steps} step(s)>"
+
+
+_VIEW_ATTRS = frozenset({"labels", "ops", "modules", "module_labels", "inputs", "outputs",
+                         "find", "df"})

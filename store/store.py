@@ -1,0 +1,406 @@
+"""The store: ``tl.open(path)``, recording runs into it, listing, reading, deleting."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from datetime import UTC, datetime
+from typing import Any
+
+import pandas
+import torch
+
+from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.recorder import ForwardRecording, OpTable
+from tracelake.recorder.capture import _check_model
+from tracelake.recorder.intercept import flatten_tensors
+from tracelake.recorder.selectors import as_selector
+
+from .catalog import (
+    COLLECTED,
+    COMPLETE,
+    FAILED,
+    INTERRUPTED,
+    RECORDING,
+    CatalogMirror,
+    CatalogWriter,
+    _alive,
+)
+from .layout import StorePaths, fsync_tree, validate_name
+from .rows import step_tables, tensors_table
+from .run import Run
+from .tensors import RunArrays
+from .verify import VerifyReport, verify_run
+from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter, location_row
+
+__all__ = ["Recording", "Store", "open_store"]
+
+_STATS_CHOICES = ("saved", "all")
+
+
+def open_store(path: str | os.PathLike[str], create: bool = True) -> Store:
+    """Open the store at ``path`` (a directory), creating it unless ``create=False``."""
+    return Store(path, create=create)
+
+
+def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
+    """A short hash of names, shapes, dtypes and a strided sample of values (the whole
+    tensor when it is small): cheap even for large models."""
+    h = hashlib.blake2b(digest_size=12)
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for name, tensor in named:
+            h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+            if tensor.layout is not torch.strided or tensor.is_meta:
+                continue
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() > 4096:
+                flat = flat[:: flat.numel() // 4096]
+            with contextlib.suppress(RuntimeError, TypeError):
+                h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _generated_name(model: Any) -> str:
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}"
+
+
+class Recording:
+    """One run being recorded: any number of forward passes, each a step (0, 1, ...).
+
+    Use ``store.recording(name, model)`` as a context manager: every call of ``model``
+    inside the block is recorded as a step (``model.generate(...)`` records each
+    forward of the generation loop), and ``rec.record(model, *args)`` records one more
+    explicitly. The run becomes visible when the block ends without an exception;
+    otherwise it is marked failed and ``store.gc()`` reclaims its space.
+    """
+
+    def __init__(self, store: Store, name: str | None, model: Any, save: Any, stats: str,
+                 meta: Any, overwrite: bool, max_inflight: int):
+        if stats not in _STATS_CHOICES:
+            raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
+        try:
+            self._meta_json = json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
+        if model is not None:
+            _check_model(model)
+        self.store = store
+        self.name = validate_name(name) if name is not None else None
+        self.model = model
+        self._selector = as_selector(save)
+        self._stats = stats
+        self._meta = meta
+        self._overwrite = overwrite
+        self._max_inflight = max_inflight
+        self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
+        self._writer: TensorWriter | None = None
+        self._lock_fd: int | None = None
+        self._hooks: list[Any] = []
+        self._auto: ForwardRecording | None = None
+        self._auto_step: tuple[OpTable, StoreEmitter] | None = None
+        self._depth = 0
+        self._fingerprints: dict[str, str] = {}
+        self._device: str | None = None
+        self.run_id = -1
+        self.model_class = type(model).__name__ if model is not None else None
+
+    # -- the block --------------------------------------------------------------------------
+
+    def __enter__(self) -> Recording:
+        if self.name is None:
+            self.name = _generated_name(self.model)
+        info = {"model_class": self.model_class, "torch_version": torch.__version__,
+                "meta": self._meta}
+        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite,
+                                                                  info)
+        arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
+        self._writer = TensorWriter(arrays, self._max_inflight)
+        if self.model is not None:
+            self._hooks = [
+                self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                self.model.register_forward_hook(self._post_hook, with_kwargs=True,
+                                                 always_call=True),
+            ]
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if exc_type is None:
+            try:
+                self._commit()
+            except BaseException:
+                self._fail()
+                raise
+        else:
+            self._fail()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _begin(self, model: torch.nn.Module) -> tuple[OpTable, StoreEmitter]:
+        if self._writer is None:
+            raise StoreError("record steps inside the `with store.recording(...)` block")
+        self._writer.step = len(self._steps)
+        table = OpTable()
+        return table, StoreEmitter(self._selector, self._stats, table, self._writer)
+
+    def _end(self, model: torch.nn.Module, recording: ForwardRecording, table: OpTable,
+             emitter: StoreEmitter, args: tuple, kwargs: dict) -> None:
+        self._steps.append((table, recording.labeller.module_entries, emitter))
+        if not self._fingerprints:
+            self._fingerprints = {
+                "param_fingerprint": _fingerprint(list(model.named_parameters())),
+                "input_fingerprint": _fingerprint(
+                    [(str(i), t) for i, t in enumerate(flatten_tensors([args, kwargs]))]),
+            }
+            first = next(iter(model.parameters()), None)
+            self._device = str(first.device) if first is not None else None
+
+    def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Record one forward pass of ``model`` as the next step; return its output."""
+        model = _check_model(model)
+        table, emitter = self._begin(model)
+        recording = ForwardRecording(model, emitter, table)
+        recording.start(args, kwargs)
+        try:
+            output = model(*args, **kwargs)
+        except BaseException:
+            recording.stop(None, failed=True)
+            raise
+        recording.stop(output)
+        self._end(model, recording, table, emitter, args, kwargs)
+        return output
+
+    def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
+        if self._depth > 1 or self._auto is not None:
+            return  # the model calling itself: part of the step already running
+        try:
+            table, emitter = self._begin(module)
+            self._auto = ForwardRecording(module, emitter, table)
+            self._auto_step = (table, emitter)
+            self._auto_args = (args, kwargs)
+            self._auto.start(args, kwargs)
+        except Exception as exc:
+            self._auto = None
+            warnings.warn(f"tracelake could not record this forward pass of "
+                          f"{type(module).__name__} ({exc}); it ran unrecorded",
+                          TraceLakeWarning, stacklevel=2)
+
+    def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                   output: Any) -> None:
+        self._depth -= 1
+        if self._depth or self._auto is None or self._auto_step is None:
+            return
+        recording, (table, emitter) = self._auto, self._auto_step
+        self._auto = self._auto_step = None
+        recording.stop(output)
+        self._end(module, recording, table, emitter, *self._auto_args)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        writer = self._writer
+        assert writer is not None and self.name is not None
+        if not self._steps:
+            raise StoreError(f"the recording {self.name!r} recorded no forward pass; call the "
+                             "model (or rec.record(model, ...)) inside the block")
+        writer.close()
+        tables: dict[str, list[Any]] = {"ops": [], "edges": [], "modules": []}
+        for step, (table, modules, emitter) in enumerate(self._steps):
+            for key, value in step_tables(self.run_id, step, table, modules, emitter,
+                                          writer.stats).items():
+                tables[key].append(value)
+        import pyarrow as pa
+
+        merged: dict[str, Any] = {k: pa.concat_tables(v) for k, v in tables.items()}
+        merged["tensors"] = tensors_table(
+            self.run_id, [location_row(slot, loc) for slot, loc in enumerate(writer.locations)])
+        nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
+        summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
+                   "bytes": nbytes, "device": self._device, **self._fingerprints}
+        self.store._catalog.commit(self.run_id, self.name, self._overwrite, merged, summary)
+        self._release()
+        self._steps = []
+
+    def _fail(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        try:
+            if self.run_id >= 0:
+                self.store._catalog.set_status(self.run_id, FAILED)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+class Store:
+    """A directory of recorded runs: a DuckDB catalog plus Zarr arrays.
+
+    ``store.record(model, x, name=...)`` records one forward pass as a run;
+    ``store[name]`` reads it back (a :class:`Run`, lazily); ``store.runs()`` lists runs.
+    Several processes may record into one store at once while others read it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], create: bool = True):
+        self.paths = StorePaths(path)
+        self.paths.check(create)
+        self._catalog = CatalogWriter(self.paths)
+        if not self.paths.catalog.exists():
+            self._catalog.ensure()
+        self._mirror: CatalogMirror | None = None
+
+    @property
+    def path(self) -> str:
+        return str(self.paths.root)
+
+    def _query(self, sql: str, params: list[Any] | None = None) -> Any:
+        if self._mirror is None:
+            self._mirror = CatalogMirror(self.paths)
+        return self._mirror.query(sql, params)
+
+    # -- recording ------------------------------------------------------------------------
+
+    def recording(self, name: str | None = None, model: torch.nn.Module | None = None, *,
+                  save: Any = None, meta: Any = None, stats: str = "saved",
+                  overwrite: bool = False, max_inflight: int = DEFAULT_MAX_INFLIGHT
+                  ) -> Recording:
+        """A run of several forward passes (steps); see :class:`Recording`."""
+        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight)
+
+    def record(self, model: torch.nn.Module, *args: Any, name: str | None = None,
+               save: Any = None, meta: Any = None, stats: str = "saved",
+               overwrite: bool = False, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+               **kwargs: Any) -> Run:
+        """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
+
+        ``save`` selects the tensors to store (default all), ``meta`` is any
+        JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
+        Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
+        buffered; the run becomes visible only once all of it is durable.
+        """
+        model = _check_model(model)
+        rec = Recording(self, name if name is not None else _generated_name(model), None,
+                        save, stats, meta, overwrite, max_inflight)
+        rec.model_class = type(model).__name__
+        with rec:
+            rec.record(model, *args, **kwargs)
+        return self._run_by_id(rec.run_id)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _run_info(self, where: str, params: list[Any]) -> dict[str, Any] | None:
+        cursor = self._query(f"SELECT * FROM runs WHERE {where}", params)
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        return dict(zip([d[0] for d in cursor.description], row, strict=True))
+
+    def _run_by_id(self, run_id: int) -> Run:
+        info = self._run_info("id = ? AND status = ?", [run_id, COMPLETE])
+        if info is None:
+            raise StoreError(f"run {run_id} is not complete")
+        return self._open_run(info)
+
+    def _open_run(self, info: dict[str, Any]) -> Run:
+        arrays = RunArrays(self.paths.tensors(info["id"]), info["name"])
+        return Run(info, arrays, self._query)
+
+    def __getitem__(self, name: str) -> Run:
+        if not isinstance(name, str):
+            raise TypeError(f"look runs up by name (str), not {name!r}")
+        info = self._run_info("name = ? AND status = ?", [name, COMPLETE])
+        if info is None:
+            known = [r[0] for r in self._query(
+                "SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()]
+            raise RunNotFoundError(name, known)
+        return self._open_run(info)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._run_info(
+            "name = ? AND status = ?", [name, COMPLETE]) is not None
+
+    def __iter__(self) -> Any:
+        return iter(self.runs()["name"].tolist())
+
+    def __len__(self) -> int:
+        return int(self._query("SELECT count(*) FROM runs WHERE status = ?",
+                               [COMPLETE]).fetchone()[0])
+
+    def runs(self, all: bool = False) -> pandas.DataFrame:
+        """One row per complete run (``all=True``: also recording, interrupted, failed and
+        deleted ones): name, status, created, steps, ops, bytes, model class, torch
+        version, meta."""
+        where = "status = ?" if not all else "status != ?"
+        df = self._query(
+            "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
+            f"torch_version, meta FROM runs WHERE {where} ORDER BY id",
+            [COMPLETE if not all else COLLECTED]).df()
+        if all and len(df):
+            df["status"] = [
+                INTERRUPTED if s == RECORDING and not _alive(self.paths, i) else s
+                for i, s in zip(df["id"], df["status"], strict=True)
+            ]
+        df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
+        return df.drop(columns=["id"])
+
+    # -- maintenance ----------------------------------------------------------------------
+
+    def delete(self, name: str) -> None:
+        """Remove run ``name`` from view at once; ``gc()`` reclaims its space."""
+        if self._catalog.delete(name) < 0:
+            raise RunNotFoundError(name, self.runs()["name"].tolist())
+
+    def gc(self) -> dict[str, int]:
+        """Reclaim the space of deleted, failed and interrupted runs, and of run
+        directories the catalog does not know. Returns what was removed."""
+        dead = self._catalog.collect()
+        freed = 0
+        for run_id in dead:
+            freed += _remove(self.paths.run_dir(run_id))
+        known = {int(r[0]) for r in self._query("SELECT id FROM runs").fetchall()}
+        orphans = 0
+        for entry in self.paths.runs.iterdir():
+            if entry.name.isdigit() and int(entry.name) not in known | set(dead) and not \
+                    _alive(self.paths, int(entry.name)):
+                freed += _remove(entry)
+                orphans += 1
+        return {"runs": len(dead), "orphans": orphans, "bytes": freed}
+
+    def verify(self) -> VerifyReport:
+        """Check every chunk's checksum and that catalog and arrays agree."""
+        report = VerifyReport()
+        for info in self._query("SELECT * FROM runs WHERE status = ? ORDER BY id",
+                                [COMPLETE]).df().to_dict("records"):
+            verify_run(self._open_run(info), self._query, report)
+        return report
+
+    def close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Store {self.path!r}>"
+
+
+def _remove(path: Any) -> int:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    shutil.rmtree(path, ignore_errors=True)
+    return size

@@ -1,0 +1,279 @@
+"""Tensors on disk: one Zarr v3 group per run, readable by plain zarr-python.
+
+- **Small tensors** (under :data:`CHUNK_BYTES`) are packed, 64-byte aligned, into a few
+  1-D ``uint8`` arrays per run (``pack_raw``, ``pack_zstd``), written one whole 4 MiB
+  chunk at a time; the catalog records array, byte offset, shape and dtype. Creating one
+  Zarr array per op would cost ~2 ms and several metadata files each.
+- **Large tensors** get their own N-d array (``t<slot>``), chunked along the leading
+  dimensions to about 4 MiB so that a slice reads few chunks.
+- **Bits, not values:** dtypes numpy lacks (bfloat16, float8, ...) are stored as
+  unsigned integers of the same width and the torch dtype is recorded beside them
+  (the array attribute ``torch_dtype`` and the catalog), so every dtype round-trips
+  bitwise.
+- **Codecs,** set explicitly per array: every array ends in a CRC32C checksum; zstd
+  level 1 only where it pays (:func:`choose_codec`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from numcodecs import Zstd
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from tracelake.errors import ChunkCorruptError, StoreError
+
+__all__ = [
+    "ALIGN",
+    "CHUNK_BYTES",
+    "RunArrays",
+    "choose_codec",
+    "chunk_shape",
+    "dtype_name",
+    "pack_stream",
+    "parse_dtype",
+    "tensor_from_bytes",
+]
+
+#: Chunk size of packs, and the size from which a tensor gets its own array.
+CHUNK_BYTES = 4 << 20
+#: Alignment of tensors inside a pack (so that any dtype can be viewed in place).
+ALIGN = 64
+#: zstd is used when a sample compresses at least this well (bytes in / bytes out).
+ZSTD_MIN_RATIO = 1.3
+_SAMPLE_BYTES = 1 << 16
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ZSTD_STREAM_DTYPES = frozenset({
+    torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64,
+})
+_ZARR_CONFIG = {"write_empty_chunks": True}  # a missing chunk file then always means damage
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StoreError(f"the store names a dtype this torch lacks: {name!r}")
+    return dtype
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """numpy's dtype for ``dtype`` when numpy has one, else ``None`` (store the bits)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+
+
+def pack_stream(dtype: torch.dtype) -> str:
+    """Which pack a small tensor goes to: half floats, integers and bools usually
+    compress (1.3x and more); float32/64 activations rarely do (about 1.08x)."""
+    return "pack_zstd" if dtype in _ZSTD_STREAM_DTYPES else "pack_raw"
+
+
+def choose_codec(data: np.ndarray) -> str:
+    """``"zstd"`` if a sample of ``data``'s bytes compresses by ZSTD_MIN_RATIO, else ``"raw"``."""
+    flat = data.reshape(-1).view(np.uint8)
+    if flat.nbytes <= _SAMPLE_BYTES:
+        sample = flat
+    else:  # three spread-out windows: the start alone is often padding or a prefix
+        step = _SAMPLE_BYTES // 3
+        starts = (0, flat.nbytes // 2, flat.nbytes - step)
+        sample = np.concatenate([flat[s:s + step] for s in starts])
+    packed = Zstd(level=1).encode(np.ascontiguousarray(sample))
+    return "zstd" if sample.nbytes >= ZSTD_MIN_RATIO * len(packed) else "raw"
+
+
+def _compressors(codec: str) -> list[Any]:
+    if codec == "zstd":
+        return [ZstdCodec(level=1), Crc32cCodec()]
+    return [Crc32cCodec()]
+
+
+def chunk_shape(shape: Sequence[int], itemsize: int, target: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunks of about ``target`` bytes: whole trailing dimensions, then part of the next
+    one, leading dimensions one at a time, so that ``x[i]`` and ``x[i, :, a:b]`` read
+    few chunks."""
+    chunks = [1] * len(shape)
+    inner = itemsize
+    for axis in range(len(shape) - 1, -1, -1):
+        size = max(int(shape[axis]), 1)
+        if inner * size <= target:
+            chunks[axis] = size
+            inner *= size
+        else:
+            chunks[axis] = max(1, target // inner)
+            break
+    return tuple(chunks)
+
+
+def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as numpy, in numpy's dtype or as same-width unsigned bits."""
+    if _numpy_dtype(tensor.dtype) is None:
+        tensor = tensor.view(_BITS[tensor.element_size()])
+        return tensor.numpy().view(_NUMPY_BITS[tensor.element_size()])
+    return tensor.numpy()
+
+
+def tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` from its raw bytes (an owned uint8 array)."""
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+    if dtype.itemsize != 1 or dtype is not torch.uint8:
+        raw = raw.view(dtype)
+    return raw.reshape(tuple(shape))
+
+
+class RunArrays:
+    """The Zarr group of one run: creates, writes and reads its arrays.
+
+    Safe to use from several writer threads: each pack grows under its own lock.
+    """
+
+    def __init__(self, path: Path, run: str = "", create: bool = False):
+        self.path = path
+        self.run = run
+        self._arrays: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._grow: dict[str, threading.Lock] = {}
+        if create:
+            zarr.create_group(str(path), zarr_format=3, overwrite=False)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _pack(self, name: str) -> Any:
+        with self._lock:
+            array = self._arrays.get(name)
+            if array is None:
+                array = self._arrays[name] = zarr.create_array(
+                    str(self.path / name), shape=(CHUNK_BYTES,), chunks=(CHUNK_BYTES,),
+                    dtype="uint8", fill_value=0, compressors=_compressors(
+                        "zstd" if name == "pack_zstd" else "raw"),
+                    config=_ZARR_CONFIG, attributes={"tracelake": "pack"},
+                )
+                self._grow[name] = threading.Lock()
+            return array
+
+    def write_pack_chunk(self, name: str, index: int, data: np.ndarray) -> None:
+        """Write whole chunk ``index`` of pack ``name`` (``data``: up to CHUNK_BYTES)."""
+        array = self._pack(name)
+        start = index * CHUNK_BYTES
+        with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose chunks
+            if array.shape[0] < start + CHUNK_BYTES:
+                array.resize((start + CHUNK_BYTES,))
+        array[start:start + data.nbytes] = data
+
+    def write_array(self, name: str, tensor: torch.Tensor) -> str:
+        """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used."""
+        data = tensor_bits(tensor)
+        codec = choose_codec(data)
+        shape = tuple(tensor.shape) or (1,)
+        array = zarr.create_array(
+            str(self.path / name), shape=shape,
+            chunks=chunk_shape(shape, data.dtype.itemsize), dtype=data.dtype,
+            fill_value=0, compressors=_compressors(codec), config=_ZARR_CONFIG,
+            attributes={"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)},
+        )
+        array[...] = data.reshape(shape)
+        return codec
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def array(self, name: str) -> Any:
+        array = self._arrays.get(name)
+        if array is None:
+            with self._lock:
+                array = self._arrays.get(name)
+                if array is None:
+                    try:
+                        array = zarr.open_array(str(self.path / name), mode="r")
+                    except Exception as exc:
+                        raise ChunkCorruptError(self.run, "?", f"{name}/zarr.json",
+                                                f"cannot open the array: {exc}") from exc
+                    self._arrays[name] = array
+        return array
+
+    def _missing(self, name: str, chunk_keys: list[str]) -> str | None:
+        for key in chunk_keys:
+            if not os.path.exists(self.path / name / "c" / key):
+                return f"{name}/c/{key}"
+        return None
+
+    def _read(self, name: str, label: str, key: Any, chunk_keys: list[str]) -> np.ndarray:
+        missing = self._missing(name, chunk_keys)
+        if missing is not None:
+            raise ChunkCorruptError(self.run, label, missing, "the chunk file is missing")
+        array = self.array(name)
+        try:
+            return np.asarray(array[key])
+        except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
+            raise ChunkCorruptError(self.run, label, f"{name} {chunk_keys}", str(exc)) from exc
+
+    def read_packed(self, name: str, offset: int, nbytes: int, dtype: torch.dtype,
+                    shape: Sequence[int], label: str) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        first, last = offset // CHUNK_BYTES, (offset + nbytes - 1) // CHUNK_BYTES
+        data = self._read(name, label, slice(offset, offset + nbytes),
+                          [str(k) for k in range(first, last + 1)])
+        return tensor_from_bytes(data, dtype, shape)
+
+    def read_array(self, name: str, dtype: torch.dtype, shape: Sequence[int], label: str,
+                   key: tuple[Any, ...] | None = None) -> torch.Tensor:
+        """All of array ``name``, or the basic-index selection ``key`` of it (normalised:
+        ints and slices with non-negative bounds, one per dimension)."""
+        array = self.array(name)
+        if not shape:  # 0-d tensors are stored as shape (1,)
+            data = self._read(name, label, slice(None), ["0"])
+            return tensor_from_bytes(data, dtype, ())
+        if key is None:
+            key = tuple(slice(0, n, 1) for n in shape)
+        keys = _chunk_keys(key, array.chunks)
+        data = self._read(name, label, key, keys if keys is not None else [])
+        out_shape = data.shape
+        return tensor_from_bytes(data, dtype, out_shape)
+
+    def chunk_keys(self, name: str) -> list[str]:
+        """Every chunk key array ``name`` must have."""
+        array = self.array(name)
+        grid = [range(math.ceil(n / c)) for n, c in zip(array.shape, array.chunks, strict=True)]
+        return ["/".join(map(str, idx)) for idx in _product(grid)]
+
+
+def _chunk_keys(key: tuple[Any, ...], chunks: Sequence[int]) -> list[str] | None:
+    """Chunk keys a normalised basic selection touches (``None`` when there are too many
+    to list cheaply; zarr's checksums still guard what is read)."""
+    ranges = []
+    count = 1
+    for k, c in zip(key, chunks, strict=True):
+        if isinstance(k, int):
+            ranges.append(range(k // c, k // c + 1))
+        else:
+            start, stop, step = k.start, k.stop, k.step or 1
+            if stop <= start:
+                return []
+            last = start + ((stop - 1 - start) // step) * step
+            ranges.append(range(start // c, last // c + 1))
+        count *= len(ranges[-1])
+        if count > 4096:
+            return None
+    return ["/".join(map(str, idx)) for idx in _product(ranges)]
+
+
+def _product(ranges: list[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out

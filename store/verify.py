@@ -1,0 +1,134 @@
+"""``store.verify()``: every chunk's checksum, and the agreement of catalog and arrays."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tracelake.errors import ChunkCorruptError
+
+from .tensors import CHUNK_BYTES, parse_dtype
+
+if TYPE_CHECKING:
+    from .run import Run
+
+__all__ = ["Problem", "VerifyReport", "verify_run"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong: in which run, which label(s), and what."""
+
+    run: str
+    label: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.run}: {self.label}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify()`` checked and found; truthy when nothing is wrong."""
+
+    runs: int = 0
+    chunks: int = 0
+    tensors: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "runs": self.runs, "chunks": self.chunks,
+                "tensors": self.tensors,
+                "problems": [{"run": p.run, "label": p.label, "what": p.what}
+                             for p in self.problems]}
+
+
+def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyReport) -> None:
+    report.runs += 1
+    arrays = run._arrays
+    rows = query(
+        "SELECT t.slot, t.\"array\", t.byte_offset, t.nbytes, t.shape, t.dtype, "
+        "coalesce(string_agg(o.label, ', ' ORDER BY o.step, o.idx), 'tensor ' || t.slot) "
+        "FROM tensors t LEFT JOIN ops o ON o.run_id = t.run_id AND o.tensor = t.slot "
+        "WHERE t.run_id = ? GROUP BY t.slot, t.\"array\", t.byte_offset, t.nbytes, t.shape, "
+        "t.dtype ORDER BY t.slot", [run.id]).fetchall()
+    by_array: dict[str, list[tuple[int, int, str]]] = {}
+    for _slot, array, offset, nbytes, shape, dtype, labels in rows:
+        report.tensors += 1
+        expected = math.prod(shape) * parse_dtype(dtype).itemsize
+        if expected != nbytes:
+            report.problems.append(Problem(run.name, labels, f"catalog says {nbytes} bytes for "
+                                           f"shape {shape} {dtype} (expected {expected})"))
+        if offset is None:
+            by_array.setdefault(array, []).append((0, nbytes, labels))
+            _check_array_shape(run, arrays, array, shape, labels, report)
+        else:
+            by_array.setdefault(array, []).append((offset, nbytes, labels))
+    on_disk = {p.name for p in arrays.path.iterdir() if p.is_dir()} if arrays.path.exists() \
+        else set()
+    for name in sorted(on_disk - set(by_array)):
+        report.problems.append(Problem(run.name, "-", f"array {name} is not in the catalog"))
+    for name, spans in by_array.items():
+        if name not in on_disk:
+            labels = ", ".join(sorted({s[2] for s in spans}))
+            report.problems.append(Problem(run.name, labels, f"array {name} is missing"))
+            continue
+        _check_chunks(run, arrays, name, spans, report)
+
+
+def _check_array_shape(run: Run, arrays: Any, name: str, shape: list[int], labels: str,
+                       report: VerifyReport) -> None:
+    try:
+        array = arrays.array(name)
+    except ChunkCorruptError as exc:
+        report.problems.append(Problem(run.name, labels, str(exc)))
+        return
+    stored = tuple(array.shape)
+    if stored != (tuple(shape) or (1,)):
+        report.problems.append(Problem(run.name, labels, f"array {name} has shape {stored}, "
+                                       f"the catalog says {tuple(shape)}"))
+
+
+def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]],
+                  report: VerifyReport) -> None:
+    try:
+        array = arrays.array(name)
+    except ChunkCorruptError as exc:
+        report.problems.append(Problem(run.name, ", ".join(s[2] for s in spans), str(exc)))
+        return
+    packed = array.ndim == 1 and array.attrs.get("tracelake") == "pack"
+    if packed:
+        end = max((o + n for o, n, _ in spans), default=0)
+        if end > array.shape[0]:
+            report.problems.append(Problem(run.name, name, f"the catalog points past the end "
+                                           f"of {name} ({end} > {array.shape[0]} bytes)"))
+        keys = [str(k) for k in range(math.ceil(end / CHUNK_BYTES))]
+    else:
+        keys = arrays.chunk_keys(name)
+    for key in keys:
+        report.chunks += 1
+        idx = tuple(int(i) for i in key.split("/"))
+        selection = tuple(slice(i * c, min((i + 1) * c, n))
+                          for i, c, n in zip(idx, array.chunks, array.shape, strict=True))
+        try:
+            if not (arrays.path / name / "c" / key).exists():
+                raise ChunkCorruptError(run.name, "?", f"{name}/c/{key}", "missing")
+            array[selection]
+        except Exception as exc:
+            if packed:
+                lo, hi = idx[0] * CHUNK_BYTES, (idx[0] + 1) * CHUNK_BYTES
+                labels = ", ".join(s[2] for s in spans if s[0] < hi and s[0] + s[1] > lo)
+            else:
+                labels = ", ".join(s[2] for s in spans)
+            what = "missing" if isinstance(exc, ChunkCorruptError) else f"damaged ({exc})"
+            report.problems.append(Problem(run.name, labels or name,
+                                           f"chunk {name}/c/{key} is {what}"))

@@ -1,0 +1,249 @@
+"""The streaming write path: copy on the forward thread, encode and write in the background.
+
+A saved tensor is copied off the live graph at once, on the forward thread (the copy
+in-place ops cannot change): a small one straight into the current 4 MiB pack buffer of
+its stream, a large one into a contiguous CPU copy. Full buffers and large copies go to
+worker threads, which compute their statistics, encode and write them. Bytes in flight
+are capped (``max_inflight``): when the cap is reached the forward pass waits, so peak
+memory does not grow with the size of the capture.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracelake.errors import StoreError
+from tracelake.recorder.emit import SelectingEmitter, tensor_version
+from tracelake.recorder.entries import OpTable
+from tracelake.recorder.selectors import Selector
+from tracelake.recorder.stats import Stats, compute_stats
+
+from .tensors import ALIGN, CHUNK_BYTES, RunArrays, dtype_name, pack_stream
+
+__all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
+
+DEFAULT_MAX_INFLIGHT = 256 << 20
+
+
+@dataclass(slots=True)
+class Location:
+    """Where a saved tensor lives: a pack (byte offset) or its own array (offset -1)."""
+
+    array: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    step: int
+    codec: str = "raw"
+
+
+class _Budget:
+    """Bytes in flight, capped: ``take`` waits while the cap would be exceeded (one item
+    larger than the cap still goes, alone)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.used = 0
+        self.peak = 0
+        self.waits = 0
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> None:
+        with self._cond:
+            if self.used and self.used + nbytes > self.cap:
+                self.waits += 1
+                self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
+    def give(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+
+@dataclass
+class _Stream:
+    """The open chunk of one pack: its buffer, where the next tensor goes, who is in it."""
+
+    name: str
+    chunk: int = 0
+    buffer: np.ndarray | None = None
+    used: int = 0
+    members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = field(
+        default_factory=list)
+
+
+class TensorWriter:
+    """Saves tensors of one run into its :class:`RunArrays`, in the background."""
+
+    def __init__(self, arrays: RunArrays, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+                 workers: int = 2):
+        if max_inflight < CHUNK_BYTES:
+            raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
+        self.arrays = arrays
+        self.locations: list[Location] = []
+        self.stats: dict[int, Stats] = {}
+        self.step = 0
+        self.bytes_written = 0
+        self._budget = _Budget(max_inflight)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
+        self._pending: set[Future[None]] = set()
+        self._errors: list[BaseException] = []
+        self._streams: dict[str, _Stream] = {}
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    # -- the forward thread --------------------------------------------------------------
+
+    def save(self, tensor: torch.Tensor) -> int:
+        """Copy ``tensor`` now and have it written; return its slot number."""
+        if self._errors:
+            raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
+        if tensor.layout is not torch.strided or tensor.is_quantized:
+            raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
+        dtype = tensor.dtype
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        slot = len(self.locations)
+        if nbytes >= CHUNK_BYTES:
+            self._budget.take(nbytes)
+            copy = torch.empty(shape, dtype=dtype)
+            copy.copy_(tensor.detach())
+            self.locations.append(Location(f"t{slot}", -1, nbytes, shape, dtype, self.step))
+            self._submit(self._write_array, slot, copy)
+            return slot
+        stream = self._stream(pack_stream(dtype))
+        start = -(-stream.used // ALIGN) * ALIGN
+        if start + nbytes > CHUNK_BYTES:
+            self._flush(stream)
+            start = 0
+        if stream.buffer is None:
+            stream.buffer = self._buffer()
+        if nbytes:
+            region = torch.from_numpy(stream.buffer[start:start + nbytes])
+            region.view(dtype).view(shape).copy_(tensor.detach())
+        stream.used = start + nbytes
+        stream.members.append((slot, start, nbytes, dtype, shape))
+        self.locations.append(Location(stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
+                                       shape, dtype, self.step,
+                                       "zstd" if stream.name == "pack_zstd" else "raw"))
+        return slot
+
+    def _stream(self, name: str) -> _Stream:
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = _Stream(name)
+        return stream
+
+    def _buffer(self) -> np.ndarray:
+        self._budget.take(CHUNK_BYTES)
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(CHUNK_BYTES, dtype=np.uint8)
+
+    def _flush(self, stream: _Stream) -> None:
+        if stream.buffer is not None and stream.members:
+            self._submit(self._write_chunk, stream.name, stream.chunk, stream.buffer,
+                         stream.used, stream.members)
+            stream.chunk += 1
+            stream.buffer = None
+        stream.used = 0
+        stream.members = []
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        future = self._pool.submit(fn, *args)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        exc = future.exception()
+        if exc is not None:
+            self._errors.append(exc)
+
+    # -- worker threads ---------------------------------------------------------------------
+
+    def _write_chunk(self, name: str, chunk: int, buffer: np.ndarray, used: int,
+                     members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]]) -> None:
+        try:
+            raw = torch.from_numpy(buffer)
+            for slot, start, nbytes, dtype, shape in members:
+                if nbytes:
+                    value = raw[start:start + nbytes].view(dtype).view(shape)
+                    self.stats[slot] = compute_stats(value)
+                else:
+                    self.stats[slot] = compute_stats(torch.empty(shape, dtype=dtype))
+            self.arrays.write_pack_chunk(name, chunk, buffer[:used])
+            self.bytes_written += used
+        finally:
+            with self._lock:
+                self._free.append(buffer)
+            self._budget.give(CHUNK_BYTES)
+
+    def _write_array(self, slot: int, copy: torch.Tensor) -> None:
+        try:
+            self.stats[slot] = compute_stats(copy)
+            self.locations[slot].codec = self.arrays.write_array(f"t{slot}", copy)
+            self.bytes_written += copy.numel() * copy.element_size()
+        finally:
+            self._budget.give(copy.numel() * copy.element_size())
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Write what is buffered, wait for the workers; raise if any write failed."""
+        for stream in self._streams.values():
+            self._flush(stream)
+        self._pool.shutdown(wait=True)
+        if self._errors:
+            raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def peak_inflight(self) -> int:
+        return self._budget.peak
+
+
+class StoreEmitter(SelectingEmitter):
+    """The emitter of one step of a stored run: selected tensors go to a
+    :class:`TensorWriter`; module entries point at the slots they were saved in."""
+
+    def __init__(self, selector: Selector, stats: str, table: OpTable, writer: TensorWriter):
+        super().__init__(selector, stats, table)
+        self._writer = writer
+        self._versions: dict[int, int | None] = {}
+
+    def _keep(self, tensor: torch.Tensor) -> int:
+        slot = self._writer.save(tensor)
+        self._versions[slot] = tensor_version(tensor)
+        return slot
+
+    def _holds(self, slot: int, tensor: torch.Tensor) -> bool:
+        version = self._versions.get(slot)
+        return version is not None and version == tensor_version(tensor)
+
+    @property
+    def op_slots(self) -> dict[int, int]:
+        return self._op_slot
+
+    @property
+    def unsaved_stats(self) -> dict[int, Stats]:
+        return self._stats
+
+
+def location_row(slot: int, loc: Location) -> tuple[Any, ...]:
+    return (loc.step, slot, loc.array, None if loc.offset < 0 else loc.offset, loc.nbytes,
+            list(loc.shape), dtype_name(loc.dtype), loc.codec)
