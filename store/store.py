@@ -168,11 +168,14 @@ class Recording:
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
         recording.start(args, kwargs)
+        self._depth += 1  # the block's own hooks must not start a second step
         try:
             output = model(*args, **kwargs)
         except BaseException:
             recording.stop(None, failed=True)
             raise
+        finally:
+            self._depth -= 1
         recording.stop(output)
         self._end(model, recording, table, emitter, args, kwargs)
         return output

@@ -12,17 +12,28 @@
   bitwise.
 - **Codecs,** set explicitly per array: every array ends in a CRC32C checksum; zstd
   level 1 only where it pays (:func:`choose_codec`).
+- **Writing:** array metadata is written by zarr-python; chunks are encoded here and
+  written straight to their files (``bytes`` [→ ``zstd``] → ``crc32c``, exactly as
+  the array's metadata declares, full-size edge chunks as Zarr v3 requires), each with
+  one ``writev`` and an ``fsync``, by the worker threads, with the GIL released in
+  zstd, CRC32C and the system calls. Through zarr-python's pipeline the same chunks
+  went at 0.2-0.4x the disk's speed (``benchmarks/zarr_pipelines.py``), since its
+  synchronous API funnels every call through one event-loop thread and copies each
+  chunk to append the checksum. Reading goes through zarr-python, which checks every
+  checksum.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -95,6 +106,28 @@ def choose_codec(data: np.ndarray) -> str:
         sample = np.concatenate([flat[s:s + step] for s in starts])
     packed = Zstd(level=1).encode(np.ascontiguousarray(sample))
     return "zstd" if sample.nbytes >= ZSTD_MIN_RATIO * len(packed) else "raw"
+
+
+def write_chunk_file(path: Path, data: np.ndarray, codec: str) -> None:
+    """Encode one chunk as its array declares (C-order bytes, zstd if asked, then the
+    CRC32C of what is stored, little-endian) and write it durably."""
+    payload: Any = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if codec == "zstd":
+        payload = Zstd(level=1).encode(payload)
+    checksum = struct.pack("<I", google_crc32c.value(payload))  # numpy array or bytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload).cast("B")
+        written = os.writev(fd, [view, checksum])
+        total = view.nbytes + 4
+        while written < total:  # short writes: finish them
+            rest = (view[written:], checksum) if written < view.nbytes else \
+                (checksum[written - view.nbytes:],)
+            written += os.writev(fd, list(rest))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _compressors(codec: str) -> list[Any]:
@@ -173,20 +206,34 @@ class RunArrays:
         with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose chunks
             if array.shape[0] < start + CHUNK_BYTES:
                 array.resize((start + CHUNK_BYTES,))
-        array[start:start + data.nbytes] = data
+        chunk = data
+        if data.nbytes < CHUNK_BYTES:  # Zarr v3 stores edge chunks full size
+            chunk = np.zeros(CHUNK_BYTES, dtype=np.uint8)
+            chunk[:data.nbytes] = data
+        codec = "zstd" if name == "pack_zstd" else "raw"
+        write_chunk_file(self.path / name / "c" / str(index), chunk, codec)
 
     def write_array(self, name: str, tensor: torch.Tensor) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used."""
         data = tensor_bits(tensor)
         codec = choose_codec(data)
         shape = tuple(tensor.shape) or (1,)
-        array = zarr.create_array(
-            str(self.path / name), shape=shape,
-            chunks=chunk_shape(shape, data.dtype.itemsize), dtype=data.dtype,
+        data = data.reshape(shape)
+        chunks = chunk_shape(shape, data.dtype.itemsize)
+        zarr.create_array(
+            str(self.path / name), shape=shape, chunks=chunks, dtype=data.dtype,
             fill_value=0, compressors=_compressors(codec), config=_ZARR_CONFIG,
             attributes={"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)},
         )
-        array[...] = data.reshape(shape)
+        root = self.path / name / "c"
+        for idx in _product([range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)]):
+            sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
+            part = data[sel]
+            if part.shape != chunks:  # an edge chunk: padded to full size with the fill value
+                full = np.zeros(chunks, dtype=data.dtype)
+                full[tuple(slice(0, n) for n in part.shape)] = part
+                part = full
+            write_chunk_file(root.joinpath(*map(str, idx)), part, codec)
         return codec
 
     # -- reading ---------------------------------------------------------------------------

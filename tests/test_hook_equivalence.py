@@ -16,6 +16,14 @@ from typing import Any
 
 import pytest
 import torch
+from hook_capture import (
+    HookRun,
+    assert_all_bitwise,
+    assert_bitwise,
+    call_label,
+    flatten,
+    run_with_hooks,
+)
 from model_zoo import BUILDERS
 from torch.nn.modules import module as nn_module
 from torch.overrides import _get_current_function_mode_stack
@@ -25,111 +33,6 @@ import tracelake as tl
 MODEL_NAMES = list(BUILDERS)
 
 
-# -- helpers -------------------------------------------------------------------------
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """``a`` and ``b`` have the same dtype, shape and device and identical bits.
-
-    Compares the raw bytes, so NaNs with equal payloads compare equal and ``-0.0`` differs
-    from ``0.0``: stricter than ``torch.equal``.
-    """
-    where = f" ({what})" if what else ""
-    assert isinstance(a, torch.Tensor), f"not a tensor{where}: {type(a).__name__}"
-    assert isinstance(b, torch.Tensor), f"not a tensor{where}: {type(b).__name__}"
-    assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}{where}"
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}{where}"
-    assert a.device == b.device, f"device {a.device} != {b.device}{where}"
-    a_bytes = a.detach().contiguous().reshape(-1).view(torch.uint8)
-    b_bytes = b.detach().contiguous().reshape(-1).view(torch.uint8)
-    if not torch.equal(a_bytes, b_bytes):
-        diff = (a.detach().double() - b.detach().double()).abs()
-        raise AssertionError(
-            f"tensors differ{where}: max abs diff {diff.nan_to_num(nan=float('inf')).max()}"
-        )
-
-
-def flatten(obj: Any) -> list[torch.Tensor]:
-    """Tensor leaves of ``obj``: inside tuples, lists and dict values, depth-first."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    found: list[torch.Tensor] = []
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            found.extend(flatten(item))
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            found.extend(flatten(item))
-    return found
-
-
-def clone_leaves(obj: Any) -> Any:
-    """``obj``'s structure with each tensor leaf replaced by ``t.detach().clone()``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, (tuple, list)):
-        items = [clone_leaves(item) for item in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, dict):  # model-output dataclasses too: only the values matter here
-        return {key: clone_leaves(value) for key, value in obj.items()}
-    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else None
-
-
-def assert_all_bitwise(got: tuple | list, want: list, what: str) -> None:
-    assert len(got) == len(want), f"{what}: {len(got)} tensors recorded, hooks saw {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_bitwise(g, w, f"{what}[{i}]")
-
-
-@dataclass
-class HookRun:
-    output: Any
-    outputs: dict[tuple[str, int], list[torch.Tensor]]  # (path, call) -> flat output clones
-    inputs: dict[tuple[str, int], list[torch.Tensor]]  # (path, call) -> flat arg clones
-    structures: dict[tuple[str, int], Any]  # (path, call) -> output with cloned leaves
-    order: list[tuple[str, int]]  # calls in the order they began
-
-
-def run_with_hooks(model: torch.nn.Module, inputs: tuple) -> HookRun:
-    """A plain forward with a forward hook and a pre-hook on every named submodule."""
-    run = HookRun(None, {}, {}, {}, [])
-    started: Counter[str] = Counter()
-    finished: Counter[str] = Counter()
-    handles = []
-
-    def make_hooks(path: str):
-        def pre_hook(module, args):
-            started[path] += 1
-            key = (path, started[path])
-            run.order.append(key)
-            run.inputs[key] = [t.detach().clone() for t in flatten(args)]
-
-        def hook(module, args, output):
-            finished[path] += 1
-            key = (path, finished[path])
-            structure = clone_leaves(output)
-            run.structures[key] = structure
-            run.outputs[key] = flatten(structure)
-
-        return pre_hook, hook
-
-    try:
-        for path, module in model.named_modules():
-            if not path:
-                continue
-            pre_hook, hook = make_hooks(path)
-            handles.append(module.register_forward_pre_hook(pre_hook))
-            handles.append(module.register_forward_hook(hook))
-        run.output = model(*inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert started == finished
-    return run
-
-
-def call_label(path: str, call: int, calls: Counter[str]) -> str:
-    return path if calls[path] == 1 else f"{path}:{call}"
 
 
 @dataclass

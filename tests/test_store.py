@@ -1,0 +1,359 @@
+"""The store end to end: record, reopen in another process, read back bit for bit.
+
+Every comparison is against what plain PyTorch gives: forward hooks on the same model
+(tests/hook_capture.py), or an in-memory ``tl.trace`` of the same forward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hook_capture import assert_bitwise
+from model_zoo import BUILDERS
+from torch import nn
+
+import tracelake as tl
+from tracelake.store.tensors import CHUNK_BYTES
+
+TESTS = Path(__file__).parent
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (tests/ on its path); fail loudly if it fails."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, cwd=TESTS, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+# -- round trip across processes --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_record_then_reopen_elsewhere_matches_forward_hooks(tmp_path: Path, name: str) -> None:
+    model, inputs = BUILDERS[name]()
+    store = tl.open(tmp_path / "s")
+    with torch.no_grad():
+        run = store.record(model, *inputs, name=f"{name}-run", meta={"model": name})
+    labels, n_ops = run.labels, len(run)
+    # A different process opens the store, rebuilds the same seeded model, captures it
+    # with plain forward hooks and compares every stored module call and op output.
+    done = run_python(
+        """
+        import json, sys
+        from collections import Counter
+        import torch
+        import tracelake as tl
+        from hook_capture import assert_bitwise, call_label, flatten, run_with_hooks
+        from model_zoo import BUILDERS
+
+        root, name = sys.argv[1], sys.argv[2]
+        model, inputs = BUILDERS[name]()
+        with torch.no_grad():
+            hooks = run_with_hooks(model, inputs)
+            log = tl.trace(model, *inputs)
+        run = tl.open(root, create=False)[f"{name}-run"]
+        calls = Counter(path for path, _ in hooks.order)
+        for path, call in hooks.order:
+            label = call_label(path, call, calls)
+            entry = run[label]
+            for i, (got, want) in enumerate(zip(entry.outputs, hooks.outputs[(path, call)],
+                                                strict=True)):
+                assert_bitwise(got, want, f"{label} output {i}")
+            for i, (got, want) in enumerate(zip(entry.inputs, hooks.inputs[(path, call)],
+                                                strict=True)):
+                assert_bitwise(got, want, f"{label} input {i}")
+            assert len(flatten(entry.out)) == len(hooks.outputs[(path, call)])
+        for op in log:
+            stored = run[op.label]
+            assert (stored.func, stored.kind, stored.module, stored.modules, stored.parents,
+                    stored.children, stored.shape, stored.dtype, stored.pass_num) == (
+                    op.func, op.kind, op.module, op.modules, op.parents, op.children,
+                    op.shape, op.dtype, op.pass_num)
+            assert_bitwise(stored.out, op.out, op.label)
+        assert_bitwise(run[log.outputs[0].label].out, flatten(hooks.output)[0], "output")
+        print(json.dumps({"labels": run.labels, "meta": run.meta}))
+        """,
+        str(tmp_path / "s"), name,
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["labels"] == labels and len(labels) == n_ops
+    assert seen["meta"] == {"model": name}
+
+
+def test_stored_run_answers_like_a_trace(tmp_path: Path) -> None:
+    model, inputs = BUILDERS["repeated_block"]()
+    log = tl.trace(model, *inputs)
+    run = tl.open(tmp_path / "s").record(model, *inputs, name="r")
+    assert run.labels == log.labels
+    assert run.module_labels == log.module_labels
+    with pytest.raises(tl.AmbiguousLabelError) as info:
+        run["block"]
+    assert "block:2" in str(info.value)
+    with pytest.raises(tl.LabelError, match="did you mean"):
+        run["linear_1_2"]
+    for op in log:
+        stored = run[op.label]
+        assert stored.source == op.source  # lines inside model_zoo.py's forward
+        assert stored.source is None or stored.source.file.endswith("model_zoo.py")
+        assert stored.stats is not None and op.stats is not None
+        for field in ("mean", "std", "min", "max", "absmax", "l2", "frac_zero"):
+            assert math.isclose(getattr(stored.stats, field), getattr(op.stats, field),
+                                rel_tol=1e-5, abs_tol=1e-6), (op.label, field)
+    df = run.df()
+    assert list(df["label"]) == log.labels and df["saved"].all()
+
+
+def test_save_selector_and_unsaved_ops(tmp_path: Path) -> None:
+    model, inputs = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    run = store.record(model, *inputs, name="relu-only", save=tl.func("relu"), stats="all")
+    for op in run:
+        if op.func == "relu":
+            assert op.saved and op.out is not None and op.array is not None
+        else:
+            assert not op.saved and op.out is None and op.array is None
+            assert op.stats is not None  # stats="all": computed during the forward
+    nothing = store.record(model, *inputs, name="none", save=tl.none())
+    assert not any(op.saved for op in nothing) and all(op.stats is None for op in nothing)
+
+
+# -- dtypes -----------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+class Caster(nn.Module):
+    """Emits one tensor of each dtype, small and large (a pack and an own array)."""
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for dtype in DTYPES:
+            for base in (x[:3, :5], x):
+                y = base * 3.5 - 1
+                if dtype is torch.bool:
+                    outs.append(y > 0)
+                elif dtype is torch.complex64:
+                    outs.append(torch.complex(y, -y))
+                else:
+                    outs.append(y.to(dtype))
+        return outs
+
+
+def test_every_dtype_round_trips_bitwise(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    # 8.6 MiB in float32, 4.3 in bfloat16: own arrays; x[:3, :5] is packed.
+    x = torch.randn(2048, 1100)
+    x[0, 0] = float("nan")
+    x[0, 1] = -0.0
+    model = Caster()
+    want = model(x)
+    tl.open(tmp_path / "s").record(model, x, name="dtypes")
+    run = tl.open(tmp_path / "s", create=False)["dtypes"]
+    got = run["output_1"], *[run[f"output_{i}"] for i in range(2, len(want) + 1)]
+    assert len(got) == len(want)
+    for entry, w in zip(got, want, strict=True):
+        assert_bitwise(entry.out, w, f"{entry.label} {w.dtype}")
+    kinds = {run._only()._tensors._slots[s].array.startswith("t")
+             for s in run._only()._tensors._op_slots.values()}
+    assert kinds == {True, False}, "both packed and own-array tensors were exercised"
+    # Plain zarr-python, knowing nothing of tracelake, reads the same bits.
+    import zarr
+
+    group = zarr.open_group(str(tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors"), mode="r")
+    bf16 = run[f"output_{2 * DTYPES.index(torch.bfloat16) + 2}"]
+    array = group[bf16.array._slot.array]
+    assert array.attrs["torch_dtype"] == "bfloat16"
+    bits = torch.from_numpy(array[...].view("uint16").astype("int32")).to(torch.int16)
+    assert_bitwise(bits.view(torch.bfloat16), want[2 * DTYPES.index(torch.bfloat16) + 1],
+                   "bfloat16 through plain zarr")
+
+
+# -- multi-step recordings --------------------------------------------------------------
+
+
+def test_recording_block_records_each_forward_as_a_step(tmp_path: Path) -> None:
+    model, (x,) = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    inputs = [x, x * 2, x[:2]]
+    with store.recording("gen", model, meta={"prompt": "A"}, save=tl.func("relu")) as rec:
+        outs = [model(inp) for inp in inputs]  # called by user code: each call is a step
+        rec.record(model, x + 1)  # explicit step
+    run = store["gen"]
+    assert run.num_steps == 4 and store.runs().loc[0, "steps"] == 4
+    for k, (inp, out) in enumerate(zip([*inputs, x + 1], [*outs, model(x + 1)], strict=True)):
+        step = run.step(k)
+        assert_bitwise(step["input_1"].out if step["input_1"].saved else inp, inp, "input")
+        relus = step.find(func="relu")
+        assert len(relus) == 2
+        want = torch.relu(model[0](inp))
+        assert_bitwise(relus[0].out, want, f"step {k} relu")
+        assert step["output_1"].shape == tuple(out.shape)
+    with pytest.raises(tl.RecorderError, match=r"run.step\(k\)"):
+        run["relu_1_2"]
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_recording_that_raises_is_never_visible(tmp_path: Path) -> None:
+    model, (x,) = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    with pytest.raises(RuntimeError, match="boom"), store.recording("bad", model):
+        model(x)
+        raise RuntimeError("boom")
+    assert "bad" not in store and len(store) == 0
+    listed = store.runs(all=True)
+    assert list(listed["status"]) == ["failed"]
+    assert store.gc()["runs"] == 1
+    assert len(store.runs(all=True)) == 0
+
+
+# -- lazy, partial reads ----------------------------------------------------------------
+
+
+class Wide(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 2
+
+
+def test_partial_read_touches_only_the_chunks_it_needs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 256, 1024)  # 16 MiB float32: chunks of 4 rows of 256 x 1024
+    run = tl.open(tmp_path / "s").record(Wide(), x, name="wide")
+    entry = run["mul_1_2"]
+    lazy = entry.array
+    assert lazy.shape == (16, 256, 1024) and lazy.dtype == torch.float32
+    want = torch.relu(x) * 2
+    # Remove every chunk file but the one holding x[5]: a read of x[5, :, 3:9] must
+    # still succeed, because it never opens another chunk.
+    tensors = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors"
+    chunk_dir = tensors / lazy._slot.array / "c"
+    chunks = sorted(p.relative_to(chunk_dir).as_posix() for p in chunk_dir.rglob("*")
+                    if p.is_file())
+    assert len(chunks) == 4
+    for key in chunks:
+        if key != "1/0/0":
+            (chunk_dir / key).unlink()
+    assert_bitwise(lazy[5, :, 3:9], want[5, :, 3:9], "x[5, :, 3:9]")
+    backwards = torch.from_numpy(want.numpy()[-11, ::-3, -5:].copy())
+    assert_bitwise(lazy[-11, ::-3, -5:], backwards, "negative indices and steps")
+    assert_bitwise(lazy[4:8, ..., 7], want[4:8, ..., 7], "ellipsis")
+    with pytest.raises(tl.ChunkCorruptError) as info:
+        lazy[0]
+    assert "wide" in str(info.value) and "mul_1_2" in str(info.value)
+
+
+# -- damage -----------------------------------------------------------------------------
+
+
+def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
+    model, inputs = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    store.record(model, *inputs, name="ok")
+    store.record(model, *inputs, name="damaged", save=tl.func("relu"))
+    assert store.verify().ok
+    run = store["damaged"]
+    pack = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / "pack_raw" / "c" / "0"
+    data = bytearray(pack.read_bytes())
+    data[10] ^= 0x40
+    pack.write_bytes(bytes(data))
+    fresh = tl.open(tmp_path / "s")
+    with pytest.raises(tl.ChunkCorruptError) as info:
+        _ = fresh["damaged"]["relu_1_2"].out
+    assert "'damaged'" in str(info.value) and "relu_1_2" in str(info.value)
+    report = fresh.verify()
+    assert not report.ok
+    assert {p.run for p in report.problems} == {"damaged"}
+    assert "relu_1_2" in report.problems[0].label
+    assert_bitwise(fresh["ok"]["relu_1_2"].out, torch.relu(model[0](inputs[0])), "intact run")
+
+
+# -- names, lifecycle -------------------------------------------------------------------
+
+
+def test_names_are_data_never_paths(tmp_path: Path) -> None:
+    model, inputs = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    odd = "../../etc/passwd; DROP TABLE runs; --"
+    store.record(model, *inputs, name=odd)
+    assert odd in store and store[odd].name == odd
+    assert not (tmp_path / "etc").exists()
+    for bad in ("", " padded ", "a\nb", "x" * 201):
+        with pytest.raises(tl.InvalidRunNameError):
+            store.record(model, *inputs, name=bad)
+    with pytest.raises(tl.RunExistsError, match="overwrite=True"):
+        store.record(model, *inputs, name=odd)
+    replaced = store.record(model, *inputs, name=odd, overwrite=True, meta={"v": 2})
+    assert store[odd].meta == {"v": 2} and store[odd].id == replaced.id
+    assert len(store) == 1
+    generated = store.record(model, *inputs)
+    assert generated.name.startswith("sequential-")
+
+
+def test_open_errors(tmp_path: Path) -> None:
+    with pytest.raises(tl.StoreNotFoundError):
+        tl.open(tmp_path / "missing", create=False)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file.txt").write_text("x")
+    with pytest.raises(tl.StoreFormatError, match="not a tracelake store"):
+        tl.open(tmp_path / "busy")
+    tl.open(tmp_path / "s")
+    marker = tmp_path / "s" / "tracelake.json"
+    marker.write_text(json.dumps({"format": 99}))
+    with pytest.raises(tl.StoreFormatError, match="newer"):
+        tl.open(tmp_path / "s")
+    with pytest.raises(tl.RunNotFoundError):
+        marker.write_text(json.dumps({"format": 1}))
+        tl.open(tmp_path / "s")["nope"]
+    with pytest.raises(ValueError, match="JSON"):
+        tl.open(tmp_path / "s").record(nn.ReLU(), torch.ones(2), meta={"x": object()})
+
+
+def test_delete_then_gc_reclaims_space(tmp_path: Path) -> None:
+    model, inputs = BUILDERS["cnn"]()
+    store = tl.open(tmp_path / "s")
+    keep = store.record(model, *inputs, name="keep")
+    gone = store.record(model, *inputs, name="gone")
+    gone_dir = tmp_path / "s" / "runs" / f"{gone.id:08d}"
+    assert gone_dir.exists()
+    store.delete("gone")
+    assert "gone" not in store and list(store.runs()["name"]) == ["keep"]
+    with pytest.raises(tl.RunNotFoundError):
+        store.delete("gone")
+    freed = store.gc()
+    assert freed["runs"] == 1 and freed["bytes"] > 0 and not gone_dir.exists()
+    assert store.verify().ok
+    assert_bitwise(store["keep"]["output_1"].out, keep["output_1"].out, "kept run")
+
+
+# -- bounded memory ---------------------------------------------------------------------
+
+
+class Big(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(12):
+            x = x + 1
+        return x
+
+
+def test_back_pressure_caps_bytes_in_flight(tmp_path: Path) -> None:
+    x = torch.zeros(1024, 1024 * 2)  # 8 MiB per op, 12 ops: ~100 MiB through a 12 MiB cap
+    cap = 3 * CHUNK_BYTES
+    store = tl.open(tmp_path / "s")
+    with store.recording("big", max_inflight=cap) as rec:
+        rec.record(Big(), x)
+        writer = rec._writer
+    assert writer is not None
+    assert writer.peak_inflight <= cap
+    assert writer.bytes_written >= 12 * x.nbytes
+    assert_bitwise(store["big"]["output_1"].out, x + 12, "output")
