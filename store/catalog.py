@@ -251,15 +251,29 @@ class CatalogMirror:
         self._gen: str | None = None
         self._loaded: set[int] = set()
 
+    def _token(self) -> str | None:
+        """What changes whenever the catalog may have: the writers' generation file, and
+        the database and its log as the filesystem sees them (so that a writer killed
+        between its commit and its bump is still noticed)."""
+        parts = []
+        for path in (self.paths.gen, self.paths.catalog,
+                     self.paths.catalog.with_name(self.paths.catalog.name + ".wal")):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                parts.append("-")
+                continue
+            parts.append(f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}")
+        if parts[0] == "-":
+            return None  # nothing was ever committed
+        return f"{self.paths.gen.read_text()}|{'|'.join(parts)}"
+
     def refresh(self) -> None:
-        try:
-            gen = self.paths.gen.read_text()
-        except FileNotFoundError:
-            return  # nothing was ever committed
-        if gen == self._gen:
+        gen = self._token()
+        if gen is None or gen == self._gen:
             return
         with locked(self.paths.lock, exclusive=False):
-            gen = self.paths.gen.read_text()
+            gen = self._token()
             con = self.con
             con.execute(f"ATTACH '{_quote(str(self.paths.catalog))}' AS cat (READ_ONLY)")
             try:

@@ -95,6 +95,10 @@ def pack_stream(dtype: torch.dtype) -> str:
     return "pack_zstd" if dtype in _ZSTD_STREAM_DTYPES else "pack_raw"
 
 
+def pack_codec(name: str) -> str:
+    return "zstd" if name.startswith("pack_zstd") else "raw"
+
+
 def choose_codec(data: np.ndarray) -> str:
     """``"zstd"`` if a sample of ``data``'s bytes compresses by ZSTD_MIN_RATIO, else ``"raw"``."""
     flat = data.reshape(-1).view(np.uint8)
@@ -186,32 +190,32 @@ class RunArrays:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _pack(self, name: str) -> Any:
+    def _pack(self, name: str, size: int = CHUNK_BYTES) -> Any:
         with self._lock:
             array = self._arrays.get(name)
             if array is None:
                 array = self._arrays[name] = zarr.create_array(
-                    str(self.path / name), shape=(CHUNK_BYTES,), chunks=(CHUNK_BYTES,),
-                    dtype="uint8", fill_value=0, compressors=_compressors(
-                        "zstd" if name == "pack_zstd" else "raw"),
+                    str(self.path / name), shape=(size,), chunks=(size,),
+                    dtype="uint8", fill_value=0, compressors=_compressors(pack_codec(name)),
                     config=_ZARR_CONFIG, attributes={"tracelake": "pack"},
                 )
                 self._grow[name] = threading.Lock()
             return array
 
+    def write_pack_tail(self, name: str, data: np.ndarray) -> None:
+        """The last, partly filled chunk of a pack, as its own one-chunk array of exactly
+        its size (Zarr v3 stores edge chunks full size: a small run must not cost 4 MiB)."""
+        self._pack(name, data.nbytes)
+        write_chunk_file(self.path / name / "c" / "0", data, pack_codec(name))
+
     def write_pack_chunk(self, name: str, index: int, data: np.ndarray) -> None:
-        """Write whole chunk ``index`` of pack ``name`` (``data``: up to CHUNK_BYTES)."""
+        """Write whole chunk ``index`` of pack ``name`` (``data``: CHUNK_BYTES)."""
         array = self._pack(name)
         start = index * CHUNK_BYTES
         with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose chunks
             if array.shape[0] < start + CHUNK_BYTES:
                 array.resize((start + CHUNK_BYTES,))
-        chunk = data
-        if data.nbytes < CHUNK_BYTES:  # Zarr v3 stores edge chunks full size
-            chunk = np.zeros(CHUNK_BYTES, dtype=np.uint8)
-            chunk[:data.nbytes] = data
-        codec = "zstd" if name == "pack_zstd" else "raw"
-        write_chunk_file(self.path / name / "c" / str(index), chunk, codec)
+        write_chunk_file(self.path / name / "c" / str(index), data, pack_codec(name))
 
     def write_array(self, name: str, tensor: torch.Tensor) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used."""
@@ -272,7 +276,8 @@ class RunArrays:
                     shape: Sequence[int], label: str) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
-        first, last = offset // CHUNK_BYTES, (offset + nbytes - 1) // CHUNK_BYTES
+        size = self.array(name).chunks[0]
+        first, last = offset // size, (offset + nbytes - 1) // size
         data = self._read(name, label, slice(offset, offset + nbytes),
                           [str(k) for k in range(first, last + 1)])
         return tensor_from_bytes(data, dtype, shape)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import ChunkCorruptError
 
-from .tensors import CHUNK_BYTES, parse_dtype
+from .tensors import parse_dtype
 
 if TYPE_CHECKING:
     from .run import Run
@@ -111,7 +111,7 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
         if end > array.shape[0]:
             report.problems.append(Problem(run.name, name, f"the catalog points past the end "
                                            f"of {name} ({end} > {array.shape[0]} bytes)"))
-        keys = [str(k) for k in range(math.ceil(end / CHUNK_BYTES))]
+        keys = [str(k) for k in range(math.ceil(end / array.chunks[0]))]
     else:
         keys = arrays.chunk_keys(name)
     for key in keys:
@@ -125,7 +125,7 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
             array[selection]
         except Exception as exc:
             if packed:
-                lo, hi = idx[0] * CHUNK_BYTES, (idx[0] + 1) * CHUNK_BYTES
+                lo, hi = idx[0] * array.chunks[0], (idx[0] + 1) * array.chunks[0]
                 labels = ", ".join(s[2] for s in spans if s[0] < hi and s[0] + s[1] > lo)
             else:
                 labels = ", ".join(s[2] for s in spans)

@@ -184,7 +184,11 @@ class TensorWriter:
                     self.stats[slot] = compute_stats(value)
                 else:
                     self.stats[slot] = compute_stats(torch.empty(shape, dtype=dtype))
-            self.arrays.write_pack_chunk(name, chunk, buffer[:used])
+            if chunk < 0:
+                self.arrays.write_pack_tail(name, buffer[:used])
+            else:
+                buffer[used:] = 0  # what a reused buffer held there: no tensor points to it
+                self.arrays.write_pack_chunk(name, chunk, buffer)
             self.bytes_written += used
         finally:
             with self._lock:
@@ -204,7 +208,15 @@ class TensorWriter:
     def close(self) -> None:
         """Write what is buffered, wait for the workers; raise if any write failed."""
         for stream in self._streams.values():
-            self._flush(stream)
+            if stream.buffer is not None and stream.members:
+                # The open chunk becomes the pack's tail: an array of exactly its size.
+                tail = f"{stream.name}_tail"
+                for slot, start, *_ in stream.members:
+                    self.locations[slot].array = tail
+                    self.locations[slot].offset = start
+                self._submit(self._write_chunk, tail, -1, stream.buffer, stream.used,
+                             stream.members)
+                stream.buffer = None
         self._pool.shutdown(wait=True)
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]

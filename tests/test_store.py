@@ -263,7 +263,9 @@ def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
     store.record(model, *inputs, name="damaged", save=tl.func("relu"))
     assert store.verify().ok
     run = store["damaged"]
-    pack = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / "pack_raw" / "c" / "0"
+    where = run["relu_1_2"].array._slot.array  # a small run: its only chunk, in a pack tail
+    assert where.startswith("pack_raw")
+    pack = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
     data = bytearray(pack.read_bytes())
     data[10] ^= 0x40
     pack.write_bytes(bytes(data))
@@ -357,3 +359,61 @@ def test_back_pressure_caps_bytes_in_flight(tmp_path: Path) -> None:
     assert writer.peak_inflight <= cap
     assert writer.bytes_written >= 12 * x.nbytes
     assert_bitwise(store["big"]["output_1"].out, x + 12, "output")
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+class Cli:
+    """Runs ``tracelake`` commands in this process (each in a subprocess would spend
+    seconds importing torch) and keeps what they printed."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]):
+        self.capsys = capsys
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        from tracelake.cli import main
+
+        code = main(list(args))
+        out, err = self.capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def test_cli_runs_show_verify_rm_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli = Cli(capsys)
+    model, inputs = BUILDERS["mlp"]()
+    root = str(tmp_path / "s")
+    store = tl.open(root)
+    store.record(model, *inputs, name="base", meta={"lr": 0.1})
+    store.record(model, *inputs, name="other")
+    listed = json.loads(cli("runs", root, "--json").stdout)
+    assert [r["name"] for r in listed] == ["base", "other"] and listed[0]["meta"] == {"lr": 0.1}
+    human = cli("runs", root)
+    assert human.returncode == 0 and "base" in human.stdout and "complete" in human.stdout
+    ops = json.loads(cli("show", root, "base", "--json").stdout)
+    assert [o["label"] for o in ops] == store["base"].labels
+    assert ops[1]["func"] == "linear" and ops[1]["mean"] is not None
+    shown = cli("show", root, "base")
+    assert "relu_1_2" in shown.stdout and "linear" in shown.stdout
+    missing = cli("show", root, "bsae")
+    assert missing.returncode == 1 and "did you mean 'base'" in missing.stderr
+    assert cli("runs", str(tmp_path / "none")).returncode == 1
+    assert json.loads(cli("verify", root, "--json").stdout)["ok"] is True
+    # damage one chunk: verify names the run and the labels, and fails
+    run = store["other"]
+    where = run["relu_1_2"].array._slot.array
+    chunk = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 1
+    chunk.write_bytes(bytes(data))
+    bad = cli("verify", root)
+    assert bad.returncode == 1 and "other" in bad.stdout and "damaged" in bad.stdout
+    assert cli("rm", root, "other").returncode == 0
+    freed = json.loads(cli("gc", root, "--json").stdout)
+    assert freed["runs"] == 1
+    assert cli("verify", root).returncode == 0
+    assert [r["name"] for r in json.loads(cli("runs", root, "--json", "--all").stdout)] == ["base"]
+    # and once for real, as a script would run it: exit status and output
+    done = subprocess.run([sys.executable, "-m", "tracelake.cli", "verify", root, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 1

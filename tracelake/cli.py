@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -24,7 +25,7 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def ops_table(trace: tl.Trace, title: str) -> Table:
+def ops_table(trace: Any, title: str) -> Table:
     """A rich table of a trace's ops: label, func, module, shape, dtype, stats, source."""
     table = Table(title=title, show_lines=False, header_style="bold")
     for name in ("label", "func", "module", "shape", "dtype", "mean", "std", "absmax", "source"):
@@ -75,19 +76,110 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, default=str, indent=1)
+    sys.stdout.write("\n")
+
+
+def _runs(args: argparse.Namespace) -> int:
+    df = tl.open(args.store, create=False).runs(all=args.all)
+    if args.json:
+        _print_json(df.to_dict(orient="records"))
+        return 0
+    table = Table(title=f"runs in {args.store}", header_style="bold")
+    for name in ("name", "status", "created", "steps", "ops", "bytes", "model_class", "meta"):
+        table.add_column(name, overflow="fold")
+    for row in df.to_dict(orient="records"):
+        table.add_row(*[_fmt(row[c]) for c in ("name", "status", "created", "steps", "ops",
+                                                "bytes", "model_class")],
+                      json.dumps(row["meta"]) if row["meta"] is not None else "")
+    _console().print(table)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    run = tl.open(args.store, create=False)[args.run]
+    view = run.step(args.step if args.step is not None else 0)
+    if args.json:
+        _print_json(view.df().drop(columns=["parents"]).to_dict(orient="records"))
+        return 0
+    title = f"{run.name}: {run.model_class}" + (
+        f", step {view.step} of {run.num_steps}" if run.num_steps > 1 else "")
+    _console().print(ops_table(view, f"{title}: {len(view)} ops"))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    store = tl.open(args.store, create=False)
+    for name in args.run:
+        store.delete(name)
+    if args.json:
+        _print_json({"deleted": args.run})
+    else:
+        _console().print(f"deleted {len(args.run)} run(s); `tracelake gc {args.store}` "
+                         "reclaims their space", soft_wrap=True)
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    freed = tl.open(args.store, create=False).gc()
+    if args.json:
+        _print_json(freed)
+    else:
+        _console().print(f"removed {freed['runs']} run(s) and {freed['orphans']} orphaned "
+                         f"director(ies), {freed['bytes'] / 2**20:.1f} MiB", soft_wrap=True)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = tl.open(args.store, create=False).verify()
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        console = _console()
+        for problem in report.problems:
+            console.print(f"[red]damaged[/red] {problem}", soft_wrap=True, markup=True)
+        verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        console.print(f"{report.runs} run(s), {report.tensors} tensors, {report.chunks} "
+                      f"chunks checked: {verdict}", soft_wrap=True)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracelake", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracelake {tl.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="trace the built-in demo model, print its ops")
     demo.add_argument("--json", action="store_true", help="print the ops as JSON records")
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(handler=_demo)
+
+    def command(name: str, help: str, fn: Any) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("store", help="the store's directory")
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+        sub.set_defaults(handler=fn)
+        return sub
+
+    runs = command("runs", "list the runs of a store", _runs)
+    runs.add_argument("--all", action="store_true",
+                      help="also recording, interrupted, failed and deleted runs")
+    show = command("show", "print a run's ops: label, func, module, shape, dtype, stats", _show)
+    show.add_argument("run", help="the run's name")
+    show.add_argument("--step", type=int, default=None, help="which step (multi-step runs)")
+    rm = command("rm", "delete runs (gc reclaims their space)", _rm)
+    rm.add_argument("run", nargs="+", help="names of the runs to delete")
+    command("gc", "reclaim the space of deleted, failed and interrupted runs", _gc)
+    command("verify", "check every chunk's checksum and the catalog's agreement", _verify)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.handler(args))
+    except (tl.TraceLakeError, tl.RecorderError) as exc:
+        print(f"tracelake {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

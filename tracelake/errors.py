@@ -105,6 +105,12 @@ class StoreFormatError(StoreError):
 class RunNotFoundError(StoreError, LabelError):
     """No complete run of the store has the name asked for (a ``KeyError`` too)."""
 
+    def __init__(self, name: object, known: Iterable[str] = ()):
+        close = difflib.get_close_matches(str(name), list(known), n=5, cutoff=0.6)
+        hint = ("; did you mean " + ", ".join(repr(c) for c in close) + "?") if close else \
+            "; store.runs() (or `tracelake runs STORE`) lists the runs"
+        super().__init__(name, message=f"no complete run named {name!r}{hint}")
+
 
 class RunExistsError(StoreError):
     """A run of that name already exists; record with ``overwrite=True`` to replace it."""

@@ -1,0 +1,183 @@
+"""Crashes and concurrency: SIGKILL at several moments of a recording, and several
+processes recording into one store while others read it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hook_capture import assert_bitwise
+from model_zoo import BUILDERS
+
+import tracelake as tl
+
+TESTS = Path(__file__).parent
+
+# A child that records run "c" and SIGKILLs itself at the moment named by argv[2].
+_DIE_AT = """
+import os, signal, sys
+import duckdb
+import torch
+import tracelake as tl
+from tracelake.store import catalog, tensors
+from model_zoo import BUILDERS
+
+root, moment = sys.argv[1], sys.argv[2]
+
+def die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+model, inputs = BUILDERS["cnn"]()
+if moment == "mid-forward":
+    model.features[4].register_forward_hook(die)
+elif moment == "mid-write":  # a worker thread dies half way through writing a chunk file
+    write = tensors.write_chunk_file
+    def half(path, data, codec):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.tobytes()[: data.nbytes // 2])
+        die()
+    tensors.write_chunk_file = half
+elif moment == "before-commit":  # tensors durable, catalog untouched
+    catalog.CatalogWriter.commit = die
+elif moment == "mid-commit":  # rows inserted, the status update and COMMIT not yet run
+    connect = duckdb.connect
+    class Dying:
+        def __init__(self, con):
+            self.con = con
+        def execute(self, sql, *args):
+            if sql.startswith("UPDATE runs SET status = ?, finished = ?, steps"):
+                die()
+            return self.con.execute(sql, *args)
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+    duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
+elif moment == "after-commit":  # committed, readers not yet told (1st bump: the reserve)
+    bump = catalog.CatalogWriter._bump
+    calls = []
+    def bump_then_die(self, seq):
+        calls.append(seq)
+        if len(calls) == 2:
+            die()
+        bump(self, seq)
+    catalog.CatalogWriter._bump = bump_then_die
+store = tl.open(root)
+store.record(model, *inputs, name="c", meta={"moment": moment})
+print("survived")
+"""
+
+
+def _record_earlier_runs(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    store = tl.open(root)
+    expected = {}
+    for name, builder in (("a", "mlp"), ("b", "repeated_block")):
+        model, inputs = BUILDERS[builder]()
+        store.record(model, *inputs, name=name)
+        log = tl.trace(model, *inputs)
+        expected[name] = {op.label: op.out for op in log}
+    return expected
+
+
+@pytest.mark.parametrize(
+    "moment", ["mid-forward", "mid-write", "before-commit", "mid-commit", "after-commit"])
+def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None:
+    root = tmp_path / "s"
+    expected = _record_earlier_runs(root)
+    done = subprocess.run([sys.executable, "-c", _DIE_AT, str(root), moment],
+                          capture_output=True, text=True, cwd=TESTS, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+    store = tl.open(root)  # openable
+    committed = moment == "after-commit"
+    assert sorted(store.runs()["name"]) == (["a", "b", "c"] if committed else ["a", "b"])
+    for name, outs in expected.items():  # every earlier run, bit for bit
+        run = store[name]
+        for label, tensor in outs.items():
+            assert_bitwise(run[label].out, tensor, f"{name} {label}")
+    listed = store.runs(all=True).set_index("name")["status"].to_dict()
+    if committed:
+        assert listed["c"] == "complete" and store["c"].meta == {"moment": moment}
+    else:
+        assert "c" not in store
+        assert listed["c"] == "interrupted", listed
+    assert store.verify().ok
+    collected = store.gc()
+    assert collected["runs"] == (0 if committed else 1)
+    assert "c" not in store.runs(all=True)["name"].tolist() or committed
+    # the store takes new runs afterwards, under the interrupted run's name too
+    model, inputs = BUILDERS["mlp"]()
+    store.record(model, *inputs, name="c", overwrite=committed)
+    assert store.verify().ok
+
+
+_WRITER = """
+import sys
+import torch
+import tracelake as tl
+from model_zoo import BUILDERS
+
+root, who = sys.argv[1], sys.argv[2]
+store = tl.open(root)
+for j in range(3):
+    model, inputs = BUILDERS["cnn" if j % 2 else "mlp"]()
+    inputs = tuple(x + int(who) for x in inputs)
+    run = store.record(model, *inputs, name=f"w{who}-{j}", meta={"writer": int(who)})
+    assert torch.equal(run["output_1"].out, model(*inputs))
+print("ok")
+"""
+
+_READER = """
+import sys, time
+import torch
+import tracelake as tl
+
+root, want = sys.argv[1], int(sys.argv[2])
+store = tl.open(root)
+deadline = time.monotonic() + 240
+queries = reads = 0
+while time.monotonic() < deadline:
+    names = store.runs()["name"].tolist()
+    queries += 1
+    for name in names:
+        run = store[name]
+        assert run["output_1"].out is not None
+        reads += 1
+    if len(names) >= want:
+        break
+    time.sleep(0.05)
+assert len(names) >= want, names
+print(queries, reads)
+"""
+
+
+def test_four_writers_and_a_reader_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    notebook = tl.open(root)  # a long-lived reader in this process: it must block nobody
+    assert len(notebook.runs()) == 0
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=TESTS) for i in range(4)]
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(root), "12"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=TESTS)
+    seen_during = set()
+    while any(p.poll() is None for p in procs):
+        seen_during.update(notebook.runs()["name"])  # queries while recording goes on
+        time.sleep(0.1)
+    for proc in [*procs, reader]:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err
+    queries, reads = map(int, out.split())
+    assert queries >= 1 and reads >= 12
+    names = sorted(notebook.runs()["name"])
+    assert names == sorted(f"w{i}-{j}" for i in range(4) for j in range(3))
+    assert seen_during <= set(names)
+    for i in range(4):
+        model, inputs = BUILDERS["mlp"]()
+        inputs = tuple(x + i for x in inputs)
+        assert_bitwise(notebook[f"w{i}-0"]["output_1"].out, model(*inputs), f"w{i}-0")
+    assert notebook.verify().ok
