@@ -118,18 +118,30 @@ class SourceFinder:
 
     def __init__(self) -> None:
         self._roots, self._files = _internal_roots()
-        #: id(code) -> (code, internal); the code object guards against reused ids.
-        self.codes: dict[int, tuple[Any, bool]] = {}
+        #: id(code) -> False for internal code, else the call sites seen in that code by
+        #: bytecode offset: one ``(code, offset)`` tuple per site, shared by every call it
+        #: issues (a loop over layers issues the same sites again and again). ``_seen``
+        #: keeps each classified code alive, so its id is never reused by another code.
+        self.codes: dict[int, Any] = {}
+        self._seen: list[Any] = []
 
-    def classify(self, code: Any) -> tuple[Any, bool]:
+    def classify(self, code: Any) -> Any:
         filename = code.co_filename
         internal = (
             filename.startswith(self._roots)
             or filename in self._files
             or filename.startswith("<frozen")
         )
-        rec = self.codes[id(code)] = (code, internal)
-        return rec
+        self._seen.append(code)
+        sites = self.codes[id(code)] = False if internal else {}
+        return sites
+
+
+def _writes(name: str) -> bool:
+    """Whether a function of this name writes into an argument, whatever its arguments:
+    a trailing underscore (add_, and __iadd__ named add_) and x[i] = v. ``out=`` and
+    ``inplace=True`` are decided per call."""
+    return name[-1] == "_" or name == "setitem"
 
 
 class _Mode(TorchFunctionMode):
@@ -141,17 +153,19 @@ class _Mode(TorchFunctionMode):
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
-        self._names: dict[Any, str] = {}
+        #: func -> (name, writes), decided once per function object.
+        self._funcs: dict[Any, tuple[str, bool]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Runs once per torch call of the user's forward pass: kept lean.
-        name = self._names.get(func)
-        if name is None:
-            name = self._names[func] = func_name(func)
-        # One rule says what writes in place: a trailing underscore (add_, and __iadd__
-        # named add_), x[i] = v, out=, and inplace=True (F.relu(x, inplace=True)).
-        writes = name[-1] == "_" or name == "setitem"
+        known = self._funcs.get(func)
+        if known is None:
+            name = func_name(func)
+            known = self._funcs[func] = (name, _writes(name))
+        name, writes = known
         if kwargs:
+            # One rule says what writes in place: the name (above), out=, and
+            # inplace=True (F.relu(x, inplace=True)).
             if not writes and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
                 writes = True
             if writes:

@@ -30,6 +30,9 @@ _getframe = sys._getframe
 _ref = weakref.ref
 _NO_PARAMS: tuple[str, ...] = ()
 _SCALARS = frozenset({int, float, bool, type(None), str})
+# Argument positions of a single parent, shared rather than a new tuple per op.
+_N_SINGLE = 16
+_SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
 
 
 class Emitter(Protocol):
@@ -85,7 +88,15 @@ class Labeller:
         }
         self._params: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
         self._params.update({id(b): n for n, b in model.named_buffers()})
-        self._producers: dict[int, tuple[weakref.ref, int]] = {}
+        # A tensor's producer: the row index under its id(), confirmed by the weak
+        # reference to the row's tensor (one per row), so a dead tensor whose id was
+        # reused is never confused with it. Plain ints as values keep the GC's tracked
+        # objects at one per entry (the weak reference).
+        self._producers: dict[int, int] = {}
+        self._refs: list[weakref.ref] = []
+        # Shapes, one tuple per distinct shape shared by its rows: fewer objects for the
+        # GC to look at, and less memory in long recordings.
+        self._shapes: dict[torch.Size, tuple[int, ...]] = {}
         self._stack: list[_Frame] = []
         self._stack_key: tuple[tuple[str, int], ...] = ()
         self._root: _Frame | None = None  # the stack top's root, read once per op
@@ -101,13 +112,14 @@ class Labeller:
     # -- producers -------------------------------------------------------------------
 
     def _producer(self, tensor: torch.Tensor) -> int:
-        rec = self._producers.get(id(tensor))
-        if rec is not None and rec[0]() is tensor:
-            return rec[1]
+        index = self._producers.get(id(tensor))
+        if index is not None and self._refs[index]() is tensor:
+            return index
         return -1
 
-    def _scan_more(self, items: Any, parents: list[int], where: list[Any],
-                   params: tuple[str, ...]) -> tuple[str, ...]:
+    def _scan_more(self, items: Any, parents: tuple[int, ...], where: tuple[Any, ...],
+                   params: tuple[str, ...]
+                   ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[str, ...]]:
         """The uncommon arguments: keyword tensors and tensors inside lists / tuples."""
         for pos, value in items:
             if isinstance(value, _Tensor):
@@ -121,11 +133,11 @@ class Labeller:
                     continue
                 producer = self._producer(tensor)
                 if producer >= 0:
-                    parents.append(producer)
-                    where.append(key)
+                    parents += (producer,)
+                    where += (key,)
                 elif id(tensor) in self._params:
                     params = (*params, self._params[id(tensor)])
-        return params
+        return parents, where, params
 
     # -- events from the interceptor ---------------------------------------------------
 
@@ -138,28 +150,30 @@ class Labeller:
 
     def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple,
                 inplace: bool) -> None:
-        # Hot path, once per torch call: everything inline, locals only.
+        # Hot path, once per torch call: everything inline, locals only, and no per-op
+        # objects beyond the row and the tensor's weak reference.
         producers = self._producers
-        param_names = self._params
-        parents: list[int] = []
-        where: list[Any] = []
+        refs = self._refs
+        parents: tuple[int, ...] = ()
+        where: tuple[Any, ...] = ()
         params = _NO_PARAMS
         pos = -1
         for value in args:
             pos += 1
-            rec = producers.get(id(value))
-            if rec is not None and rec[0]() is value:
-                parents.append(rec[1])
-                where.append(pos)
+            index = producers.get(id(value))
+            if index is not None and refs[index]() is value:
+                parents += (index,)
+                where = (*where, pos) if where or pos >= _N_SINGLE else _SINGLE[pos]
             elif value.__class__ in _SCALARS:
                 continue
             elif isinstance(value, _Tensor):
-                if id(value) in param_names:
-                    params = (*params, param_names[id(value)])
+                if id(value) in self._params:
+                    params = (*params, self._params[id(value)])
             elif (value.__class__ is list or value.__class__ is tuple) and value:
-                params = self._scan_more(((pos, value),), parents, where, params)
+                parents, where, params = self._scan_more(((pos, value),), parents, where,
+                                                         params)
         if kwargs:
-            params = self._scan_more(kwargs.items(), parents, where, params)
+            parents, where, params = self._scan_more(kwargs.items(), parents, where, params)
             if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
                 name += "_"
 
@@ -169,24 +183,34 @@ class Labeller:
         site = None
         while frame is not None:
             code = frame.f_code
-            known = codes.get(id(code))
-            if known is None or known[0] is not code:
-                known = self._source.classify(code)
-            if not known[1]:
-                site = (code, frame.f_lasti)  # the line is looked up when asked for
+            sites = codes.get(id(code))
+            if sites is None:
+                sites = self._source.classify(code)
+            if sites is not False:
+                # (code, offset): the line is looked up when asked for.
+                offset = frame.f_lasti
+                site = sites.get(offset)
+                if site is None:
+                    site = sites[offset] = (code, offset)
                 break
             frame = frame.f_back
 
         # Rows keep tuples of plain values only: Python's GC then stops tracking them, so a
         # long recording does not make every full collection of a large heap slower.
-        parents_t = tuple(parents) if parents else ()
-        where_t = tuple(where) if where else ()
         rows = self._rows
         root = self._root
         stack_key = self._stack_key
         emit = self._emit
+        shapes = self._shapes
         for i, tensor in enumerate(tensors):
             index = len(rows)
+            size = tensor.shape
+            try:
+                shape = shapes.get(size)
+                if shape is None:
+                    shape = shapes[size] = tuple(size)
+            except TypeError:  # symbolic sizes are not hashable
+                shape = tuple(size)
             layer = -1
             if root is not None:
                 layer = self._repeat_of(root, index, name, i)
@@ -197,17 +221,18 @@ class Labeller:
                 n_func = self._func_counts.get(base, 0) + 1
                 self._func_counts[base] = n_func
                 self._n_layers += 1
-                rows.append((name, "op", stack_key, parents_t, where_t, site,
-                             tuple(tensor.shape), tensor.dtype, tensor.device, i, inplace,
+                rows.append((name, "op", stack_key, parents, where, site,
+                             shape, tensor.dtype, tensor.device, i, inplace,
                              params, index, 1, n_func, self._n_layers))
             else:
                 first = rows[layer]
                 pass_num = self._passes.get(layer, 1) + 1
                 self._passes[layer] = pass_num
-                rows.append((name, "op", stack_key, parents_t, where_t, site,
-                             tuple(tensor.shape), tensor.dtype, tensor.device, i, inplace,
+                rows.append((name, "op", stack_key, parents, where, site,
+                             shape, tensor.dtype, tensor.device, i, inplace,
                              params, layer, pass_num, first[N_FUNC], first[N_LAYER]))
-            producers[id(tensor)] = (_ref(tensor), index)
+            producers[id(tensor)] = index
+            refs.append(_ref(tensor))
             if emit is not None:
                 emit(index, tensor, -1)
 
@@ -289,7 +314,8 @@ class Labeller:
         parents = (parent,) if parent >= 0 else ()
         rows.append((kind, kind, (), parents, (0,) * len(parents), None, tuple(tensor.shape),
                      tensor.dtype, tensor.device, 0, False, _NO_PARAMS, index, 1, number, 0))
-        self._producers[id(tensor)] = (_ref(tensor), index)
+        self._producers[id(tensor)] = index
+        self._refs.append(_ref(tensor))
         if self._emit is not None:
             self._emit(index, tensor, parent)
 
