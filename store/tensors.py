@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -49,6 +50,7 @@ __all__ = [
     "choose_codec",
     "chunk_shape",
     "dtype_name",
+    "numpy_dtype",
     "pack_stream",
     "parse_dtype",
     "tensor_from_bytes",
@@ -81,7 +83,8 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+@functools.cache
+def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     """numpy's dtype for ``dtype`` when numpy has one, else ``None`` (store the bits)."""
     try:
         return torch.empty(0, dtype=dtype).numpy().dtype
@@ -159,7 +162,7 @@ def chunk_shape(shape: Sequence[int], itemsize: int, target: int = CHUNK_BYTES) 
 
 def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor as numpy, in numpy's dtype or as same-width unsigned bits."""
-    if _numpy_dtype(tensor.dtype) is None:
+    if numpy_dtype(tensor.dtype) is None:
         tensor = tensor.view(_BITS[tensor.element_size()])
         return tensor.numpy().view(_NUMPY_BITS[tensor.element_size()])
     return tensor.numpy()

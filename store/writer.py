@@ -22,9 +22,9 @@ from tracelake.errors import StoreError
 from tracelake.recorder.emit import SelectingEmitter, tensor_version
 from tracelake.recorder.entries import OpTable
 from tracelake.recorder.selectors import Selector
-from tracelake.recorder.stats import Stats, compute_stats
+from tracelake.recorder.stats import Stats, compute_stats, segment_stats
 
-from .tensors import ALIGN, CHUNK_BYTES, RunArrays, dtype_name, pack_stream
+from .tensors import ALIGN, CHUNK_BYTES, RunArrays, dtype_name, numpy_dtype, pack_stream
 
 __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 
@@ -128,8 +128,15 @@ class TensorWriter:
         if stream.buffer is None:
             stream.buffer = self._buffer()
         if nbytes:
-            region = torch.from_numpy(stream.buffer[start:start + nbytes])
-            region.view(dtype).view(shape).copy_(tensor.detach())
+            source = tensor.detach() if tensor.requires_grad else tensor
+            if (source.device.type == "cpu" and source.is_contiguous()
+                    and type(source) is torch.Tensor and numpy_dtype(dtype) is not None
+                    and not source.is_conj() and not source.is_neg()):
+                # a plain byte copy through numpy: a third of torch's per-call cost
+                stream.buffer[start:start + nbytes] = source.numpy().reshape(-1).view(np.uint8)
+            else:
+                region = torch.from_numpy(stream.buffer[start:start + nbytes])
+                region.view(dtype).view(shape).copy_(source)
         stream.used = start + nbytes
         stream.members.append((slot, start, nbytes, dtype, shape))
         self.locations.append(Location(stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
@@ -177,13 +184,7 @@ class TensorWriter:
     def _write_chunk(self, name: str, chunk: int, buffer: np.ndarray, used: int,
                      members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]]) -> None:
         try:
-            raw = torch.from_numpy(buffer)
-            for slot, start, nbytes, dtype, shape in members:
-                if nbytes:
-                    value = raw[start:start + nbytes].view(dtype).view(shape)
-                    self.stats[slot] = compute_stats(value)
-                else:
-                    self.stats[slot] = compute_stats(torch.empty(shape, dtype=dtype))
+            self.stats.update(_chunk_stats(buffer, members))
             if chunk < 0:
                 self.arrays.write_pack_tail(name, buffer[:used])
             else:
@@ -227,6 +228,47 @@ class TensorWriter:
     @property
     def peak_inflight(self) -> int:
         return self._budget.peak
+
+
+_Member = tuple[int, int, int, torch.dtype, tuple[int, ...]]  # slot, start, nbytes, dtype, shape
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _chunk_stats(buffer: np.ndarray, members: list[_Member]) -> dict[int, Stats]:
+    """Statistics of every tensor packed in one chunk: per dtype, one gather of all their
+    elements and a few segmented reductions (``segment_stats``); the odd ones (complex,
+    empty, NaN/Inf, mean-dominated) one by one."""
+    out: dict[int, Stats] = {}
+    groups: dict[torch.dtype, list[_Member]] = {}
+    raw = torch.from_numpy(buffer)
+
+    def single(member: _Member) -> Stats:
+        _, start, nbytes, dtype, shape = member
+        if not nbytes:
+            return compute_stats(torch.empty(shape, dtype=dtype))
+        return compute_stats(raw[start:start + nbytes].view(dtype).view(shape))
+
+    for member in members:
+        dtype = member[3]
+        if member[2] and not dtype.is_complex and dtype.itemsize in _UNSIGNED:
+            groups.setdefault(dtype, []).append(member)
+        else:
+            out[member[0]] = single(member)
+    for dtype, group in groups.items():
+        item = dtype.itemsize
+        starts = np.fromiter((m[1] // item for m in group), np.int64, len(group))
+        counts = np.fromiter((m[2] // item for m in group), np.int64, len(group))
+        ends = np.cumsum(counts)
+        index = np.arange(int(ends[-1])) + np.repeat(starts - (ends - counts), counts)
+        bits = buffer.view(_UNSIGNED[item])[index]
+        native = numpy_dtype(dtype)
+        if native is not None and dtype is not torch.bool:
+            values = bits.view(native).astype(np.float64)
+        else:  # bfloat16, float8, bool: torch knows them
+            values = torch.from_numpy(bits).view(dtype).to(torch.float64).numpy()
+        for member, stats in zip(group, segment_stats(values, counts), strict=True):
+            out[member[0]] = stats if stats is not None else single(member)
+    return out
 
 
 class StoreEmitter(SelectingEmitter):

@@ -92,3 +92,31 @@ def test_empty_complex_and_meta_tensors() -> None:
     assert compute_stats(torch.empty(3, device="meta")).mean is None
     z = compute_stats(torch.tensor([3 + 4j, 0j]))
     assert z.mean is None and z.absmax == 5.0 and z.frac_zero == 0.5 and z.l2 == 5.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(
+    st.one_of(
+        arrays(np.float32, st.integers(1, 70), elements=finite32),
+        st.tuples(finite32, st.integers(1, 40), st.floats(0, 1e-3)).map(
+            lambda t: (t[0] + t[2] * np.arange(t[1])).astype(np.float32)),  # near-constant
+        arrays(np.float32, st.integers(1, 8), elements=special),
+    ),
+    min_size=1, max_size=12))
+def test_segment_stats_match_compute_stats(parts: list[np.ndarray]) -> None:
+    """The store's batched statistics of a chunk's small tensors are compute_stats'
+    numbers, or None (then the store falls back to compute_stats itself)."""
+    from tracelake.recorder.stats import segment_stats
+
+    values = np.concatenate(parts).astype(np.float64)
+    counts = np.array([p.size for p in parts], dtype=np.int64)
+    for part, got in zip(parts, segment_stats(values, counts), strict=True):
+        if got is None:
+            continue
+        want = compute_stats(torch.from_numpy(part))
+        assert np.isfinite(part).all()
+        scale = float(np.abs(part.astype(np.float64)).max())
+        for name in ("mean", "min", "max", "absmax", "l2", "frac_zero"):
+            assert close(getattr(got, name), getattr(want, name), 1e-6, scale), name
+        assert close(got.std, want.std, 1e-5, scale * 1e-3), "std"
+        assert (got.nan_count, got.inf_count) == (0, 0)
