@@ -1,0 +1,310 @@
+"""Write throughput of ``store.record`` (save all) against the ways one could keep the same
+activations on disk, side by side in one run.
+
+Run: ``python benchmarks/store_write.py [--repeats 5] [--models gpt2,wide,chain]
+[--markdown] [--dir DIR]``. Conditions, each measured on the same model and input:
+
+* ``plain``: ``model(*args)``, nothing kept: the floor.
+* ``tracelake``: ``store.record(model, *args)`` into a fresh store, every op saved:
+  the forward, copies, statistics, encoding, writes, fsync and the catalog commit.
+* ``raw write``: the bytes tracelake stored, as one file written sequentially in 4 MiB
+  blocks and fsync'd: the disk's durable speed, without any forward.
+* ``hooks+torch.save``: forward hooks on every module keep ``output.detach().clone()``,
+  then ``torch.save`` of that dict and fsync (module outputs only: fewer bytes).
+* ``hooks+safetensors``: the same dict through ``safetensors.torch.save_file`` + fsync.
+* ``torchlens to_disk`` (if installed): ``torchlens.trace(..., storage=to_disk(dir))``,
+  every layer saved; TorchLens does not fsync, which favours it.
+
+Method: ``torch.no_grad()``, ``torch.set_num_threads(1)``, wall time (this is I/O),
+one warm-up round, then ``--repeats`` rounds with the order of conditions rotated each
+round; each sample writes into a fresh directory that is removed afterwards, untimed.
+Reported: median seconds, MiB each condition wrote, MiB/s (its MiB / its seconds),
+``x raw`` (MiB/s over the raw write's MiB/s in the same round, median over rounds),
+and for tracelake ops per second. Targets from the store issue: large tensors (the wide
+model) >= 0.7x raw; >= 20,000 small ops per second end to end.
+
+Models: ``gpt2`` as in capture_overhead.py (GPT2Model, 4 layers, d=256, batch 4 x 128);
+``wide`` = 12 elementwise ops (4 x mul, add, sin) on a (2048, 4096) float32 input
+(32 MiB per op, 416 MiB per forward with the input); ``chain`` = 1,000 small elementwise ops on (4, 4), recorded as
+one run of 20 forward passes (``store.recording``), so that per-run costs (two catalog
+transactions, the fsync of the run's files) are shared as they are in real use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from capture_overhead import build_model
+from torch import nn
+
+import tracelake as tl
+
+try:
+    import torchlens
+    from torchlens.backends.torch.wrappers import unwrap_torch, wrap_torch
+    from torchlens.options import CaptureOptions
+
+    HAVE_TORCHLENS = True
+except Exception:
+    HAVE_TORCHLENS = False
+
+try:
+    from safetensors.torch import save_file
+
+    HAVE_SAFETENSORS = True
+except ImportError:
+    HAVE_SAFETENSORS = False
+
+MiB = 1 << 20
+CHAIN_STEPS = 20
+
+
+class Wide(nn.Module):
+    """Twelve cheap elementwise ops on a large tensor: bytes, not arithmetic."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.sin(x * 1.0001 + 0.5)
+        return x
+
+
+def _model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    if name == "wide":
+        torch.manual_seed(0)
+        return Wide().eval(), (torch.randn(2048, 4096),)
+    return build_model(name)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@dataclass
+class Condition:
+    name: str
+    run: Callable[[Path], int]  # writes into a fresh directory; returns bytes written
+    seconds: list[float] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    ops: int = 0
+
+
+def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+    saved: dict[str, torch.Tensor] = {}
+
+    def make(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _i: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor):
+                saved[name or "model"] = out.detach().clone()
+            elif isinstance(out, (tuple, list)):
+                for k, item in enumerate(out):
+                    if isinstance(item, torch.Tensor):
+                        saved[f"{name}.{k}"] = item.detach().clone()
+        return hook
+
+    handles = [m.register_forward_hook(make(n)) for n, m in model.named_modules()]
+    try:
+        model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return saved
+
+
+def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
+                     raw_bytes: list[int]) -> list[Condition]:
+    def plain(_: Path) -> int:
+        model(*args)
+        return 0
+
+    def record(where: Path) -> int:
+        store = tl.open(where / "store")
+        if name == "chain":
+            with store.recording("bench", model) as rec:
+                for _ in range(CHAIN_STEPS):
+                    model(*args)
+            conds[1].ops = sum(len(s) for s in store["bench"].steps)
+        else:
+            with store.recording("bench") as rec:
+                rec.record(model, *args)
+            conds[1].ops = len(store["bench"])
+        written = rec._writer.bytes_written if rec._writer else 0
+        raw_bytes[:] = [_dir_bytes(where / "store" / "runs")]
+        return written
+
+    def raw(where: Path) -> int:
+        total = raw_bytes[0] if raw_bytes else 256 * MiB
+        block = memoryview(os.urandom(4 * MiB))
+        path = where / "raw.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = total
+            while left > 0:
+                left -= os.write(fd, block[:min(left, len(block))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return total
+
+    def hooks_torch_save(where: Path) -> int:
+        saved = _hook_dict(model, args)
+        path = where / "acts.pt"
+        torch.save(saved, path)
+        _fsync(path)
+        return path.stat().st_size
+
+    def hooks_safetensors(where: Path) -> int:
+        saved = {k: v.contiguous() for k, v in _hook_dict(model, args).items()}
+        path = where / "acts.safetensors"
+        save_file(saved, str(path))
+        _fsync(path)
+        return path.stat().st_size
+
+    conds = [Condition("plain", plain), Condition("tracelake", record),
+             Condition("raw write", raw), Condition("hooks+torch.save", hooks_torch_save)]
+    if HAVE_SAFETENSORS:
+        conds.append(Condition("hooks+safetensors", hooks_safetensors))
+    if HAVE_TORCHLENS and name != "chain":
+        import copy
+
+        own = copy.deepcopy(model)
+
+        def torchlens_disk(where: Path) -> int:
+            wrap_torch()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = torchlens.trace(own, list(args),
+                                          capture=CaptureOptions(layers_to_save="all"),
+                                          storage=torchlens.to_disk(where / "tl"))
+                conds[-1].ops = len(out)
+            finally:
+                unwrap_torch()
+            return _dir_bytes(where / "tl")
+
+        conds.append(Condition("torchlens to_disk", torchlens_disk))
+    return conds
+
+
+def sample(cond: Condition, root: Path) -> tuple[float, int]:
+    where = Path(tempfile.mkdtemp(dir=root))
+    try:
+        start = time.perf_counter()
+        nbytes = cond.run(where)
+        return time.perf_counter() - start, nbytes
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
+    model, args = _model(name)
+    raw_bytes: list[int] = []
+    conds = build_conditions(name, model, args, raw_bytes)
+    with torch.no_grad():
+        for cond in conds:  # warm-up: also fixes the raw write's size to tracelake's
+            sample(cond, root)
+        ratios: dict[str, list[float]] = {c.name: [] for c in conds}
+        for r in range(repeats):
+            order = conds[r % len(conds):] + conds[:r % len(conds)]
+            for cond in order:
+                seconds, nbytes = sample(cond, root)
+                cond.seconds.append(seconds)
+                cond.nbytes.append(nbytes)
+            raw = next(c for c in conds if c.name == "raw write")
+            raw_speed = raw.nbytes[-1] / raw.seconds[-1]
+            for cond in conds:
+                if cond.nbytes[-1]:
+                    ratios[cond.name].append(cond.nbytes[-1] / cond.seconds[-1] / raw_speed)
+    rows = []
+    for cond in conds:
+        secs = statistics.median(cond.seconds)
+        mib = statistics.median(cond.nbytes) / MiB
+        rows.append({
+            "model": name, "condition": cond.name, "seconds": secs, "MiB": mib,
+            "MiB/s": mib / secs if mib else None,
+            "x raw": statistics.median(ratios[cond.name]) if ratios[cond.name] else None,
+            "ops/s": cond.ops / secs if cond.ops else None,
+        })
+    return rows
+
+
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    cols = ["model", "condition", "seconds", "MiB", "MiB/s", "x raw", "ops/s"]
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if v < 10 else f"{v:,.0f}"
+        return str(v)
+
+    lines = [[fmt(r[c]) for c in cols] for r in rows]
+    if markdown:
+        out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join(out)
+
+
+def targets(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for row in rows:
+        if row["condition"] != "tracelake":
+            continue
+        if row["model"] == "wide":
+            ok = row["x raw"] >= 0.7
+            out.append(f"wide: tracelake {row['x raw']:.2f}x raw write (target >= 0.70): "
+                       f"{'met' if ok else 'MISSED'}")
+        if row["model"] == "chain":
+            ok = row["ops/s"] >= 20_000
+            out.append(f"chain: {row['ops/s']:,.0f} small ops/s end to end (target >= 20,000):"
+                       f" {'met' if ok else 'MISSED'}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="gpt2,wide,chain")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--dir", default=None, help="where samples write (default: a temp dir)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="tl-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.models.split(","):
+            rows += measure(name, args.repeats, root)
+            print(render([r for r in rows if r["model"] == name], args.markdown), flush=True)
+            print(flush=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"torch {torch.__version__}, {args.repeats} rounds, load {os.getloadavg()[0]:.2f}")
+    print(targets(rows))
+
+
+if __name__ == "__main__":
+    main()
