@@ -32,6 +32,7 @@ from tracelake.recorder.entries import (
     PARENTS,
     PASS,
     SHAPE,
+    SITE,
     ModuleEntry,
     OpTable,
     SlotRef,
@@ -113,34 +114,63 @@ def decode_structure(obj: Any) -> Any:
 
 def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntry],
                 emitter: SelectingEmitter, stats: dict[int, Stats]) -> dict[str, pa.Table]:
-    """Arrow tables of one recorded step. ``stats``: statistics by tensor slot."""
-    slots = emitter._op_slot
-    unsaved = emitter._stats
-    labels = table.labels
+    """Arrow tables of one recorded step. ``stats``: statistics by tensor slot.
+
+    Built column by column from the transposed rows, converting what rows share (module
+    stacks, shapes, dtypes, layers, call sites) once per distinct value: this runs for
+    every op of every stored run."""
     rows = table.rows
-    ops: list[tuple[Any, ...]] = []
-    edges: list[tuple[Any, ...]] = []
-    empty = (None,) * len(STAT_FIELDS)
-    for index, row in enumerate(rows):
-        slot = slots.get(index)
-        st = stats.get(slot) if slot is not None else unsaved.get(index)
-        loc = table.source(index)
-        layer = row[LAYER]
-        modules_col = [{"path": p, "pass": n} for p, n in row[MODULES]]
-        shape = row[SHAPE]
-        dtype = row[DTYPE]
-        ops.append((
-            run_id, step, index, labels[index], table.layer_label(layer), row[PASS],
-            table.num_passes(layer), row[FUNC], row[KIND],
-            row[MODULES][-1][0] if row[MODULES] else "", modules_col, list(shape),
-            dtype_name(dtype), str(row[DEVICE]), math.prod(shape) * dtype.itemsize,
-            row[OUT_INDEX], row[INPLACE], list(row[PARAMS]), layer, row[N_FUNC], row[N_LAYER],
-            slot is not None, slot,
-            loc.file if loc else None, loc.line if loc else None, loc.function if loc else None,
-            *((getattr(st, f) for f in STAT_FIELDS) if st is not None else empty),
-        ))
-        for n, (parent, arg) in enumerate(zip(row[PARENTS], row[PARENT_ARGS], strict=True)):
-            edges.append((run_id, step, parent, index, str(arg), n))
+    n = len(rows)
+    if not n:
+        columns: tuple[tuple[Any, ...], ...] = ((),) * 16
+    else:
+        columns = tuple(zip(*rows, strict=True))
+
+    def mapped(column: int, convert: Any) -> list[Any]:
+        values = columns[column]
+        cache = {v: convert(v) for v in set(values)}
+        return [cache[v] for v in values]
+
+    stacks = mapped(MODULES, lambda st: (st[-1][0] if st else "",
+                                         [{"path": p, "pass": k} for p, k in st]))
+    shapes = mapped(SHAPE, lambda sh: (list(sh), math.prod(sh)))
+    layers = mapped(LAYER, lambda lay: (table.layer_label(lay), table.num_passes(lay)))
+    dtypes = columns[DTYPE]
+    sites: dict[Any, tuple[Any, Any, Any]] = {}
+    for index, site in enumerate(columns[SITE]):
+        if site not in sites:
+            loc = table.source(index)
+            sites[site] = (loc.file, loc.line, loc.function) if loc else (None, None, None)
+    where = [sites[site] for site in columns[SITE]]
+    slots = emitter._op_slot
+    slot_of = [slots.get(i) for i in range(n)]
+    unsaved = emitter._stats
+    stat_of = [stats.get(slot) if slot is not None else unsaved.get(i)
+               for i, slot in enumerate(slot_of)]
+    cols: dict[str, list[Any] | tuple[Any, ...]] = {
+        "run_id": [run_id] * n, "step": [step] * n, "idx": list(range(n)),
+        "label": table.labels, "layer": [lay[0] for lay in layers], "pass": columns[PASS],
+        "num_passes": [lay[1] for lay in layers], "func": columns[FUNC],
+        "kind": columns[KIND], "module": [st[0] for st in stacks],
+        "modules": [st[1] for st in stacks], "shape": [sh[0] for sh in shapes],
+        "dtype": mapped(DTYPE, dtype_name), "device": mapped(DEVICE, str),
+        "nbytes": [sh[1] * dt.itemsize for sh, dt in zip(shapes, dtypes, strict=True)],
+        "out_index": columns[OUT_INDEX], "inplace": columns[INPLACE],
+        "params": columns[PARAMS], "layer_idx": columns[LAYER], "n_func": columns[N_FUNC],
+        "n_layer": columns[N_LAYER], "saved": [slot is not None for slot in slot_of],
+        "tensor": slot_of, "source_file": [w[0] for w in where],
+        "source_line": [w[1] for w in where], "source_func": [w[2] for w in where],
+    }
+    for name in STAT_FIELDS:
+        cols[name] = [getattr(st, name) if st is not None else None for st in stat_of]
+    ops = pa.Table.from_arrays([pa.array(cols[f.name], type=f.type) for f in _OPS_SCHEMA],
+                               schema=_OPS_SCHEMA)
+    edge_rows = [(parent, child, str(arg), k)
+                 for child, (parents, args) in enumerate(zip(columns[PARENTS],
+                                                             columns[PARENT_ARGS], strict=True))
+                 if parents
+                 for k, (parent, arg) in enumerate(zip(parents, args, strict=True))]
+    edges = _table(_EDGES_SCHEMA, [(run_id, step, *e) for e in edge_rows])
     mods = []
     for m in modules:
         mods.append((
@@ -151,11 +181,7 @@ def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntr
             None if m._output_slots is None else list(m._output_slots),
             None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
         ))
-    return {
-        "ops": _table(_OPS_SCHEMA, ops),
-        "edges": _table(_EDGES_SCHEMA, edges),
-        "modules": _table(_MODULES_SCHEMA, mods),
-    }
+    return {"ops": ops, "edges": edges, "modules": _table(_MODULES_SCHEMA, mods)}
 
 
 def tensors_table(run_id: int, rows: list[tuple[Any, ...]]) -> pa.Table:
