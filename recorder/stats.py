@@ -38,6 +38,7 @@ _EMPTY = Stats(None, None, None, None, None, None, None, 0, 0)
 # Up to this many elements, plain Python beats torch's per-kernel dispatch.
 _SMALL = 64
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SLICE = 1 << 20  # elements per slice of the careful std pass
 
 
 def compute_stats(tensor: torch.Tensor) -> Stats:
@@ -117,9 +118,15 @@ def _std(x: torch.Tensor, numel: int, mean: float, l2: float) -> float:
         return math.sqrt(spread)
     # The mean dominates: E[x^2] - mean^2 would cancel. Shift by the mean rounded to the
     # tensor's dtype (the subtraction is then exact) and correct for the rounding.
+    # In slices, so that the temporaries stay a few MiB however large the tensor (a
+    # store computes this on its workers, beside its bounded in-flight buffers).
     shift = torch.tensor(mean, dtype=x.dtype).item()
-    centred = torch.linalg.vector_norm(x - shift, dtype=torch.float64).item()
-    variance = centred * centred / numel - (mean - shift) ** 2
+    flat = x.reshape(-1)
+    squares = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, numel, _SLICE):
+        part = flat[start:start + _SLICE]
+        squares += torch.linalg.vector_norm(part - shift, dtype=torch.float64) ** 2
+    variance = squares.item() / numel - (mean - shift) ** 2
     return math.sqrt(max(variance, 0.0))
 
 

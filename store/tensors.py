@@ -115,6 +115,9 @@ def choose_codec(data: np.ndarray) -> str:
     return "zstd" if sample.nbytes >= ZSTD_MIN_RATIO * len(packed) else "raw"
 
 
+_START_WRITEBACK = hasattr(os, "posix_fadvise")
+
+
 def write_chunk_file(path: Path, data: np.ndarray, codec: str) -> None:
     """Encode one chunk as its array declares (C-order bytes, zstd if asked, then the
     CRC32C of what is stored, little-endian) and write it. Not fsync'd here: the run's
@@ -133,6 +136,11 @@ def write_chunk_file(path: Path, data: np.ndarray, codec: str) -> None:
             rest = (view[written:], checksum) if written < view.nbytes else \
                 (checksum[written - view.nbytes:],)
             written += os.writev(fd, list(rest))
+        if _START_WRITEBACK:
+            # Start writing this chunk to disk now, in the background, so the commit's
+            # fsync does not wait for all of it; also lets the kernel drop these pages
+            # from the page cache once written (a capture larger than RAM stays cheap).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
