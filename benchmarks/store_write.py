@@ -25,9 +25,10 @@ model) >= 0.7x raw; >= 20,000 small ops per second end to end.
 
 Models: ``gpt2`` as in capture_overhead.py (GPT2Model, 4 layers, d=256, batch 4 x 128);
 ``wide`` = 12 elementwise ops (4 x mul, add, sin) on a (2048, 4096) float32 input
-(32 MiB per op, 416 MiB per forward with the input); ``chain`` = 1,000 small elementwise ops on (4, 4), recorded as
-one run of 20 forward passes (``store.recording``), so that per-run costs (two catalog
-transactions, the fsync of the run's files) are shared as they are in real use.
+(32 MiB per op, 416 MiB per forward with the input); ``chain`` = 1,000 small
+elementwise ops on (4, 4), recorded as one run of 20 forward passes
+(``store.recording``), so that per-run costs (two catalog transactions, the fsync of
+the run's files) are shared as they are in real use.
 """
 
 from __future__ import annotations
