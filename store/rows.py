@@ -184,8 +184,22 @@ def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntr
     return {"ops": ops, "edges": edges, "modules": _table(_MODULES_SCHEMA, mods)}
 
 
-def tensors_table(run_id: int, rows: list[tuple[Any, ...]]) -> pa.Table:
-    return _table(_TENSORS_SCHEMA, [(run_id, *row) for row in rows])
+def tensors_table(run_id: int, locations: list[Any]) -> pa.Table:
+    """The ``tensors`` table of a run from its writer's locations (slot = position)."""
+    n = len(locations)
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    columns = (
+        [run_id] * n, [loc.step for loc in locations], list(range(n)),
+        [loc.array for loc in locations],
+        [loc.offset if loc.offset >= 0 else None for loc in locations],
+        [loc.nbytes for loc in locations],
+        [shapes.get(loc.shape) or shapes.setdefault(loc.shape, list(loc.shape))
+         for loc in locations],
+        [dtype_name(loc.dtype) for loc in locations], [loc.codec for loc in locations],
+    )
+    return pa.Table.from_arrays(
+        [pa.array(c, type=f.type) for c, f in zip(columns, _TENSORS_SCHEMA, strict=True)],
+        schema=_TENSORS_SCHEMA)
 
 
 class StoredOpTable(OpTable):

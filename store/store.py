@@ -35,7 +35,7 @@ from .rows import step_tables, tensors_table
 from .run import Run
 from .tensors import RunArrays
 from .verify import VerifyReport, verify_run
-from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter, location_row
+from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
 
 __all__ = ["Recording", "Store", "open_store"]
 
@@ -223,8 +223,7 @@ class Recording:
         import pyarrow as pa
 
         merged: dict[str, Any] = {k: pa.concat_tables(v) for k, v in tables.items()}
-        merged["tensors"] = tensors_table(
-            self.run_id, [location_row(slot, loc) for slot, loc in enumerate(writer.locations)])
+        merged["tensors"] = tensors_table(self.run_id, writer.locations)
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
                    "bytes": nbytes, "device": self._device, **self._fingerprints}

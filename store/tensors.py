@@ -72,6 +72,7 @@ _ZSTD_STREAM_DTYPES = frozenset({
 _ZARR_CONFIG = {"write_empty_chunks": True}  # a missing chunk file then always means damage
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

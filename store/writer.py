@@ -24,11 +24,22 @@ from tracelake.recorder.entries import OpTable
 from tracelake.recorder.selectors import Selector
 from tracelake.recorder.stats import Stats, compute_stats, segment_stats
 
-from .tensors import ALIGN, CHUNK_BYTES, RunArrays, dtype_name, numpy_dtype, pack_stream
+from .tensors import (
+    ALIGN,
+    CHUNK_BYTES,
+    RunArrays,
+    numpy_dtype,
+    pack_codec,
+    pack_stream,
+)
 
 __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 
 DEFAULT_MAX_INFLIGHT = 256 << 20
+_STRIDED = torch.strided
+_TENSOR = torch.Tensor
+# dtype -> (its pack, whether a plain numpy byte copy is exact for it)
+_PLANS: dict[torch.dtype, tuple[str, bool]] = {}
 
 
 @dataclass(slots=True)
@@ -104,23 +115,34 @@ class TensorWriter:
     # -- the forward thread --------------------------------------------------------------
 
     def save(self, tensor: torch.Tensor) -> int:
-        """Copy ``tensor`` now and have it written; return its slot number."""
+        """Copy ``tensor`` now and have it written; return its slot number.
+
+        Runs once per saved tensor on the forward thread: few torch attribute reads, and
+        per-dtype decisions (pack, fast copy) looked up, not recomputed."""
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
-        if tensor.layout is not torch.strided or tensor.is_quantized:
+        if tensor.layout is not _STRIDED:
             raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
         dtype = tensor.dtype
-        shape = tuple(tensor.shape)
-        nbytes = tensor.numel() * tensor.element_size()
+        shape = tensor.shape
+        nbytes = tensor.nbytes
         slot = len(self.locations)
         if nbytes >= CHUNK_BYTES:
+            shape = tuple(shape)
             self._budget.take(nbytes)
             copy = torch.empty(shape, dtype=dtype)
             copy.copy_(tensor.detach())
             self.locations.append(Location(f"t{slot}", -1, nbytes, shape, dtype, self.step))
             self._submit(self._write_array, slot, copy)
             return slot
-        stream = self._stream(pack_stream(dtype))
+        plan = _PLANS.get(dtype)
+        if plan is None:
+            plan = _PLANS[dtype] = (pack_stream(dtype), numpy_dtype(dtype) is not None
+                                    and not dtype.is_complex)
+        name, plain = plan
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = _Stream(name)
         start = -(-stream.used // ALIGN) * ALIGN
         if start + nbytes > CHUNK_BYTES:
             self._flush(stream)
@@ -129,26 +151,24 @@ class TensorWriter:
             stream.buffer = self._buffer()
         if nbytes:
             source = tensor.detach() if tensor.requires_grad else tensor
-            if (source.device.type == "cpu" and source.is_contiguous()
-                    and type(source) is torch.Tensor and numpy_dtype(dtype) is not None
-                    and not source.is_conj() and not source.is_neg()):
-                # a plain byte copy through numpy: a third of torch's per-call cost
-                stream.buffer[start:start + nbytes] = source.numpy().reshape(-1).view(np.uint8)
-            else:
+            copied = False
+            if plain and type(source) is _TENSOR and source.is_contiguous() and \
+                    source.device.type == "cpu":
+                try:  # a plain byte copy through numpy: a third of torch's per-call cost
+                    data = source.numpy()  # refuses tensors with the negative bit set
+                    stream.buffer[start:start + nbytes] = data.reshape(-1).view(np.uint8)
+                    copied = True
+                except RuntimeError:
+                    pass
+            if not copied:
                 region = torch.from_numpy(stream.buffer[start:start + nbytes])
                 region.view(dtype).view(shape).copy_(source)
+        shape = tuple(shape)
         stream.used = start + nbytes
         stream.members.append((slot, start, nbytes, dtype, shape))
-        self.locations.append(Location(stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
-                                       shape, dtype, self.step,
-                                       "zstd" if stream.name == "pack_zstd" else "raw"))
+        self.locations.append(Location(name, stream.chunk * CHUNK_BYTES + start, nbytes,
+                                       shape, dtype, self.step, pack_codec(name)))
         return slot
-
-    def _stream(self, name: str) -> _Stream:
-        stream = self._streams.get(name)
-        if stream is None:
-            stream = self._streams[name] = _Stream(name)
-        return stream
 
     def _buffer(self) -> np.ndarray:
         self._budget.take(CHUNK_BYTES)
@@ -296,8 +316,3 @@ class StoreEmitter(SelectingEmitter):
     @property
     def unsaved_stats(self) -> dict[int, Stats]:
         return self._stats
-
-
-def location_row(slot: int, loc: Location) -> tuple[Any, ...]:
-    return (loc.step, slot, loc.array, None if loc.offset < 0 else loc.offset, loc.nbytes,
-            list(loc.shape), dtype_name(loc.dtype), loc.codec)
