@@ -178,8 +178,9 @@ class CatalogWriter:
         return run_id, fd
 
     def commit(self, run_id: int, name: str, overwrite: bool, tables: dict[str, Any],
-               summary: dict[str, Any]) -> None:
-        """Make run ``run_id`` visible, with all its rows, in one transaction."""
+               summary: dict[str, Any]) -> dict[str, Any]:
+        """Make run ``run_id`` visible, with all its rows, in one transaction; return its
+        ``runs`` row."""
         with self._transaction() as con:
             clash = [i for i, s in self._live_names(con, name) if s == COMPLETE]
             if clash and not overwrite:
@@ -207,6 +208,10 @@ class CatalogWriter:
                  summary.get("param_fingerprint"), summary.get("input_fingerprint"),
                  summary.get("device"), int(row[0]) if row else 1, run_id],
             )
+            cursor = con.execute("SELECT * FROM runs WHERE id = ?", [run_id])
+            values = cursor.fetchone()
+            info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
+        return info
 
     def set_status(self, run_id: int, status: str) -> None:
         with self._transaction() as con:

@@ -107,6 +107,7 @@ class Recording:
         self._fingerprints: dict[str, str] = {}
         self._device: str | None = None
         self.run_id = -1
+        self.info: dict[str, Any] | None = None  # the committed run's catalog row
         self.model_class = type(model).__name__ if model is not None else None
 
     # -- the block --------------------------------------------------------------------------
@@ -227,7 +228,8 @@ class Recording:
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
                    "bytes": nbytes, "device": self._device, **self._fingerprints}
-        self.store._catalog.commit(self.run_id, self.name, self._overwrite, merged, summary)
+        self.info = self.store._catalog.commit(self.run_id, self.name, self._overwrite,
+                                               merged, summary)
         self._release()
         self._steps = []
 
@@ -297,7 +299,8 @@ class Store:
         rec.model_class = type(model).__name__
         with rec:
             rec.record(model, *args, **kwargs)
-        return self._run_by_id(rec.run_id)
+        assert rec.info is not None
+        return self._open_run(rec.info)  # its metadata is read when first asked for
 
     # -- reading --------------------------------------------------------------------------
 
@@ -307,12 +310,6 @@ class Store:
         if row is None:
             return None
         return dict(zip([d[0] for d in cursor.description], row, strict=True))
-
-    def _run_by_id(self, run_id: int) -> Run:
-        info = self._run_info("id = ? AND status = ?", [run_id, COMPLETE])
-        if info is None:
-            raise StoreError(f"run {run_id} is not complete")
-        return self._open_run(info)
 
     def _open_run(self, info: dict[str, Any]) -> Run:
         arrays = RunArrays(self.paths.tensors(info["id"]), info["name"])

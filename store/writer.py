@@ -110,6 +110,8 @@ class TensorWriter:
         self._errors: list[BaseException] = []
         self._streams: dict[str, _Stream] = {}
         self._free: list[np.ndarray] = []
+        self._large_free: dict[int, list[torch.Tensor]] = {}
+        self._large_pooled = 0
         self._lock = threading.Lock()
 
     # -- the forward thread --------------------------------------------------------------
@@ -130,10 +132,11 @@ class TensorWriter:
         if nbytes >= CHUNK_BYTES:
             shape = tuple(shape)
             self._budget.take(nbytes)
-            copy = torch.empty(shape, dtype=dtype)
+            raw = self._large_buffer(nbytes)
+            copy = raw.view(dtype).view(shape)
             copy.copy_(tensor.detach())
             self.locations.append(Location(f"t{slot}", -1, nbytes, shape, dtype, self.step))
-            self._submit(self._write_array, slot, copy)
+            self._submit(self._write_array, slot, copy, raw)
             return slot
         plan = _PLANS.get(dtype)
         if plan is None:
@@ -169,6 +172,17 @@ class TensorWriter:
         self.locations.append(Location(name, stream.chunk * CHUNK_BYTES + start, nbytes,
                                        shape, dtype, self.step, pack_codec(name)))
         return slot
+
+    def _large_buffer(self, nbytes: int) -> torch.Tensor:
+        """A byte buffer for a large copy: one that was written already if one of this
+        size is free (freshly allocated memory costs page faults: 4x a copy into warm
+        memory here), else a new one."""
+        with self._lock:
+            free = self._large_free.get(nbytes)
+            if free:
+                self._large_pooled -= nbytes
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _buffer(self) -> np.ndarray:
         self._budget.take(CHUNK_BYTES)
@@ -216,13 +230,18 @@ class TensorWriter:
                 self._free.append(buffer)
             self._budget.give(CHUNK_BYTES)
 
-    def _write_array(self, slot: int, copy: torch.Tensor) -> None:
+    def _write_array(self, slot: int, copy: torch.Tensor, raw: torch.Tensor) -> None:
+        nbytes = raw.numel()
         try:
             self.stats[slot] = compute_stats(copy)
             self.locations[slot].codec = self.arrays.write_array(f"t{slot}", copy)
-            self.bytes_written += copy.numel() * copy.element_size()
+            self.bytes_written += nbytes
         finally:
-            self._budget.give(copy.numel() * copy.element_size())
+            with self._lock:  # keep it for the next copy of this size, within a quarter cap
+                if self._large_pooled + nbytes <= self._budget.cap // 4:
+                    self._large_free.setdefault(nbytes, []).append(raw)
+                    self._large_pooled += nbytes
+            self._budget.give(nbytes)
 
     # -- the end -----------------------------------------------------------------------------
 
