@@ -9,13 +9,17 @@ libraries underneath (torch, duckdb, zarr, lark) are converted at the edge with
     │   └── NestedTraceError       a recording is already active in this thread
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
-    └── StoreError                 a store could not be opened, written or read
-        ├── StoreNotFoundError     no store at that path (``tl.open(path, create=False)``)
-        ├── StoreFormatError       the store was written by a newer tracelake, or is damaged
-        ├── RunNotFoundError (KeyError)   no complete run has that name
-        ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
-        ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
-        └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
+    ├── StoreError                 a store could not be opened, written or read
+    │   ├── StoreNotFoundError     no store at that path (``tl.open(path, create=False)``)
+    │   ├── StoreFormatError       the store was written by a newer tracelake, or is damaged
+    │   ├── RunNotFoundError (KeyError)   no complete run has that name
+    │   ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
+    │   ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
+    │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
+    └── QueryError                 a query could not be parsed, compiled or run
+        ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
+        └── QueryCompileError      an unknown table, column, function or parameter, or a
+                                   construct that cannot stand where it is (did-you-mean)
 
 Warnings the recorder emits instead of breaking a user's forward pass are
 ``TraceLakeWarning`` (a ``UserWarning``).
@@ -32,6 +36,9 @@ __all__ = [
     "InvalidRunNameError",
     "LabelError",
     "NestedTraceError",
+    "QueryCompileError",
+    "QueryError",
+    "QuerySyntaxError",
     "RecorderError",
     "RunExistsError",
     "RunNotFoundError",
@@ -134,3 +141,35 @@ class ChunkCorruptError(StoreError):
 
 class TraceLakeWarning(UserWarning):
     """Something was recorded only partly, so that the user's forward pass could go on."""
+
+
+class QueryError(TraceLakeError):
+    """A query could not be parsed, compiled or run.
+
+    ``line`` and ``column`` (1-based) point at the culprit when it has a place in the
+    query text, and ``excerpt`` is that query line with a caret under it (else ``""``).
+    """
+
+    def __init__(self, message: str, *, line: int | None = None, column: int | None = None,
+                 excerpt: str = ""):
+        self.message = message
+        self.line = line
+        self.column = column
+        self.excerpt = excerpt
+        super().__init__(f"{message}\n{excerpt}" if excerpt else message)
+
+
+class QuerySyntaxError(QueryError):
+    """The text is not in the query language. ``expected`` names what could have stood
+    at ``line``, ``column`` (keywords as written, other tokens described)."""
+
+    def __init__(self, message: str, line: int, column: int, expected: Iterable[str] = (),
+                 excerpt: str = ""):
+        self.expected = tuple(expected)
+        super().__init__(message, line=line, column=column, excerpt=excerpt)
+
+
+class QueryCompileError(QueryError):
+    """The query parses but asks for something unknown (a table, column, function or
+    parameter; the message suggests the closest known name) or puts a construct where it
+    cannot stand (an aggregate in ``where``, a tensor slice in ``order by``)."""

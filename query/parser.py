@@ -1,0 +1,324 @@
+"""Query text → :class:`~tracelake.query.ast.Query`.
+
+The LALR parser is built once, at import, from ``grammar.lark``; a Lark transformer
+turns its tree into nodes with source spans taken from the tokens. The transformer only
+builds nodes; what they mean is the compiler's business. Lark's exceptions never leave
+:func:`parse`: they become :class:`~tracelake.errors.QuerySyntaxError` with the line, the
+column, the tokens that could have stood there and a caret excerpt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Literal as Lit
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark.lexer import PatternStr
+
+from tracelake.errors import QueryError, QuerySyntaxError
+
+from . import ast
+
+__all__ = ["parse"]
+
+INT64 = 2**63 - 1
+KEYWORDS = frozenset({
+    "select", "from", "where", "group", "order", "by", "asc", "desc", "limit", "offset",
+    "as", "and", "or", "not", "like", "ilike", "in", "between", "is", "null", "true",
+    "false", "out",
+})
+
+
+class _Misplaced(Exception):
+    """Raised inside the transformer for text that the grammar accepts but the language
+    does not (``foo.bar``, ``out[1.5]``); :func:`parse` turns it into a syntax error."""
+
+    def __init__(self, message: str, span: ast.Span, expected: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message, self.span, self.expected = message, span, expected
+
+
+def _first(part: Any) -> tuple[int, int, int] | None:
+    if isinstance(part, Token):
+        return part.line or 1, part.column or 1, part.start_pos or 0
+    if isinstance(part, ast.Node):
+        return part.span.line, part.span.column, part.span.start
+    if isinstance(part, tuple) and part:
+        return _first(part[0])
+    return None
+
+
+def _last(part: Any) -> tuple[int, int, int] | None:
+    if isinstance(part, Token):
+        return part.end_line or 1, part.end_column or 1, part.end_pos or 0
+    if isinstance(part, ast.Node):
+        return part.span.end_line, part.span.end_column, part.span.end
+    if isinstance(part, tuple) and part:
+        return _last(part[-1])
+    return None
+
+
+def _cover(*parts: Any) -> ast.Span:
+    """The span from the first to the last part that has a place in the text (tokens,
+    nodes, tuples of them). Spans come from tokens rather than from Lark's
+    ``propagate_positions``, which costs a third of the parse."""
+    start = next((p for p in map(_first, parts) if p is not None), None)
+    end = next((p for p in map(_last, reversed(parts)) if p is not None), None)
+    if start is None or end is None:
+        return ast.NOWHERE
+    return ast.Span(start[0], start[1], end[0], end[1], start[2], end[2])
+
+
+def _integer(node: ast.Literal, what: str) -> int:
+    value = node.value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Misplaced(f"{what} must be an integer, not {value!r}", node.span,
+                         ("an integer",))
+    if abs(value) > INT64:
+        raise _Misplaced(f"{what} {value} is out of range", node.span, ("an integer",))
+    return value
+
+
+def _name(tok: Token) -> str:
+    """A table, column, function or alias name: keywords are reserved there (Lark's
+    contextual lexer reads a keyword as a name wherever the keyword could not stand;
+    only meta keys may be spelled like keywords)."""
+    if str(tok).lower() in KEYWORDS:
+        raise _Misplaced(f"Unexpected keyword {str(tok)!r} at line {tok.line}, column "
+                         f"{tok.column}", _cover(tok), ("a name",))
+    return str(tok)
+
+
+@v_args(inline=True)
+class _Build(Transformer[Token, ast.Query]):
+    """Parse-tree callbacks that build AST nodes, nothing else."""
+
+    def start(self, items: tuple[ast.SelectItem, ...], table: Token,
+              *clauses: tuple[Any, ...]) -> ast.Query:
+        parts: dict[str, Any] = {kind: rest for kind, *rest in clauses}
+        limit, offset = parts.get("limit", (None, None))
+        return ast.Query(
+            items, _name(table).lower(), where=parts.get("where", (None,))[0],
+            group_by=parts.get("group_by", ((),))[0], order_by=parts.get("order_by", ((),))[0],
+            limit=limit, offset=offset, span=_cover(items, table, *clauses),
+            table_span=_cover(table))
+
+    def select_list(self, *items: ast.SelectItem) -> tuple[ast.SelectItem, ...]:
+        return items
+
+    def select_star(self, star: Token) -> ast.SelectItem:
+        return ast.SelectItem(ast.Star(span=_cover(star)), span=_cover(star))
+
+    def select_expr(self, expr: ast.Expr, alias: Token | None) -> ast.SelectItem:
+        return ast.SelectItem(expr, None if alias is None else _name(alias),
+                              span=_cover(expr, alias))
+
+    def where(self, cond: ast.Condition) -> tuple[str, ast.Condition]:
+        return ("where", cond)
+
+    def group_by(self, *exprs: ast.Expr) -> tuple[str, tuple[ast.Expr, ...]]:
+        return ("group_by", exprs)
+
+    def order_by(self, *items: ast.OrderItem) -> tuple[str, tuple[Any, ...]]:
+        return ("order_by", items)
+
+    def order_item(self, expr: ast.Expr, direction: Token | None) -> ast.OrderItem:
+        descending = direction is not None and direction.type == "DESC"
+        return ast.OrderItem(expr, descending, span=_cover(expr, direction))
+
+    def direction(self, tok: Token) -> Token:
+        return tok
+
+    def limit(self, limit: Any, offset: Any) -> tuple[str, Any, Any]:
+        return ("limit", limit, offset)
+
+    def count(self, tok: Token) -> ast.Literal | ast.Param:
+        if tok.type == "PARAM":
+            return self.param(tok)
+        node = self.number(None, tok)
+        _integer(node, "a limit or offset")
+        return node
+
+    # conditions
+
+    def or_(self, left: Any, right: Any) -> ast.Or:
+        items = (*left.items, right) if type(left) is ast.Or else (left, right)
+        return ast.Or(items, span=_cover(left, right))
+
+    def and_(self, left: Any, right: Any) -> ast.And:
+        items = (*left.items, right) if type(left) is ast.And else (left, right)
+        return ast.And(items, span=_cover(left, right))
+
+    def not_(self, neg: Token, cond: ast.Condition) -> ast.Not:
+        return ast.Not(cond, span=_cover(neg, cond))
+
+    def paren(self, cond: ast.Condition, _rpar: Token) -> ast.Condition:
+        return cond
+
+    def compare(self, left: ast.Expr, op: Token, right: ast.Expr) -> ast.Compare:
+        symbol = "<>" if op == "!=" else str(op)
+        return ast.Compare(symbol, left, right, span=_cover(left, right))  # type: ignore[arg-type]
+
+    def like(self, expr: ast.Expr, neg: Token | None, kind: Token,
+             pattern: ast.Expr) -> ast.Like:
+        return ast.Like(expr, pattern, neg is not None, kind.type == "ILIKE",
+                        span=_cover(expr, pattern))
+
+    def in_list(self, expr: ast.Expr, neg: Token | None, *values: Any) -> ast.In:
+        return ast.In(expr, values[:-1], neg is not None, span=_cover(expr, values[-1]))
+
+    def in_param(self, expr: ast.Expr, neg: Token | None, name: Token) -> ast.In:
+        return ast.In(expr, self.param(name), neg is not None, span=_cover(expr, name))
+
+    def between(self, expr: ast.Expr, neg: Token | None, low: ast.Expr,
+                high: ast.Expr) -> ast.Between:
+        return ast.Between(expr, low, high, neg is not None, span=_cover(expr, high))
+
+    def is_null(self, expr: ast.Expr, neg: Token | None, null: Token) -> ast.IsNull:
+        return ast.IsNull(expr, neg is not None, span=_cover(expr, null))
+
+    def bool_test(self, expr: ast.Expr) -> ast.BoolTest:
+        return ast.BoolTest(expr, span=expr.span)
+
+    # operands
+
+    def column(self, name: Token) -> ast.Column:
+        return ast.Column(_name(name).lower(), span=_cover(name))
+
+    def qualified(self, head: Token, *names: Token) -> ast.GraphRef | ast.MetaRef:
+        qualifier = str(head).lower()
+        span = _cover(head, names)
+        if qualifier == "meta":
+            return ast.MetaRef(tuple(str(n) for n in names), span=span)
+        if qualifier in ("parent", "child") and len(names) == 1:
+            direction: Lit["parent", "child"] = "parent" if qualifier == "parent" else "child"
+            return ast.GraphRef(direction, _name(names[0]).lower(), span=span)
+        if qualifier in ("parent", "child"):
+            raise _Misplaced(f"{qualifier}.<column> takes one column name", _cover(names[1]))
+        raise _Misplaced(f"unknown qualifier {str(head)!r}: names are qualified only by "
+                         "parent., child. or meta.", _cover(head), ("parent", "child", "meta"))
+
+    def call(self, name: Token, args: tuple[ast.Expr, ...], rpar: Token) -> ast.Call:
+        return ast.Call(_name(name).lower(), args, span=_cover(name, rpar))
+
+    def call_args(self, *args: Any) -> tuple[ast.Expr, ...]:
+        if len(args) == 1 and isinstance(args[0], Token):  # count(*)
+            return (ast.Star(span=_cover(args[0])),)
+        return args
+
+    def out(self, tok: Token) -> ast.Out:
+        return ast.Out(span=_cover(tok))
+
+    def out_slice(self, tok: Token, *index: Any) -> ast.OutSlice:
+        return ast.OutSlice(index[:-1], span=_cover(tok, index[-1]))
+
+    def index_at(self, number: ast.Literal) -> int:
+        return _integer(number, "an index")
+
+    def index_ellipsis(self, _tok: Token) -> ast.Index:
+        return ...
+
+    def index_slice(self, *parts: ast.Literal | None) -> ast.SliceSpec:
+        start, stop, step = (None if p is None else _integer(p, "a slice bound") for p in parts)
+        span = _cover(*parts)
+        if step == 0:
+            raise _Misplaced("a slice step cannot be zero", span)
+        return ast.SliceSpec(start, stop, step, span=span)
+
+    # literals
+
+    def string(self, tok: Token) -> ast.Literal:
+        return ast.Literal(str(tok)[1:-1].replace("''", "'"), span=_cover(tok))
+
+    def number(self, minus: Token | None, tok: Token) -> ast.Literal:
+        text = str(tok)
+        value: int | float = float(text) if any(c in text for c in ".eE") else int(text)
+        return ast.Literal(-value if minus is not None else value, span=_cover(minus, tok))
+
+    def true(self, tok: Token) -> ast.Literal:
+        return ast.Literal(True, span=_cover(tok))
+
+    def false(self, tok: Token) -> ast.Literal:
+        return ast.Literal(False, span=_cover(tok))
+
+    def null(self, tok: Token) -> ast.Literal:
+        return ast.Literal(None, span=_cover(tok))
+
+    def param(self, tok: Token) -> ast.Param:
+        return ast.Param(str(tok)[1:], span=_cover(tok))
+
+
+_LARK = Lark.open("grammar.lark", rel_to=__file__, parser="lalr", maybe_placeholders=True)
+_BUILD = _Build()
+
+_DESCRIBE = {
+    "NAME": "a name", "PARAM": "a :parameter", "STRING": "a 'string'", "NUMBER": "a number",
+    "COMPARE": "a comparison (= != <> < <= > >=)", "$END": "the end of the query",
+}
+_TERMINALS = {t.name: (repr(t.pattern.value) if isinstance(t.pattern, PatternStr)
+                       else _DESCRIBE.get(t.name, t.name))
+              for t in _LARK.terminals}
+
+
+def _expected(names: Any) -> tuple[str, ...]:
+    described = {_TERMINALS.get(n, _DESCRIBE.get(n, n)) for n in names or ()}
+    # quoted keywords and punctuation first, then descriptions
+    return tuple(sorted(described, key=lambda s: (not s.startswith("'"), s)))
+
+
+def _syntax_error(text: str, exc: UnexpectedInput) -> QuerySyntaxError:
+    if isinstance(exc, UnexpectedToken) and exc.token.type == "$END":
+        stripped = text.rstrip()
+        line = stripped.count("\n") + 1
+        column = len(stripped) - (stripped.rfind("\n") + 1) + 1
+        what, width = "end of query", 1
+    elif isinstance(exc, UnexpectedToken):
+        line, column = exc.token.line or 1, exc.token.column or 1
+        what, width = repr(str(exc.token)), max(1, len(str(exc.token)))
+    elif isinstance(exc, UnexpectedCharacters):
+        line, column = exc.line, exc.column
+        what, width = f"character {exc.char!r}", 1
+    else:
+        line, column, what, width = max(1, exc.line), max(1, exc.column), "input", 1
+    allowed = getattr(exc, "allowed", None)
+    if isinstance(exc, UnexpectedToken):
+        try:  # exact: LALR states' lookahead sets over-approximate
+            allowed = exc.interactive_parser.accepts()
+        except Exception:  # pragma: no cover - fall back to the state's set
+            allowed = exc.expected
+    expected = _expected(allowed)
+    message = f"Unexpected {what} at line {line}, column {column}"
+    if expected:
+        message += "; expected one of: " + ", ".join(expected)
+    span = ast.Span(line, column, line, column + width, 0, 0)
+    return QuerySyntaxError(message, line, column, expected, span.excerpt(text))
+
+
+def parse(text: str) -> ast.Query:
+    """Parse query text into an :class:`~tracelake.query.ast.Query`.
+
+    Raises :class:`~tracelake.errors.QuerySyntaxError` for text outside the language."""
+    if not isinstance(text, str):
+        raise TypeError(f"a query is a str, not {type(text).__name__}")
+    try:
+        return _BUILD.transform(_LARK.parse(text))
+    except _Misplaced as exc:
+        raise _misplaced(text, exc) from None
+    except UnexpectedInput as exc:
+        raise _syntax_error(text, exc) from exc
+    except LarkError as exc:  # a callback's exception, wrapped by Lark
+        inner = getattr(exc, "orig_exc", None)
+        if isinstance(inner, _Misplaced):
+            raise _misplaced(text, inner) from None
+        if isinstance(inner, QueryError):
+            raise inner from None
+        raise QuerySyntaxError(f"cannot parse the query: {exc}", 1, 1) from exc
+    except RecursionError as exc:
+        raise QuerySyntaxError("the query is nested too deeply", 1, 1) from exc
+
+
+def _misplaced(text: str, exc: _Misplaced) -> QuerySyntaxError:
+    span = exc.span
+    return QuerySyntaxError(f"{exc.message} (line {span.line}, column {span.column})",
+                            span.line, span.column, exc.expected, span.excerpt(text))

@@ -1,0 +1,93 @@
+"""What a query may name: tables, columns and functions, and nothing else.
+
+The columns come from the catalog's own definitions (:data:`tracelake.store.catalog.TABLES`),
+so the whitelist follows the schema. Every identifier the compiler writes into SQL is
+looked up here first and quoted by :func:`ident`, the one quoting function.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Literal
+
+from tracelake.store.catalog import TABLES
+
+__all__ = [
+    "AGGREGATES", "COLUMNS", "FUNCTIONS", "HIDDEN", "REDUCTIONS", "STATS", "TABLE_NAMES",
+    "Kind", "closest", "ident",
+]
+
+Kind = Literal["number", "bool", "string", "other"]
+
+#: Tables a query can read, in the order error messages list them.
+TABLE_NAMES = ("ops", "runs", "modules", "edges")
+
+#: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``.
+#: ``sum`` has no column of its own: it is ``mean`` times the element count.
+STATS = {"mean": "mean", "std": "std", "min": "min", "max": "max", "absmax": "absmax",
+         "norm": "l2"}
+REDUCTIONS = (*STATS, "sum")
+
+#: Aggregates over columns (``count(*)`` too), for ``group by`` queries.
+AGGREGATES = ("count", "avg", "sum", "min", "max")
+FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES)))
+
+#: Columns the SQL adds after the visible ones when a query selects tensors: what the
+#: executor needs to read them (the ``tensor`` slot is NULL for unsaved ops).
+HIDDEN = ("__run_id", "__step", "__tensor")
+
+
+def _split(definition: str) -> Iterable[tuple[str, str]]:
+    """``name TYPE, ...`` pairs of a column list, commas inside parentheses kept."""
+    depth, start = 0, 0
+    for i, ch in enumerate(definition + ","):
+        if ch in "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            name, _, sql_type = definition[start:i].strip().partition(" ")
+            yield name.strip('"'), sql_type.strip()
+            start = i + 1
+
+
+def _kind(sql_type: str) -> Kind:
+    if sql_type in ("INTEGER", "BIGINT", "DOUBLE"):
+        return "number"
+    if sql_type == "BOOLEAN":
+        return "bool"
+    if sql_type in ("VARCHAR", "TIMESTAMP"):
+        return "string"
+    return "other"  # lists and structs
+
+
+def _columns(table: str) -> dict[str, Kind]:
+    own = {name: _kind(sql_type) for name, sql_type in _split(TABLES[table])}
+    if table == "runs":
+        return {**own, "run": "string"}
+    return {"run": "string", **own}
+
+
+#: Visible columns of each table and their kinds. ``run`` is the run's name everywhere
+#: (``runs.name``); ``*`` expands to these, in this order (``run`` first except in runs).
+COLUMNS: dict[str, dict[str, Kind]] = {table: _columns(table) for table in TABLE_NAMES}
+_STAR = {table: tuple(c for c in cols if not (table == "runs" and c == "run"))
+         for table, cols in COLUMNS.items()}
+
+
+def star(table: str) -> tuple[str, ...]:
+    """The columns ``*`` stands for."""
+    return _STAR[table]
+
+
+def ident(name: str) -> str:
+    """The one quoting function for SQL identifiers. Names reach it only after a
+    whitelist lookup (or from the language's NAME token, for aliases)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def closest(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the nearest known name, or ``""``."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
