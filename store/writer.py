@@ -271,6 +271,7 @@ class TensorWriter:
 
 _Member = tuple[int, int, int, torch.dtype, tuple[int, ...]]  # slot, start, nbytes, dtype, shape
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_GATHER_MAX = 16 << 10  # bytes
 
 
 def _chunk_stats(buffer: np.ndarray, members: list[_Member]) -> dict[int, Stats]:
@@ -289,7 +290,9 @@ def _chunk_stats(buffer: np.ndarray, members: list[_Member]) -> dict[int, Stats]
 
     for member in members:
         dtype = member[3]
-        if member[2] and not dtype.is_complex and dtype.itemsize in _UNSIGNED:
+        # Gathering pays for tiny tensors (one numpy pass instead of torch calls each);
+        # a larger one is cheaper through compute_stats's reductions on its own view.
+        if 0 < member[2] <= _GATHER_MAX and not dtype.is_complex and dtype.itemsize in _UNSIGNED:
             groups.setdefault(dtype, []).append(member)
         else:
             out[member[0]] = single(member)
