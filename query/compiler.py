@@ -1,8 +1,9 @@
 """AST → parameterised DuckDB SQL.
 
-Every value (literals, ``:name`` parameters, JSON paths of ``meta.key``, the ``complete``
-status) is a bound ``?`` parameter; every identifier is looked up in :mod:`.schema` and
-quoted by its one quoting function; the SQL is one ``SELECT`` over the catalog tables and
+Every value (literals, ``:name`` parameters, the ``complete`` status) is a bound ``?``
+parameter; every identifier is looked up in :mod:`.schema` and quoted by its one quoting
+function (the keys of ``meta.a.b`` are checked identifiers, written as a JSON path
+constant so that DuckDB sees ``meta.a`` in ``select`` and ``group by`` as one expression); the SQL is one ``SELECT`` over the catalog tables and
 nothing else. Each AST node class has a ``visit_<Class>`` rule; a class without one
 reaches :meth:`_Compiler.visit_default`, which raises.
 
@@ -38,6 +39,7 @@ from .schema import (
     Kind,
     closest,
     ident,
+    json_path,
     star,
 )
 
@@ -397,7 +399,11 @@ class _Compiler:
 
     def _meta(self, node: ast.MetaRef, cast: str | None) -> str:
         self.needs_runs = self.needs_runs or self.table != "runs"
-        value = f"json_extract_string(r.\"meta\", {self.bind('$.' + '.'.join(node.keys))})"
+        try:
+            path = json_path(node.keys)
+        except ValueError as exc:  # only a hand-built AST can get here
+            raise self._refuse(str(exc), node) from None
+        value = f'json_extract_string(r."meta", {path})'
         return f"TRY_CAST({value} AS {cast})" if cast else value
 
     def visit_Literal(self, node: ast.Literal) -> str:

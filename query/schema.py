@@ -8,6 +8,7 @@ looked up here first and quoted by :func:`ident`, the one quoting function.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from typing import Literal
 
@@ -15,7 +16,7 @@ from tracelake.store.catalog import TABLES
 
 __all__ = [
     "AGGREGATES", "COLUMNS", "FUNCTIONS", "HIDDEN", "REDUCTIONS", "STATS", "TABLE_NAMES",
-    "Kind", "closest", "ident",
+    "Kind", "closest", "ident", "json_path", "star",
 ]
 
 Kind = Literal["number", "bool", "string", "other"]
@@ -85,6 +86,18 @@ def ident(name: str) -> str:
     """The one quoting function for SQL identifiers. Names reach it only after a
     whitelist lookup (or from the language's NAME token, for aliases)."""
     return '"' + name.replace('"', '""') + '"'
+
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def json_path(keys: Iterable[str]) -> str:
+    """The SQL string constant ``'$.a.b'`` for ``meta.a.b``. Keys are identifiers (the
+    grammar's NAME); anything else is refused here, never written into SQL."""
+    keys = tuple(keys)
+    if not keys or not all(isinstance(k, str) and _KEY.fullmatch(k) for k in keys):
+        raise ValueError(f"meta keys are letters, digits and underscores: {keys!r}")
+    return "'$." + ".".join(keys) + "'"
 
 
 def closest(name: str, known: Iterable[str]) -> str:
