@@ -3,9 +3,10 @@
 Every value (literals, ``:name`` parameters, the ``complete`` status) is a bound ``?``
 parameter; every identifier is looked up in :mod:`.schema` and quoted by its one quoting
 function (the keys of ``meta.a.b`` are checked identifiers, written as a JSON path
-constant so that DuckDB sees ``meta.a`` in ``select`` and ``group by`` as one expression); the SQL is one ``SELECT`` over the catalog tables and
-nothing else. Each AST node class has a ``visit_<Class>`` rule; a class without one
-reaches :meth:`_Compiler.visit_default`, which raises.
+constant so that DuckDB sees ``meta.a`` in ``select`` and ``group by`` as one
+expression); the SQL is one ``SELECT`` over the catalog tables and nothing else. Each
+AST node class has a ``visit_<Class>`` rule; a class without one reaches
+:meth:`_Compiler.visit_default`, which raises.
 
 The SQL runs on the reader's catalog mirror, which holds the rows of complete runs only;
 ``runs`` keeps every status, so reading it (directly, or joined for ``run`` and ``meta``)
@@ -326,7 +327,7 @@ class _Compiler:
         if grouped and not _is_aggregate(expr) and expr not in self.query.group_by:
             raise self._refuse(f"{_display(expr)!r} is neither grouped nor aggregated; add it"
                                " to 'group by' or wrap it in an aggregate", expr)
-        if isinstance(expr, ast.Literal | ast.Param | ast.GraphRef):
+        if isinstance(expr, ast.Literal | ast.Param):
             raise self._refuse(f"select a column, out, a reduction or an aggregate, not "
                                f"{_display(expr)}", expr)
         return [(self.visit(expr), name)]
