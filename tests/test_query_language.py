@@ -414,3 +414,15 @@ def test_injection_fails_or_only_binds_values(text: str,
     labels = {r[0] for r in rows}
     assert labels <= {"input_1", "linear_1_1", "relu_1_2", "add_1_3", "softmax_1_4",
                       "output_1"}
+
+
+def _doc_queries() -> list[str]:
+    doc = Path(__file__).parents[1] / "docs" / "query.md"
+    blocks = doc.read_text().split("```sql\n")[1:]
+    lines = [line.split("--")[0].strip() for b in blocks for line in b.split("```")[0].splitlines()]
+    return [line for line in lines if line]
+
+
+@pytest.mark.parametrize("text", _doc_queries())
+def test_the_documented_queries_compile(text: str) -> None:
+    compile_query(text)
