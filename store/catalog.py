@@ -190,10 +190,8 @@ class CatalogWriter:
                 )
             for table in _RUN_TABLES:
                 data = tables.get(table)
-                if data is not None and data.num_rows:
-                    con.register("_incoming", data)
-                    con.execute(f"INSERT INTO {table} SELECT * FROM _incoming")
-                    con.unregister("_incoming")
+                if data is not None:
+                    _insert(con, table, data)
             if clash:
                 con.execute(
                     f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
@@ -251,7 +249,10 @@ class CatalogMirror:
 
     def __init__(self, paths: StorePaths):
         self.paths = paths
-        self.con = duckdb.connect(":memory:")
+        # The mirror never touches files itself (rows arrive as Arrow tables read through
+        # a separate, short-lived read-only connection), so user SQL on it can run with
+        # DuckDB's external access off: no file reads, no ATTACH, no extensions.
+        self.con = duckdb.connect(":memory:", config={"enable_external_access": False})
         _create_schema(self.con)
         self._gen: str | None = None
         self._loaded: set[int] = set()
@@ -279,31 +280,43 @@ class CatalogMirror:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
-            con = self.con
-            con.execute(f"ATTACH '{_quote(str(self.paths.catalog))}' AS cat (READ_ONLY)")
             try:
-                con.execute("BEGIN TRANSACTION")
-                con.execute("DELETE FROM runs")
-                con.execute("INSERT INTO runs SELECT * FROM cat.runs")
-                complete = {r[0] for r in con.execute(
-                    "SELECT id FROM runs WHERE status = ?", [COMPLETE]).fetchall()}
+                src = duckdb.connect(str(self.paths.catalog), read_only=True)
+            except duckdb.Error as exc:
+                raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
+            try:
+                runs = src.sql("SELECT * FROM runs").to_arrow_table()
+                complete = {i for i, st in zip(runs.column("id").to_pylist(),
+                                               runs.column("status").to_pylist(), strict=True)
+                            if st == COMPLETE}
                 gone = sorted(self._loaded - complete)
                 new = sorted(complete - self._loaded)
-                for table in _RUN_TABLES:
-                    if gone:
-                        con.execute(f"DELETE FROM {table} WHERE run_id IN "
-                                    f"({', '.join('?' * len(gone))})", gone)
-                    if new:
-                        con.execute(f"INSERT INTO {table} SELECT * FROM cat.{table} WHERE "
-                                    f"run_id IN ({', '.join('?' * len(new))})", new)
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+                incoming = {}
+                if new:
+                    marks = ", ".join("?" * len(new))
+                    for table in _RUN_TABLES:
+                        incoming[table] = src.sql(
+                            f"SELECT * FROM {table} WHERE run_id IN ({marks})", params=new
+                        ).to_arrow_table()
             finally:
-                con.execute("DETACH cat")
-            self._loaded = complete
-            self._gen = gen
+                src.close()
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute("DELETE FROM runs")
+            _insert(con, "runs", runs)
+            for table in _RUN_TABLES:
+                if gone:
+                    con.execute(f"DELETE FROM {table} WHERE run_id IN "
+                                f"({', '.join('?' * len(gone))})", gone)
+                if table in incoming:
+                    _insert(con, table, incoming[table])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        self._loaded = complete
+        self._gen = gen
 
     def query(self, sql: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
         self.refresh()
@@ -313,5 +326,10 @@ class CatalogMirror:
         self.con.close()
 
 
-def _quote(text: str) -> str:
-    return text.replace("'", "''")
+def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: Any) -> None:
+    if rows.num_rows:
+        con.register("_incoming", rows)
+        try:
+            con.execute(f"INSERT INTO {table} SELECT * FROM _incoming")
+        finally:
+            con.unregister("_incoming")
