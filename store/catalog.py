@@ -319,8 +319,15 @@ class CatalogMirror:
         self._gen = gen
 
     def query(self, sql: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
+        """Run ``sql`` on the refreshed mirror, in a cursor of its own (DuckDB lets one
+        connection have one unfinished result at a time)."""
         self.refresh()
-        return self.con.execute(sql, params or [])
+        return self.con.cursor().execute(sql, params or [])
+
+    def arrow(self, sql: str, params: list[Any] | None = None) -> Any:
+        """``sql``'s result as an Arrow table."""
+        self.refresh()
+        return self.con.cursor().sql(sql, params=params or []).to_arrow_table()
 
     def close(self) -> None:
         self.con.close()

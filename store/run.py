@@ -16,7 +16,7 @@ from tracelake.recorder.trace import TraceView
 from .rows import load_step
 from .tensors import RunArrays, parse_dtype
 
-__all__ = ["LazyTensor", "Run", "StoredOpEntry"]
+__all__ = ["LazyTensor", "Run", "StoredOpEntry", "index_tensor"]
 
 
 class _Slot:
@@ -64,7 +64,7 @@ class LazyTensor:
     def __getitem__(self, key: Any) -> torch.Tensor:
         slot = self._slot
         if slot.offset is not None or not self.shape:
-            return self.read()[key]  # packed tensors are small: read whole, index in torch
+            return index_tensor(self.read(), key)  # packed tensors are small: read whole
         keys, flips = _normalise(key, self.shape)
         data = self._arrays.read_array(slot.array, slot.dtype, self.shape, self.label, keys)
         return data.flip(flips) if flips else data
@@ -110,6 +110,16 @@ def _normalise(key: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], list[
             out.append(i % n)
             squeeze.add(dim)
     return tuple(out), flips
+
+
+def index_tensor(tensor: torch.Tensor, key: Any) -> torch.Tensor:
+    """``tensor[key]`` with basic indexing as :class:`LazyTensor` takes it (negative steps
+    too, which torch itself refuses)."""
+    if not tensor.dim():
+        return tensor[key]
+    keys, flips = _normalise(key, tuple(tensor.shape))
+    out = tensor[keys]
+    return out.flip(flips) if flips else out
 
 
 class _RunTensors:

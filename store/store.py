@@ -42,9 +42,21 @@ __all__ = ["Recording", "Store", "open_store"]
 _STATS_CHOICES = ("saved", "all")
 
 
+_LAST: list[Store] = []
+
+
 def open_store(path: str | os.PathLike[str], create: bool = True) -> Store:
     """Open the store at ``path`` (a directory), creating it unless ``create=False``."""
-    return Store(path, create=create)
+    store = Store(path, create=create)
+    _LAST[:] = [store]
+    return store
+
+
+def last_opened() -> Store:
+    """The store ``tl.open`` opened last in this process (for notebook magics)."""
+    if not _LAST:
+        raise StoreError("no store is open yet: tl.open(path) first, or name the store")
+    return _LAST[0]
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -352,6 +364,28 @@ class Store:
             ]
         df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
         return df.drop(columns=["id"])
+
+    # -- queries --------------------------------------------------------------------------
+
+    def _query_arrow(self, sql: str, params: list[Any]) -> Any:
+        if self._mirror is None:
+            self._mirror = CatalogMirror(self.paths)
+        return self._mirror.arrow(sql, params)
+
+    def query(self, text: str, **params: Any) -> Any:
+        """Run a query (``docs/query.md``) over every complete run; returns a
+        :class:`~tracelake.query.results.Result`. ``:name`` parameters are bound from
+        the keyword arguments."""
+        from tracelake.query.results import run_query  # the query room sits downstream
+
+        return run_query(self, text, params)
+
+    def sql(self, text: str) -> pandas.DataFrame:
+        """Raw, read-only SQL (one SELECT) over the catalog tables, on an in-memory
+        mirror where DuckDB's external access is off; returns a DataFrame."""
+        from tracelake.query.results import run_sql
+
+        return run_sql(self, text)
 
     # -- maintenance ----------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from tracelake import errors
 def test_public_names_are_pinned() -> None:
     assert sorted(tl.__all__) == sorted([
         "AmbiguousLabelError", "ChunkCorruptError", "InvalidRunNameError", "LabelError",
-        "ModuleEntry", "NestedTraceError", "OpEntry", "RecorderError", "Run", "RunExistsError",
+        "ModuleEntry", "NestedTraceError", "OpEntry", "QueryCompileError", "QueryError",
+        "QuerySyntaxError", "RecorderError", "Run", "RunExistsError",
         "RunNotFoundError", "Selector", "SourceLocation", "Stats", "Store", "StoreError",
         "StoreFormatError", "StoreNotFoundError", "Trace", "TraceLakeError",
         "TraceLakeWarning", "__version__", "all", "func", "in_module", "label", "module",

@@ -16,6 +16,9 @@ from tracelake.errors import (
     InvalidRunNameError,
     LabelError,
     NestedTraceError,
+    QueryCompileError,
+    QueryError,
+    QuerySyntaxError,
     RecorderError,
     RunExistsError,
     RunNotFoundError,
@@ -45,6 +48,13 @@ from tracelake.store import open_store as open
 
 __version__ = "0.1.0"
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext tracelake``: the ``%tlq`` / ``%%tlq`` query magics."""
+    from tracelake.magics import load_ipython_extension as load
+
+    load(ipython)
+
 __all__ = [
     "AmbiguousLabelError",
     "ChunkCorruptError",
@@ -53,6 +63,9 @@ __all__ = [
     "ModuleEntry",
     "NestedTraceError",
     "OpEntry",
+    "QueryCompileError",
+    "QueryError",
+    "QuerySyntaxError",
     "RecorderError",
     "Run",
     "RunExistsError",

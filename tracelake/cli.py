@@ -145,6 +145,63 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _param(text: str) -> tuple[str, Any]:
+    """``k=v``: v as JSON when it parses (numbers, true/false/null, quoted strings,
+    lists), else the plain string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--param takes name=value, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _query(args: argparse.Namespace) -> int:
+    from tracelake.query.results import describe
+
+    store = tl.open(args.store, create=False)
+    try:
+        result = store.query(args.text, **dict(args.param))
+    except tl.QueryError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    fmt = args.format
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        if not args.output:
+            print("tracelake query: --format parquet needs -o FILE", file=sys.stderr)
+            return 2
+        pq.write_table(result.arrow(), args.output)
+        return 0
+    out = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        if fmt == "json":
+            rows = [{k: (v.tolist() if hasattr(v, "tolist") and not isinstance(v, float)
+                         else v) for k, v in row.items()} for row in result]
+            json.dump(rows, out, default=str, indent=1)
+            out.write("\n")
+        elif fmt == "csv":
+            import csv
+
+            writer = csv.writer(out)
+            writer.writerow(result.columns)
+            for row in result:
+                writer.writerow([describe(row[c]) for c in result.columns])
+        else:
+            table = Table(header_style="bold", caption=f"{len(result)} rows")
+            for name in result.columns:
+                table.add_column(name, overflow="fold")
+            for row in result:
+                table.add_row(*[describe(row[c]) for c in result.columns])
+            Console(file=out, width=None if out.isatty() else 160).print(table)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracelake", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracelake {tl.__version__}")
@@ -169,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     rm = command("rm", "delete runs (gc reclaims their space)", _rm)
     rm.add_argument("run", nargs="+", help="names of the runs to delete")
     command("gc", "reclaim the space of deleted, failed and interrupted runs", _gc)
+    query = commands.add_parser("query", help="run a query over a store (docs/query.md)")
+    query.add_argument("store", help="the store's directory")
+    query.add_argument("text", help="the query, e.g. \"select run, label from ops\"")
+    query.add_argument("--param", action="append", type=_param, default=[],
+                       metavar="NAME=VALUE", help="bind :NAME (value parsed as JSON if it can)")
+    query.add_argument("--format", choices=("table", "csv", "json", "parquet"),
+                       default="table")
+    query.add_argument("-o", "--output", help="write to FILE instead of the terminal")
+    query.set_defaults(handler=_query)
     command("verify", "check every chunk's checksum and the catalog's agreement", _verify)
     return parser
 
