@@ -136,7 +136,7 @@ def test_query_errors_point_at_the_culprit(store_and_hooks) -> None:
 def test_cli_query(store_and_hooks, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tracelake.cli import main
 
-    store, hooks = store_and_hooks
+    store, _ = store_and_hooks
     root = store.path
     assert main(["query", root, "select run, label, out from ops where func = 'relu' "
                  "and run = :r", "--param", "r=base"]) == 0
