@@ -70,7 +70,8 @@ class CompiledQuery:
     """A query compiled for the catalog: run ``sql`` with ``params``.
 
     The result's columns are ``columns`` then ``hidden`` (``__run_id``, ``__step``,
-    ``__tensor`` when any item is in ``tensors``, else none)."""
+    ``__tensor`` and where the tensor's bytes are: ``__array``, ``__offset``,
+    ``__nbytes``, ``__shape``, ``__dtype``; when any item is in ``tensors``, else none)."""
 
     sql: str
     params: list[Any]
@@ -249,7 +250,9 @@ class _Compiler:
         if self.tensors:
             a = self.alias
             parts += [f'{a}."run_id" AS "__run_id"', f'{a}."step" AS "__step"',
-                      f'{a}."tensor" AS "__tensor"']
+                      f'{a}."tensor" AS "__tensor"', f'{a}."array" AS "__array"',
+                      f'{a}."byte_offset" AS "__offset"', f'{a}."nbytes" AS "__nbytes"',
+                      f'{a}."shape" AS "__shape"', f'{a}."dtype" AS "__dtype"']
         return ", ".join(parts), names
 
     def _from(self) -> tuple[str, list[Any]]:

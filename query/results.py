@@ -19,10 +19,9 @@ import torch
 
 from tracelake.errors import QueryError
 from tracelake.recorder.stats import compute_stats
-from tracelake.store.run import LazyTensor, _Slot, index_tensor
-from tracelake.store.tensors import CHUNK_BYTES, RunArrays, parse_dtype, tensor_from_bytes
+from tracelake.store.run import LazyTensor, _Slot
 
-from .compiler import CompiledQuery, TensorItem, compile_query
+from .compiler import CompiledQuery, compile_query
 
 if TYPE_CHECKING:
     import pandas
@@ -170,77 +169,42 @@ def _reduce(tensor: torch.Tensor, how: str) -> float | None:
 
 
 class _Fetcher:
-    """Reads the tensors a result needs: grouped by (run, array), chunks of packs once."""
+    """Reads the tensors of a result's rows: grouped by (run, array), each pack chunk
+    decoded once (and cached across queries), groups read in parallel."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, table: pa.Table):
         self.store = store
-        self._arrays: dict[int, RunArrays] = {}
+        self.run_ids = table.column("__run_id").to_pylist()
+        self.locations = list(zip(
+            table.column("__array").to_pylist(), table.column("__offset").to_pylist(),
+            table.column("__nbytes").to_pylist(), table.column("__shape").to_pylist(),
+            table.column("__dtype").to_pylist(), strict=True))
+        self.labels = (table.column("label").to_pylist() if "label" in table.column_names
+                       else [f"row {i}" for i in range(table.num_rows)])
 
-    def arrays(self, run_id: int) -> RunArrays:
-        arrays = self._arrays.get(run_id)
-        if arrays is None:
-            name = self.store._query("SELECT name FROM runs WHERE id = ?", [run_id]).fetchone()
-            arrays = self._arrays[run_id] = RunArrays(self.store.paths.tensors(run_id),
-                                                      name[0] if name else str(run_id))
-        return arrays
+    def fetch(self, key: Any) -> list[torch.Tensor | None]:
+        """Every row's tensor (``key``: a selection to apply), ``None`` where unsaved."""
+        out: list[torch.Tensor | None] = [None] * len(self.run_ids)
+        groups: dict[tuple[int, str], list[int]] = {}
+        for row, (array, *_rest) in enumerate(self.locations):
+            if array is not None:
+                groups.setdefault((self.run_ids[row], array), []).append(row)
 
-    def fetch(self, wanted: list[tuple[int, int, str]], index: dict[tuple[int, int], Any]
-              ) -> dict[tuple[int, int], torch.Tensor]:
-        """``wanted``: (run_id, slot, label); ``index``: selections for own arrays.
-        Returns the tensor (or selection) per (run_id, slot)."""
-        if not wanted:
-            return {}
-        keys = sorted({(r, s) for r, s, _ in wanted})
-        labels = {(r, s): label for r, s, label in wanted}
-        rows = self.store._query(
-            "SELECT t.run_id, t.slot, t.\"array\", t.byte_offset, t.nbytes, t.shape, t.dtype "
-            "FROM tensors t JOIN (SELECT unnest(?::INTEGER[]) AS r, unnest(?::INTEGER[]) AS s) "
-            "w ON t.run_id = w.r AND t.slot = w.s",
-            [[k[0] for k in keys], [k[1] for k in keys]]).fetchall()
-        groups: dict[tuple[int, str], list[tuple[Any, ...]]] = {}
-        for row in rows:
-            groups.setdefault((row[0], row[2]), []).append(row)
-        out: dict[tuple[int, int], torch.Tensor] = {}
+        def read(group: tuple[tuple[int, str], list[int]]) -> None:
+            (run_id, name), rows = group
+            arrays = self.store._arrays(run_id)
+            for row in rows:
+                _, offset, nbytes, shape, dtype = self.locations[row]
+                lazy = LazyTensor(arrays, _Slot(name, offset, nbytes, shape, dtype),
+                                  self.labels[row])
+                out[row] = lazy.read() if key is None else lazy[key]
 
-        def read(group: list[tuple[Any, ...]]) -> None:
-            run_id, _, name = group[0][:3]
-            arrays = self.arrays(run_id)
-            if group[0][3] is None:  # large tensors: their own arrays, only what is selected
-                for _, slot, _, _, _, shape, dtype in group:
-                    lazy = LazyTensor(arrays, _Slot(name, None, 0, shape, dtype),
-                                      labels[(run_id, slot)])
-                    key = index.get((run_id, slot))
-                    out[(run_id, slot)] = lazy.read() if key is None else lazy[key]
-                return
-            size = arrays.array(name).chunks[0]
-            chunks: dict[int, Any] = {}
-            for _, slot, _, offset, nbytes, shape, dtype in group:
-                dt = parse_dtype(dtype)
-                if nbytes == 0:
-                    value = torch.empty(tuple(shape), dtype=dt)
-                else:
-                    first, last = offset // size, (offset + nbytes - 1) // size
-                    if first != last or size > CHUNK_BYTES:
-                        value = arrays.read_packed(name, offset, nbytes, dt, shape,
-                                                   labels[(run_id, slot)])
-                    else:
-                        if first not in chunks:
-                            chunks[first] = arrays.read_packed(
-                                name, first * size, min(size, arrays.array(name).shape[0]
-                                                        - first * size),
-                                torch.uint8, [-1], labels[(run_id, slot)]).numpy()
-                        start = offset - first * size
-                        value = tensor_from_bytes(chunks[first][start:start + nbytes].copy(),
-                                                  dt, shape)
-                key = index.get((run_id, slot))
-                out[(run_id, slot)] = value if key is None else index_tensor(value, key)
-
-        group_list = list(groups.values())
-        if len(group_list) == 1:
-            read(group_list[0])
+        if len(groups) <= 1:
+            for group in groups.items():
+                read(group)
         else:
             with ThreadPoolExecutor(max_workers=_READERS) as pool:
-                list(pool.map(read, group_list))
+                list(pool.map(read, groups.items()))
         return out
 
 
@@ -253,30 +217,16 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
         raise QueryError(f"the query could not run: {exc}") from exc
     values: dict[str, list[Any]] = {}
     if compiled.tensors:
-        run_ids = table.column("__run_id").to_pylist()
-        labels = (table.column("label").to_pylist() if "label" in table.column_names
-                  else [f"slot {s}" for s in table.column("__tensor").to_pylist()])
-        fetcher = _Fetcher(store)
+        fetcher = _Fetcher(store, table)
         for item in compiled.tensors:
-            values[item.column] = _item_values(fetcher, item, run_ids,
-                                               table.column(item.column).to_pylist(), labels)
+            key = item.index if item.kind in ("slice", "reduce") else None
+            got = fetcher.fetch(key)
+            if item.kind == "reduce":
+                values[item.column] = [None if t is None else _reduce(t, item.reduction or "mean")
+                                       for t in got]
+            else:
+                values[item.column] = got
     return Result(compiled, table, values)
-
-
-def _item_values(fetcher: _Fetcher, item: TensorItem, run_ids: list[int],
-                 slots: list[int | None], labels: list[str]) -> list[Any]:
-    key = item.index if item.kind in ("slice", "reduce") else None
-    wanted = [(r, s, labels[i]) for i, (r, s) in enumerate(zip(run_ids, slots, strict=True))
-              if s is not None]
-    selections = {(r, s): key for r, s, _ in wanted} if key is not None else {}
-    got = fetcher.fetch(wanted, selections)
-    values: list[Any] = []
-    for r, s in zip(run_ids, slots, strict=True):
-        value = None if s is None else got.get((r, s))
-        if value is not None and item.kind == "reduce":
-            value = _reduce(value, item.reduction or "mean")
-        values.append(value)
-    return values
 
 
 def run_sql(store: Store, text: str) -> pandas.DataFrame:

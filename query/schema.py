@@ -36,7 +36,8 @@ FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES)))
 
 #: Columns the SQL adds after the visible ones when a query selects tensors: what the
 #: executor needs to read them (the ``tensor`` slot is NULL for unsaved ops).
-HIDDEN = ("__run_id", "__step", "__tensor")
+HIDDEN = ("__run_id", "__step", "__tensor", "__array", "__offset", "__nbytes", "__shape",
+          "__dtype")
 
 
 def _split(definition: str) -> Iterable[tuple[str, str]]:

@@ -60,7 +60,8 @@ TABLES: dict[str, str] = {
         'modules STRUCT(path VARCHAR, "pass" INTEGER)[], shape BIGINT[], dtype VARCHAR, '
         "device VARCHAR, nbytes BIGINT, out_index INTEGER, inplace BOOLEAN, "
         "params VARCHAR[], layer_idx INTEGER, n_func INTEGER, n_layer INTEGER, "
-        "saved BOOLEAN, tensor INTEGER, source_file VARCHAR, source_line INTEGER, "
+        'saved BOOLEAN, tensor INTEGER, "array" VARCHAR, byte_offset BIGINT, '
+        "source_file VARCHAR, source_line INTEGER, "
         f"source_func VARCHAR, {_STATS}"
     ),
     "tensors": (

@@ -56,7 +56,8 @@ _OPS_SCHEMA = pa.schema([
     ("modules", _MODULES), ("shape", pa.list_(_I64)), ("dtype", _STR), ("device", _STR),
     ("nbytes", _I64), ("out_index", _I32), ("inplace", _BOOL), ("params", pa.list_(_STR)),
     ("layer_idx", _I32), ("n_func", _I32), ("n_layer", _I32), ("saved", _BOOL),
-    ("tensor", _I32), ("source_file", _STR), ("source_line", _I32), ("source_func", _STR),
+    ("tensor", _I32), ("array", _STR), ("byte_offset", _I64), ("source_file", _STR),
+    ("source_line", _I32), ("source_func", _STR),
     *[(name, _F64) for name in STAT_FIELDS[:7]], ("nan_count", _I64), ("inf_count", _I64),
 ])
 _EDGES_SCHEMA = pa.schema([("run_id", _I32), ("step", _I32), ("parent", _I32),
@@ -113,8 +114,11 @@ def decode_structure(obj: Any) -> Any:
 
 
 def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntry],
-                emitter: SelectingEmitter, stats: dict[int, Stats]) -> dict[str, pa.Table]:
-    """Arrow tables of one recorded step. ``stats``: statistics by tensor slot.
+                emitter: SelectingEmitter, stats: dict[int, Stats],
+                locations: list[Any]) -> dict[str, pa.Table]:
+    """Arrow tables of one recorded step. ``stats``: statistics by tensor slot;
+    ``locations``: where each slot was written (an op's row carries its tensor's array
+    and byte offset, so a query finds the bytes without another join).
 
     Built column by column from the transposed rows, converting what rows share (module
     stacks, shapes, dtypes, layers, call sites) once per distinct value: this runs for
@@ -158,7 +162,11 @@ def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntr
         "out_index": columns[OUT_INDEX], "inplace": columns[INPLACE],
         "params": columns[PARAMS], "layer_idx": columns[LAYER], "n_func": columns[N_FUNC],
         "n_layer": columns[N_LAYER], "saved": [slot is not None for slot in slot_of],
-        "tensor": slot_of, "source_file": [w[0] for w in where],
+        "tensor": slot_of,
+        "array": [None if slot is None else locations[slot].array for slot in slot_of],
+        "byte_offset": [None if slot is None or locations[slot].offset < 0
+                        else locations[slot].offset for slot in slot_of],
+        "source_file": [w[0] for w in where],
         "source_line": [w[1] for w in where], "source_func": [w[2] for w in where],
     }
     for name in STAT_FIELDS:

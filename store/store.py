@@ -231,7 +231,7 @@ class Recording:
         tables: dict[str, list[Any]] = {"ops": [], "edges": [], "modules": []}
         for step, (table, modules, emitter) in enumerate(self._steps):
             for key, value in step_tables(self.run_id, step, table, modules, emitter,
-                                          writer.stats).items():
+                                          writer.stats, writer.locations).items():
                 tables[key].append(value)
         import pyarrow as pa
 
@@ -275,6 +275,7 @@ class Store:
         if not self.paths.catalog.exists():
             self._catalog.ensure()
         self._mirror: CatalogMirror | None = None
+        self._open_arrays: dict[int, RunArrays] = {}
 
     @property
     def path(self) -> str:
@@ -323,9 +324,18 @@ class Store:
             return None
         return dict(zip([d[0] for d in cursor.description], row, strict=True))
 
+    def _arrays(self, run_id: int, name: str | None = None) -> RunArrays:
+        """The arrays of run ``run_id``, kept open (zarr metadata read once)."""
+        arrays = self._open_arrays.get(run_id)
+        if arrays is None:
+            if name is None:
+                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id]).fetchone()
+                name = row[0] if row else str(run_id)
+            arrays = self._open_arrays[run_id] = RunArrays(self.paths.tensors(run_id), name)
+        return arrays
+
     def _open_run(self, info: dict[str, Any]) -> Run:
-        arrays = RunArrays(self.paths.tensors(info["id"]), info["name"])
-        return Run(info, arrays, self._query)
+        return Run(info, self._arrays(info["id"], info["name"]), self._query)
 
     def __getitem__(self, name: str) -> Run:
         if not isinstance(name, str):

@@ -1,9 +1,10 @@
 """Tensors on disk: one Zarr v3 group per run, readable by plain zarr-python.
 
 - **Small tensors** (under :data:`CHUNK_BYTES`) are packed, 64-byte aligned, into a few
-  1-D ``uint8`` arrays per run (``pack_raw``, ``pack_zstd``), written one whole 4 MiB
-  chunk at a time; the catalog records array, byte offset, shape and dtype. Creating one
-  Zarr array per op would cost ~2 ms and several metadata files each.
+  1-D ``uint8`` arrays per run (``pack_raw``, ``pack_zstd``), sharded: one 4 MiB shard
+  file written at a time, holding 64 KiB inner chunks (so reading one small tensor
+  decodes 64 KiB, not 4 MiB); the catalog records array, byte offset, shape and dtype.
+  Creating one Zarr array per op would cost ~2 ms and several metadata files each.
 - **Large tensors** get their own N-d array (``t<slot>``), chunked along the leading
   dimensions to about 4 MiB so that a slice reads few chunks.
 - **Bits, not values:** dtypes numpy lacks (bfloat16, float8, ...) are stored as
@@ -58,6 +59,8 @@ __all__ = [
 
 #: Chunk size of packs, and the size from which a tensor gets its own array.
 CHUNK_BYTES = 4 << 20
+#: Inner chunk of a pack's shards: what reading one small tensor decodes.
+INNER_BYTES = 64 << 10
 #: Alignment of tensors inside a pack (so that any dtype can be viewed in place).
 ALIGN = 64
 #: zstd is used when a sample compresses at least this well (bytes in / bytes out).
@@ -99,6 +102,39 @@ def pack_stream(dtype: torch.dtype) -> str:
     return "pack_zstd" if dtype in _ZSTD_STREAM_DTYPES else "pack_raw"
 
 
+class _ChunkCache:
+    """Decoded inner chunks and shard indexes of packs, least recently used evicted past
+    a byte budget."""
+
+    def __init__(self, budget: int):
+        from collections import OrderedDict
+
+        self.budget = budget
+        self.used = 0
+        self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> np.ndarray | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: tuple[str, int], data: np.ndarray) -> None:
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = data
+            self.used += data.nbytes
+            while self.used > self.budget and self._items:
+                _, old = self._items.popitem(last=False)
+                self.used -= old.nbytes
+
+
+_CHUNKS = _ChunkCache(256 << 20)
+
+
 def pack_codec(name: str) -> str:
     return "zstd" if name.startswith("pack_zstd") else "raw"
 
@@ -127,18 +163,50 @@ def write_chunk_file(path: Path, data: np.ndarray, codec: str) -> None:
     if codec == "zstd":
         payload = Zstd(level=1).encode(payload)
     checksum = struct.pack("<I", google_crc32c.value(payload))  # numpy array or bytes
+    _write_all(path, [payload, checksum])
+
+
+def write_shard_file(path: Path, data: np.ndarray, codec: str) -> None:
+    """One Zarr v3 ``sharding_indexed`` shard of a 1-D uint8 pack: the inner chunks
+    covering ``data`` (each C-order bytes [→ zstd] → crc32c, the last padded to full
+    size), then the index ((offset, nbytes) little-endian uint64 per inner chunk of the
+    shard, absent ones all ones) and the index's crc32c, as the array's metadata
+    declares (``index_location: end``)."""
+    inner = CHUNK_BYTES // INNER_BYTES
+    index = np.full((inner, 2), np.iinfo(np.uint64).max, dtype="<u8")
+    pieces: list[Any] = []
+    offset = 0
+    for j in range(-(-data.nbytes // INNER_BYTES)):
+        part = data[j * INNER_BYTES:(j + 1) * INNER_BYTES]
+        if part.nbytes < INNER_BYTES:
+            full = np.zeros(INNER_BYTES, dtype=np.uint8)
+            full[:part.nbytes] = part
+            part = full
+        payload: Any = Zstd(level=1).encode(part) if codec == "zstd" else part
+        checksum = struct.pack("<I", google_crc32c.value(payload))
+        size = len(payload) + 4
+        index[j] = (offset, size)
+        offset += size
+        pieces += [memoryview(payload).cast("B"), checksum]
+    table = index.tobytes()
+    pieces += [table, struct.pack("<I", google_crc32c.value(table))]
+    _write_all(path, pieces)
+
+
+def _write_all(path: Path, pieces: list[Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(payload).cast("B")
-        written = os.writev(fd, [view, checksum])
-        total = view.nbytes + 4
-        while written < total:  # short writes: finish them
-            rest = (view[written:], checksum) if written < view.nbytes else \
-                (checksum[written - view.nbytes:],)
-            written += os.writev(fd, list(rest))
+        views = [memoryview(p).cast("B") for p in pieces]
+        while views:
+            written = os.writev(fd, views[:512])
+            while views and written >= views[0].nbytes:  # short writes: finish them
+                written -= views[0].nbytes
+                views.pop(0)
+            if written:
+                views[0] = views[0][written:]
         if _START_WRITEBACK:
-            # Start writing this chunk to disk now, in the background, so the commit's
+            # Start writing this file to disk now, in the background, so the commit's
             # fsync does not wait for all of it; also lets the kernel drop these pages
             # from the page cache once written (a capture larger than RAM stays cheap).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -202,32 +270,30 @@ class RunArrays:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _pack(self, name: str, size: int = CHUNK_BYTES) -> Any:
+    def _pack(self, name: str) -> Any:
         with self._lock:
             array = self._arrays.get(name)
             if array is None:
                 array = self._arrays[name] = zarr.create_array(
-                    str(self.path / name), shape=(size,), chunks=(size,),
-                    dtype="uint8", fill_value=0, compressors=_compressors(pack_codec(name)),
-                    config=_ZARR_CONFIG, attributes={"tracelake": "pack"},
+                    str(self.path / name), shape=(CHUNK_BYTES,), chunks=(INNER_BYTES,),
+                    shards=(CHUNK_BYTES,), dtype="uint8", fill_value=0,
+                    compressors=_compressors(pack_codec(name)),
+                    attributes={"tracelake": "pack"},
                 )
                 self._grow[name] = threading.Lock()
             return array
 
-    def write_pack_tail(self, name: str, data: np.ndarray) -> None:
-        """The last, partly filled chunk of a pack, as its own one-chunk array of exactly
-        its size (Zarr v3 stores edge chunks full size: a small run must not cost 4 MiB)."""
-        self._pack(name, data.nbytes)
-        write_chunk_file(self.path / name / "c" / "0", data, pack_codec(name))
-
     def write_pack_chunk(self, name: str, index: int, data: np.ndarray) -> None:
-        """Write whole chunk ``index`` of pack ``name`` (``data``: CHUNK_BYTES)."""
+        """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in
+        64 KiB inner chunks, each encoded and checksummed, then the shard's index. A
+        last, partly filled shard simply has fewer inner chunks (a small run costs what
+        it holds, rounded up to 64 KiB)."""
         array = self._pack(name)
         start = index * CHUNK_BYTES
-        with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose chunks
+        with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose shards
             if array.shape[0] < start + CHUNK_BYTES:
                 array.resize((start + CHUNK_BYTES,))
-        write_chunk_file(self.path / name / "c" / str(index), data, pack_codec(name))
+        write_shard_file(self.path / name / "c" / str(index), data, pack_codec(name))
 
     def write_array(self, name: str, tensor: torch.Tensor) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used."""
@@ -284,14 +350,79 @@ class RunArrays:
         except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
             raise ChunkCorruptError(self.run, label, f"{name} {chunk_keys}", str(exc)) from exc
 
+    def _shard_stamp(self, name: str, shard: int, label: str) -> tuple[Path, str]:
+        """The shard's path, and what identifies its current contents (cache entries of
+        a file that changed since, e.g. damaged on disk, are never used)."""
+        path = self.path / name / "c" / str(shard)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ChunkCorruptError(self.run, label, f"{name}/c/{shard}",
+                                    "the shard file is missing") from None
+        return path, f"{path}:{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
+
+    def _shard_index(self, name: str, shard: int, label: str) -> np.ndarray:
+        path, stamp = self._shard_stamp(name, shard, label)
+        key = (stamp, -1)
+        index = _CHUNKS.get(key)
+        if index is not None:
+            return index
+        size = (CHUNK_BYTES // INNER_BYTES) * 16
+        where = f"{name}/c/{shard}"
+        try:
+            with open(path, "rb") as f:
+                f.seek(-(size + 4), os.SEEK_END)
+                raw = f.read(size + 4)
+        except FileNotFoundError:
+            raise ChunkCorruptError(self.run, label, where, "the shard file is missing") from None
+        except OSError as exc:
+            raise ChunkCorruptError(self.run, label, where, f"unreadable: {exc}") from exc
+        if len(raw) != size + 4 or struct.pack("<I", google_crc32c.value(raw[:-4])) != raw[-4:]:
+            raise ChunkCorruptError(self.run, label, where, "its index fails its CRC32C")
+        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)
+        _CHUNKS.put(key, index)
+        return index
+
+    def _inner(self, name: str, shard: int, j: int, label: str) -> np.ndarray:
+        """Inner chunk ``j`` of shard ``shard`` of pack ``name``, decoded and checked,
+        from a byte-bounded cache shared by the process (committed files never change).
+
+        Packs are read here rather than through zarr-python, whose per-read overhead
+        (~ms) dominates reading a 4 KiB tensor; the decoding is the one the array's
+        metadata declares, and ``verify()`` reads every shard through zarr-python."""
+        path, stamp = self._shard_stamp(name, shard, label)
+        key = (stamp, j)
+        data = _CHUNKS.get(key)
+        if data is not None:
+            return data
+        offset, nbytes = (int(v) for v in self._shard_index(name, shard, label)[j])
+        where = f"{name}/c/{shard} (inner chunk {j})"
+        if offset == np.iinfo(np.uint64).max:
+            raise ChunkCorruptError(self.run, label, where, "the shard does not hold it")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = f.read(nbytes)
+        if len(raw) != nbytes or struct.pack("<I", google_crc32c.value(raw[:-4])) != raw[-4:]:
+            raise ChunkCorruptError(self.run, label, where, "its CRC32C checksum does not match")
+        if pack_codec(name) == "zstd":
+            data = np.frombuffer(Zstd().decode(raw[:-4]), dtype=np.uint8)
+        else:
+            data = np.frombuffer(raw, dtype=np.uint8, count=nbytes - 4)
+        _CHUNKS.put(key, data)
+        return data
+
     def read_packed(self, name: str, offset: int, nbytes: int, dtype: torch.dtype,
                     shape: Sequence[int], label: str) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
-        size = self.array(name).chunks[0]
-        first, last = offset // size, (offset + nbytes - 1) // size
-        data = self._read(name, label, slice(offset, offset + nbytes),
-                          [str(k) for k in range(first, last + 1)])
+        parts = []
+        for position in range(offset // INNER_BYTES, (offset + nbytes - 1) // INNER_BYTES + 1):
+            shard, j = divmod(position, CHUNK_BYTES // INNER_BYTES)
+            chunk = self._inner(name, shard, j, label)
+            lo = max(offset - position * INNER_BYTES, 0)
+            hi = min(offset + nbytes - position * INNER_BYTES, INNER_BYTES)
+            parts.append(chunk[lo:hi])
+        data = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
         return tensor_from_bytes(data, dtype, shape)
 
     def read_array(self, name: str, dtype: torch.dtype, shape: Sequence[int], label: str,

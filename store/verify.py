@@ -83,6 +83,8 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
             report.problems.append(Problem(run.name, labels, f"array {name} is missing"))
             continue
         _check_chunks(run, arrays, name, spans, report)
+        if spans and spans[0][0] is not None and name.startswith("pack"):
+            _check_spans(run, arrays, name, spans, report)
 
 
 def _check_array_shape(run: Run, arrays: Any, name: str, shape: list[int], labels: str,
@@ -111,24 +113,49 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
         if end > array.shape[0]:
             report.problems.append(Problem(run.name, name, f"the catalog points past the end "
                                            f"of {name} ({end} > {array.shape[0]} bytes)"))
-        keys = [str(k) for k in range(math.ceil(end / array.chunks[0]))]
+        keys = [str(k) for k in range(math.ceil(end / _file_size(array)))]
     else:
         keys = arrays.chunk_keys(name)
     for key in keys:
         report.chunks += 1
         idx = tuple(int(i) for i in key.split("/"))
+        sizes = (_file_size(array),) if packed else array.chunks
         selection = tuple(slice(i * c, min((i + 1) * c, n))
-                          for i, c, n in zip(idx, array.chunks, array.shape, strict=True))
+                          for i, c, n in zip(idx, sizes, array.shape, strict=True))
+        if packed:  # only the bytes tensors occupy: the shard holds no inner chunk past them
+            selection = (slice(selection[0].start, min(selection[0].stop, end)),)
         try:
             if not (arrays.path / name / "c" / key).exists():
                 raise ChunkCorruptError(run.name, "?", f"{name}/c/{key}", "missing")
             array[selection]
         except Exception as exc:
             if packed:
-                lo, hi = idx[0] * array.chunks[0], (idx[0] + 1) * array.chunks[0]
+                lo, hi = idx[0] * _file_size(array), (idx[0] + 1) * _file_size(array)
                 labels = ", ".join(s[2] for s in spans if s[0] < hi and s[0] + s[1] > lo)
             else:
                 labels = ", ".join(s[2] for s in spans)
             what = "missing" if isinstance(exc, ChunkCorruptError) else f"damaged ({exc})"
             report.problems.append(Problem(run.name, labels or name,
                                            f"chunk {name}/c/{key} is {what}"))
+
+
+def _file_size(array: Any) -> int:
+    """Elements per file of a 1-D array: its shard when sharded, else its chunk."""
+    shards = getattr(array, "shards", None)
+    return int(shards[0]) if shards else int(array.chunks[0])
+
+
+def _check_spans(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]],
+                 report: VerifyReport) -> None:
+    """Every packed tensor's bytes read the way queries read them (the shard index must
+    hold each inner chunk a tensor lies in, with a good checksum)."""
+    import torch
+
+    seen: set[str] = {p.label for p in report.problems if p.run == run.name}
+    for offset, nbytes, labels in spans:
+        if labels in seen:
+            continue
+        try:
+            arrays.read_packed(name, offset, nbytes, torch.uint8, [nbytes], labels)
+        except ChunkCorruptError as exc:
+            report.problems.append(Problem(run.name, labels, str(exc)))

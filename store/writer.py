@@ -219,11 +219,7 @@ class TensorWriter:
                      members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]]) -> None:
         try:
             self.stats.update(_chunk_stats(buffer, members))
-            if chunk < 0:
-                self.arrays.write_pack_tail(name, buffer[:used])
-            else:
-                buffer[used:] = 0  # what a reused buffer held there: no tensor points to it
-                self.arrays.write_pack_chunk(name, chunk, buffer)
+            self.arrays.write_pack_chunk(name, chunk, buffer[:used])
             self.bytes_written += used
         finally:
             with self._lock:
@@ -248,15 +244,7 @@ class TensorWriter:
     def close(self) -> None:
         """Write what is buffered, wait for the workers; raise if any write failed."""
         for stream in self._streams.values():
-            if stream.buffer is not None and stream.members:
-                # The open chunk becomes the pack's tail: an array of exactly its size.
-                tail = f"{stream.name}_tail"
-                for slot, start, *_ in stream.members:
-                    self.locations[slot].array = tail
-                    self.locations[slot].offset = start
-                self._submit(self._write_chunk, tail, -1, stream.buffer, stream.used,
-                             stream.members)
-                stream.buffer = None
+            self._flush(stream)  # the last shard: as many inner chunks as it fills
         self._pool.shutdown(wait=True)
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
