@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Result", "describe", "run_query", "run_sql"]
 
-_READERS = 4
+_READERS = 2  # the machine's cores: file reads, checksums and zstd release the GIL
 
 
 def describe(value: Any) -> str:
@@ -190,21 +190,22 @@ class _Fetcher:
             if array is not None:
                 groups.setdefault((self.run_ids[row], array), []).append(row)
 
-        def read(group: tuple[tuple[int, str], list[int]]) -> None:
-            (run_id, name), rows = group
-            arrays = self.store._arrays(run_id)
-            for row in rows:
-                _, offset, nbytes, shape, dtype = self.locations[row]
-                lazy = LazyTensor(arrays, _Slot(name, offset, nbytes, shape, dtype),
-                                  self.labels[row])
-                out[row] = lazy.read() if key is None else lazy[key]
+        def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
+            for (run_id, name), rows in batch:
+                arrays = self.store._arrays(run_id)
+                for row in rows:
+                    _, offset, nbytes, shape, dtype = self.locations[row]
+                    lazy = LazyTensor(arrays, _Slot(name, offset, nbytes, shape, dtype),
+                                      self.labels[row])
+                    out[row] = lazy.read() if key is None else lazy[key]
 
-        if len(groups) <= 1:
-            for group in groups.items():
-                read(group)
-        else:
-            with ThreadPoolExecutor(max_workers=_READERS) as pool:
-                list(pool.map(read, groups.items()))
+        items = list(groups.items())
+        if len(items) <= 1:
+            read(items)
+        else:  # a few batches of groups: file reads, checksums and zstd release the GIL
+            batches = [items[i::_READERS] for i in range(min(_READERS, len(items)))]
+            with ThreadPoolExecutor(max_workers=len(batches)) as pool:
+                list(pool.map(read, batches))
         return out
 
 
