@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tracelake demo
+	$(BIN)/tracelake demo --store demo.tl
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -53,7 +53,7 @@ def test_import_defines_names_and_does_nothing_else() -> None:
 
 def test_cli_demo_runs(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "tracelake.cli", "demo"],
+        [sys.executable, "-m", "tracelake.cli", "demo", "--store", "demo.tl"],
         capture_output=True, text=True, check=True, cwd=tmp_path,
     )
     assert "scaled_dot_product_attention" in done.stdout
@@ -61,3 +61,7 @@ def test_cli_demo_runs(tmp_path) -> None:
     assert "encoder passes: ['encoder:1', 'encoder:2']" in done.stdout
     # the saved relu output survived the in-place mul_ (one line, however long the paths)
     assert re.search(r"in place on the same tensor\): True$", done.stdout, re.M)
+    # the store half: three runs recorded, every example query answered, all verified
+    assert (tmp_path / "demo.tl" / "tracelake.json").exists()
+    assert done.stdout.count(">>> select") == 5
+    assert "linear_1_3:2" in done.stdout and "problems=[]" in done.stdout

@@ -73,7 +73,49 @@ def _demo(args: argparse.Namespace) -> int:
         f"encoder passes: {[m.label for m in log.modules if m.path == 'encoder']}", soft_wrap=True
     )
     log.cleanup()
+    if args.store:
+        _demo_store(args.store, model, console)
     return 0
+
+
+DEMO_QUERIES = (
+    "select run, label, module, out from ops where func = 'relu' order by run",
+    "select run, label, absmax from ops where func = 'linear' and absmax > :limit "
+    "order by absmax desc limit 5",
+    "select run, out[0, -1, :4] as last_token from ops where label = 'relu_1_21' "
+    "and meta.prompt like '%Paris%'",
+    "select func, count(*) as n, avg(l2) as mean_l2 from ops group by func "
+    "order by n desc limit 6",
+    "select run, label, shape from ops where func = 'linear' and parent.func = 'layer_norm' "
+    "and run = 'base' order by label",
+)
+
+
+def _demo_store(path: str, model: torch.nn.Module, console: Console) -> None:
+    """Record the demo model into a store (three runs, three 'prompts') and query it."""
+    from tracelake.query.results import describe
+
+    store = tl.open(path)
+    prompts = {"base": "Paris is the capital of", "other": "Rome is the capital of",
+               "scaled": "Paris, again"}
+    with torch.no_grad():
+        for i, (name, prompt) in enumerate(prompts.items()):
+            torch.manual_seed(i)
+            ids = (demo_inputs() + 7 * i) % 50  # a different "prompt" per run
+            store.record(model, ids, name=name, meta={"prompt": prompt}, overwrite=True)
+    console.print(f"\nrecorded {len(prompts)} runs into {store.path}:", soft_wrap=True)
+    console.print(store.runs()[["name", "status", "steps", "ops", "bytes"]].to_string(
+        index=False), soft_wrap=True)
+    for text in DEMO_QUERIES:
+        result = store.query(text, **({"limit": 1.0} if ":limit" in text else {}))
+        console.print(f"\n[bold]>>> {text}[/bold]", soft_wrap=True)
+        table = Table(header_style="bold")
+        for name in result.columns:
+            table.add_column(name, overflow="fold")
+        for row in result:
+            table.add_row(*[describe(row[c]) for c in result.columns])
+        console.print(table)
+    console.print(f"verify: {store.verify()}", soft_wrap=True)
 
 
 def _print_json(data: Any) -> None:
@@ -208,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="trace the built-in demo model, print its ops")
     demo.add_argument("--json", action="store_true", help="print the ops as JSON records")
+    demo.add_argument("--store", default=None, metavar="DIR",
+                      help="also record the demo into the store at DIR and query it")
     demo.set_defaults(handler=_demo)
 
     def command(name: str, help: str, fn: Any) -> argparse.ArgumentParser:
