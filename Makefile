@@ -29,7 +29,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tracelake recorder store query tests benchmarks
-	$(BIN)/mypy tracelake recorder
+	$(BIN)/mypy tracelake recorder store query
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -76,7 +76,7 @@ _TENSORS_SCHEMA = pa.schema([
 
 
 def _table(schema: pa.Schema, rows: list[tuple[Any, ...]]) -> pa.Table:
-    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in schema]
+    columns: list[Any] = list(zip(*rows, strict=True)) if rows else [[] for _ in schema]
     return pa.Table.from_arrays(
         [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)],
         schema=schema,

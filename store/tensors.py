@@ -72,7 +72,7 @@ _ZSTD_STREAM_DTYPES = frozenset({
     torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8, torch.int16,
     torch.int32, torch.int64,
 })
-_ZARR_CONFIG = {"write_empty_chunks": True}  # a missing chunk file then always means damage
+_ZARR_CONFIG: Any = {"write_empty_chunks": True}  # a missing chunk file then always means damage
 
 
 @functools.cache

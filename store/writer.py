@@ -126,7 +126,7 @@ class TensorWriter:
         if tensor.layout is not _STRIDED:
             raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
         dtype = tensor.dtype
-        shape = tensor.shape
+        shape: Any = tensor.shape
         nbytes = tensor.nbytes
         slot = len(self.locations)
         if nbytes >= CHUNK_BYTES:
