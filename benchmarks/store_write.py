@@ -17,7 +17,8 @@ Run: ``python benchmarks/store_write.py [--repeats 5] [--models gpt2,wide,chain]
 
 Method: ``torch.no_grad()``, ``torch.set_num_threads(1)``, wall time (this is I/O),
 one warm-up round, then ``--repeats`` rounds with the order of conditions rotated each
-round; each sample writes into a fresh directory that is removed afterwards, untimed.
+round; each sample writes into a fresh directory that is synced (``os.sync``, so no
+condition pays for another's dirty pages) and removed afterwards, untimed.
 Reported: median seconds, MiB each condition wrote, MiB/s (its MiB / its seconds),
 ``x raw`` (MiB/s over the raw write's MiB/s in the same round, median over rounds),
 and for tracelake ops per second. Targets from the store issue: large tensors (the wide
@@ -212,6 +213,9 @@ def sample(cond: Condition, root: Path) -> tuple[float, int]:
         nbytes = cond.run(where)
         return time.perf_counter() - start, nbytes
     finally:
+        # Untimed: flush what this sample left dirty (TorchLens does not fsync), so the
+        # next condition does not pay for writing it back.
+        os.sync()
         shutil.rmtree(where, ignore_errors=True)
 
 

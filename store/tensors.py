@@ -205,10 +205,11 @@ def _write_all(path: Path, pieces: list[Any]) -> None:
                 views.pop(0)
             if written:
                 views[0] = views[0][written:]
+        # Made durable here, on the worker thread, while the forward pass goes on (the
+        # commit's fsync of the run then finds little left to wait for); and the kernel
+        # may drop these pages from the page cache (a capture larger than RAM stays cheap).
+        os.fdatasync(fd)
         if _START_WRITEBACK:
-            # Start writing this file to disk now, in the background, so the commit's
-            # fsync does not wait for all of it; also lets the kernel drop these pages
-            # from the page cache once written (a capture larger than RAM stays cheap).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
