@@ -417,3 +417,27 @@ def test_cli_runs_show_verify_rm_gc(tmp_path: Path, capsys: pytest.CaptureFixtur
     done = subprocess.run([sys.executable, "-m", "tracelake.cli", "verify", root, "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 1
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(3, 7)  # a shape error, after some ops ran
+
+
+def test_a_forward_that_raises_leaves_nothing_visible(tmp_path: Path) -> None:
+    store = tl.open(tmp_path / "s")
+    model = Broken()
+    with pytest.raises(RuntimeError, match="shape"):
+        store.record(model, torch.randn(2, 4), name="broken")
+    assert "broken" not in store and len(store) == 0
+    assert store.runs(all=True)["status"].tolist() == ["failed"]
+    assert not model._forward_hooks and not model.lin._forward_hooks
+    from torch.overrides import _get_current_function_mode_stack
+
+    assert not _get_current_function_mode_stack()
+    store.record(model.lin, torch.randn(2, 4), name="broken")  # the name is free again
+    assert store.gc()["runs"] == 1 and store.verify().ok
