@@ -40,7 +40,7 @@ class _Misplaced(Exception):
 
 
 def _first(part: Any) -> tuple[int, int, int] | None:
-    if isinstance(part, Token):
+    if part.__class__ is Token or isinstance(part, Token):
         return part.line or 1, part.column or 1, part.start_pos or 0
     if isinstance(part, ast.Node):
         return part.span.line, part.span.column, part.span.start
@@ -50,7 +50,7 @@ def _first(part: Any) -> tuple[int, int, int] | None:
 
 
 def _last(part: Any) -> tuple[int, int, int] | None:
-    if isinstance(part, Token):
+    if part.__class__ is Token or isinstance(part, Token):
         return part.end_line or 1, part.end_column or 1, part.end_pos or 0
     if isinstance(part, ast.Node):
         return part.span.end_line, part.span.end_column, part.span.end
@@ -63,8 +63,15 @@ def _cover(*parts: Any) -> ast.Span:
     """The span from the first to the last part that has a place in the text (tokens,
     nodes, tuples of them). Spans come from tokens rather than from Lark's
     ``propagate_positions``, which costs a third of the parse."""
-    start = next((p for p in map(_first, parts) if p is not None), None)
-    end = next((p for p in map(_last, reversed(parts)) if p is not None), None)
+    start = end = None
+    for part in parts:  # plain loops: this runs for most nodes of every query
+        start = _first(part)
+        if start is not None:
+            break
+    for part in reversed(parts):
+        end = _last(part)
+        if end is not None:
+            break
     if start is None or end is None:
         return ast.NOWHERE
     return ast.Span(start[0], start[1], end[0], end[1], start[2], end[2])
