@@ -51,6 +51,7 @@ from capture_overhead import build_model
 from torch import nn
 
 import tracelake as tl
+from tracelake.store.layout import fsync_file
 
 try:
     import torchlens
@@ -86,14 +87,6 @@ def _model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
         torch.manual_seed(0)
         return Wide().eval(), (torch.randn(2048, 4096),)
     return build_model(name)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -170,14 +163,14 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
         saved = _hook_dict(model, args)
         path = where / "acts.pt"
         torch.save(saved, path)
-        _fsync(path)
+        fsync_file(path)
         return path.stat().st_size
 
     def hooks_safetensors(where: Path) -> int:
         saved = {k: v.contiguous() for k, v in _hook_dict(model, args).items()}
         path = where / "acts.safetensors"
         save_file(saved, str(path))
-        _fsync(path)
+        fsync_file(path)
         return path.stat().st_size
 
     conds = [Condition("plain", plain), Condition("tracelake", record),

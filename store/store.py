@@ -113,8 +113,8 @@ class Recording:
         self._writer: TensorWriter | None = None
         self._lock_fd: int | None = None
         self._hooks: list[Any] = []
-        self._auto: ForwardRecording | None = None
-        self._auto_step: tuple[OpTable, StoreEmitter] | None = None
+        # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
+        self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
         self._fingerprints: dict[str, str] = {}
         self._device: str | None = None
@@ -199,10 +199,9 @@ class Recording:
             return  # the model calling itself: part of the step already running
         try:
             table, emitter = self._begin(module)
-            self._auto = ForwardRecording(module, emitter, table)
-            self._auto_step = (table, emitter)
-            self._auto_args = (args, kwargs)
-            self._auto.start(args, kwargs)
+            recording = ForwardRecording(module, emitter, table)
+            recording.start(args, kwargs)
+            self._auto = (recording, table, emitter, args, kwargs)
         except Exception as exc:
             self._auto = None
             warnings.warn(f"tracelake could not record this forward pass of "
@@ -212,12 +211,12 @@ class Recording:
     def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                    output: Any) -> None:
         self._depth -= 1
-        if self._depth or self._auto is None or self._auto_step is None:
+        if self._depth or self._auto is None:
             return
-        recording, (table, emitter) = self._auto, self._auto_step
-        self._auto = self._auto_step = None
+        recording, table, emitter, args, kwargs = self._auto
+        self._auto = None
         recording.stop(output)
-        self._end(module, recording, table, emitter, *self._auto_args)
+        self._end(module, recording, table, emitter, args, kwargs)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -281,10 +280,15 @@ class Store:
     def path(self) -> str:
         return str(self.paths.root)
 
-    def _query(self, sql: str, params: list[Any] | None = None) -> Any:
+    @property
+    def _catalog_mirror(self) -> CatalogMirror:
+        """This reader's copy of the catalog, made on first use."""
         if self._mirror is None:
             self._mirror = CatalogMirror(self.paths)
-        return self._mirror.query(sql, params)
+        return self._mirror
+
+    def _query(self, sql: str, params: list[Any] | None = None) -> Any:
+        return self._catalog_mirror.query(sql, params)
 
     # -- recording ------------------------------------------------------------------------
 
@@ -378,9 +382,7 @@ class Store:
     # -- queries --------------------------------------------------------------------------
 
     def _query_arrow(self, sql: str, params: list[Any]) -> Any:
-        if self._mirror is None:
-            self._mirror = CatalogMirror(self.paths)
-        return self._mirror.arrow(sql, params)
+        return self._catalog_mirror.arrow(sql, params)
 
     def query(self, text: str, **params: Any) -> Any:
         """Run a query (``docs/query.md``) over every complete run; returns a

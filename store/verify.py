@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tracelake.errors import ChunkCorruptError
 
 from .tensors import parse_dtype
@@ -149,8 +151,6 @@ def _check_spans(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, s
                  report: VerifyReport) -> None:
     """Every packed tensor's bytes read the way queries read them (the shard index must
     hold each inner chunk a tensor lies in, with a good checksum)."""
-    import torch
-
     seen: set[str] = {p.label for p in report.problems if p.run == run.name}
     for offset, nbytes, labels in spans:
         if labels in seen:
