@@ -63,9 +63,12 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
             return _small_stats(x.reshape(-1).tolist())
         low, high = torch.aminmax(x)
-        parts = torch.stack([x.sum(), torch.linalg.vector_norm(x), low, high,
-                             torch.count_nonzero(x).to(x.dtype)])
-        total, l2, min_, max_, nonzero = parts.to(torch.float64).tolist()
+        # The sum accumulates in float64: a float32 one drifts on large, near-constant
+        # tensors, and the mean (hence std's shift) with it.
+        f64 = torch.float64
+        parts = torch.stack([x.sum(dtype=f64), torch.linalg.vector_norm(x).to(f64),
+                             low.to(f64), high.to(f64), torch.count_nonzero(x).to(f64)])
+        total, l2, min_, max_, nonzero = parts.tolist()
         nans = infs = 0
         if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
             nans = int(torch.isnan(x).sum().item())
