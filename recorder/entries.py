@@ -46,6 +46,14 @@ class SourceLocation(NamedTuple):
  PARAMS, LAYER, PASS, N_FUNC, N_LAYER) = range(16)
 
 
+def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
+    if not n_layer:
+        return f"{func}_{n_func}"  # input_1, output_1
+    if inplace and func[-1] == "_":  # in-place variants count with their function
+        return f"{func[:-1]}_{n_func}_{n_layer}"
+    return f"{func}_{n_func}_{n_layer}"
+
+
 class OpTable:
     """Metadata of every entry of one recording, one row tuple per entry.
 
@@ -63,28 +71,24 @@ class OpTable:
     def layer_label(self, layer: int) -> str:
         """The label of a layer (given by its first entry), without pass."""
         row = self.rows[layer]
-        func, n_layer = row[FUNC], row[N_LAYER]
-        if not n_layer:
-            return f"{func}_{row[N_FUNC]}"  # input_1, output_1
-        base = func[:-1] if row[INPLACE] and func[-1] == "_" else func
-        return f"{base}_{row[N_FUNC]}_{n_layer}"
+        return _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
 
     def num_passes(self, layer: int) -> int:
         return self.passes.get(layer, 1)
 
     def finish(self) -> None:
         """Write the final labels: a layer's label, with ``:pass`` if it ran several."""
-        rows = self.rows
         passes = self.passes
-        layer_label = self.layer_label
         labels: list[str] = []
-        for index, row in enumerate(rows):
-            layer = row[LAYER]
-            if layer == index:
-                label = layer_label(index)
-                labels.append(f"{label}:1" if layer in passes else label)
-            else:
-                labels.append(f"{labels[layer][:-2]}:{row[PASS]}")
+        append = labels.append
+        layer_label = _layer_label
+        for index, (func, _, _, _, _, _, _, _, _, _, inplace, _, layer, pass_num, n_func,
+                    n_layer) in enumerate(self.rows):
+            if layer != index:
+                append(f"{labels[layer][:-2]}:{pass_num}")
+                continue
+            label = layer_label(func, inplace, n_func, n_layer)
+            append(f"{label}:1" if layer in passes else label)
         self.labels = labels
 
     def children(self, index: int) -> tuple[int, ...]:

@@ -114,26 +114,31 @@ def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
 
 
 class SourceFinder:
-    """Finds the first frame outside torch and tracelake; classifies each code object once."""
+    """Finds the first frame outside torch and tracelake; classifies each code object once
+    per process (the folders never change, and the classification of a code object
+    cannot either), so a new recording starts warm."""
 
-    def __init__(self) -> None:
-        self._roots, self._files = _internal_roots()
-        #: id(code) -> False for internal code, else the call sites seen in that code by
-        #: bytecode offset: one ``(code, offset)`` tuple per site, shared by every call it
-        #: issues (a loop over layers issues the same sites again and again). ``_seen``
-        #: keeps each classified code alive, so its id is never reused by another code.
-        self.codes: dict[int, Any] = {}
-        self._seen: list[Any] = []
+    _roots: tuple[str, ...] | None = None
+    _files: frozenset[str] = frozenset()
+    #: id(code) -> False for internal code, else the call sites seen in that code by
+    #: bytecode offset: one ``(code, offset)`` tuple per site, shared by every call it
+    #: issues (a loop over layers issues the same sites again and again). ``_seen`` keeps
+    #: each classified code alive, so its id is never reused by another code.
+    codes: dict[int, Any] = {}
+    _seen: list[Any] = []
 
-    def classify(self, code: Any) -> Any:
+    @classmethod
+    def classify(cls, code: Any) -> Any:
+        if cls._roots is None:
+            cls._roots, cls._files = _internal_roots()
         filename = code.co_filename
         internal = (
-            filename.startswith(self._roots)
-            or filename in self._files
+            filename.startswith(cls._roots)
+            or filename in cls._files
             or filename.startswith("<frozen")
         )
-        self._seen.append(code)
-        sites = self.codes[id(code)] = False if internal else {}
+        cls._seen.append(code)
+        sites = cls.codes[id(code)] = False if internal else {}
         return sites
 
 

@@ -106,8 +106,8 @@ class Labeller:
         self._n_layers = 0
         self._n_inputs = 0
         self._n_outputs = 0
-        self._source = SourceFinder()
-        self._codes = self._source.codes
+        self._codes = SourceFinder.codes
+        self._classify = SourceFinder.classify
 
     # -- producers -------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ class Labeller:
             code = frame.f_code
             sites = codes.get(id(code))
             if sites is None:
-                sites = self._source.classify(code)
+                sites = self._classify(code)
             if sites is not False:
                 # (code, offset): the line is looked up when asked for.
                 offset = frame.f_lasti
@@ -199,10 +199,9 @@ class Labeller:
         # long recording does not make every full collection of a large heap slower.
         rows = self._rows
         root = self._root
-        stack_key = self._stack_key
-        emit = self._emit
         shapes = self._shapes
-        for i, tensor in enumerate(tensors):
+        i = 0
+        for tensor in tensors:
             index = len(rows)
             size = tensor.shape
             try:
@@ -211,30 +210,27 @@ class Labeller:
                     shape = shapes[size] = tuple(size)
             except TypeError:  # symbolic sizes are not hashable
                 shape = tuple(size)
-            layer = -1
-            if root is not None:
-                layer = self._repeat_of(root, index, name, i)
-            if layer < 0:
+            if root is None or (layer := self._repeat_of(root, index, name, i)) < 0:
                 # A new layer, identified by this row; in-place variants count with
                 # their function (mul_ is labelled mul_2_7).
                 base = name[:-1] if inplace and name[-1] == "_" else name
-                n_func = self._func_counts.get(base, 0) + 1
-                self._func_counts[base] = n_func
-                self._n_layers += 1
-                rows.append((name, "op", stack_key, parents, where, site,
+                counts = self._func_counts
+                n_func = counts[base] = counts.get(base, 0) + 1
+                n_layer = self._n_layers = self._n_layers + 1
+                rows.append((name, "op", self._stack_key, parents, where, site,
                              shape, tensor.dtype, tensor.device, i, inplace,
-                             params, index, 1, n_func, self._n_layers))
+                             params, index, 1, n_func, n_layer))
             else:
                 first = rows[layer]
-                pass_num = self._passes.get(layer, 1) + 1
-                self._passes[layer] = pass_num
-                rows.append((name, "op", stack_key, parents, where, site,
+                pass_num = self._passes[layer] = self._passes.get(layer, 1) + 1
+                rows.append((name, "op", self._stack_key, parents, where, site,
                              shape, tensor.dtype, tensor.device, i, inplace,
                              params, layer, pass_num, first[N_FUNC], first[N_LAYER]))
             producers[id(tensor)] = index
             refs.append(_ref(tensor))
-            if emit is not None:
-                emit(index, tensor, -1)
+            if self._emit is not None:
+                self._emit(index, tensor, -1)
+            i += 1
 
     def _repeat_of(self, root: _Frame, index: int, name: str, out_index: int) -> int:
         """The layer this op repeats: the op at the same position of the first call of

@@ -38,9 +38,17 @@ class TraceView:
         self._table = table
         self._tensors = tensors
         self._modules = modules
-        self._index_by_label = dict(zip(table.labels, range(len(table.labels)), strict=True))
+        self._by_label: dict[str, int] | None = None
         self._module_by_label = {m.label: m for m in modules}
         self._passes: dict[str, list[str]] | None = None
+
+    @property
+    def _index_by_label(self) -> dict[str, int]:
+        """Label -> op index, built on first lookup (not while recording)."""
+        if self._by_label is None:
+            labels = self._table.labels
+            self._by_label = dict(zip(labels, range(len(labels)), strict=True))
+        return self._by_label
 
     def _entry(self, index: int) -> OpEntry:
         return OpEntry(self._table, self._tensors, index)
