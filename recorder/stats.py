@@ -63,12 +63,14 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
             return _small_stats(x.reshape(-1).tolist())
         low, high = torch.aminmax(x)
-        # The sum accumulates in float64: a float32 one drifts on large, near-constant
-        # tensors, and the mean (hence std's shift) with it.
         f64 = torch.float64
-        parts = torch.stack([x.sum(dtype=f64), torch.linalg.vector_norm(x).to(f64),
-                             low.to(f64), high.to(f64), torch.count_nonzero(x).to(f64)])
-        total, l2, min_, max_, nonzero = parts.tolist()
+        parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64),
+                 torch.count_nonzero(x).to(f64)]
+        total = _numpy_sum64(x)
+        if total is None:
+            parts.append(x.sum(dtype=f64))
+        l2, min_, max_, nonzero, *rest = torch.stack(parts).tolist()
+        total = rest[0] if total is None else total
         nans = infs = 0
         if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
             nans = int(torch.isnan(x).sum().item())
@@ -91,6 +93,21 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         nan_count=nans,
         inf_count=infs,
     )
+
+
+def _numpy_sum64(x: torch.Tensor) -> float | None:
+    """The sum of a float32 CPU tensor, accumulated in float64 (a float32 sum drifts on
+    large, near-constant tensors, and the mean, hence std's shift, with it), through
+    numpy, which converts in cache-sized blocks: torch's float64-accumulating sum of
+    float32 runs ~9x slower (107 vs 12 ms for 32 MiB), and a store's workers compute it
+    for every large tensor. ``None`` elsewhere: torch's sum, with the other reductions."""
+    if x.dtype is torch.float32 and x.device.type == "cpu" and type(x) is torch.Tensor:
+        try:
+            with np.errstate(all="ignore"):  # inf - inf: NaN, as torch gives, silently
+                return float(np.add.reduce(x.reshape(-1).numpy(), dtype=np.float64))
+        except (RuntimeError, TypeError):  # e.g. a tensor with the negative bit set
+            return None
+    return None
 
 
 def _small_stats(values: list[float]) -> Stats:
