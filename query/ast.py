@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Literal as Lit
+from typing import NamedTuple
 
 __all__ = [
     "And", "Between", "BoolTest", "Call", "Column", "Compare", "Condition", "Expr",
@@ -23,10 +24,11 @@ __all__ = [
 Value = str | int | float | bool | None
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(NamedTuple):
     """1-based line and column of a node's first character; ``end_*`` just past its last.
-    ``start`` / ``end`` are offsets into the query text."""
+    ``start`` / ``end`` are offsets into the query text. A named tuple rather than a
+    dataclass: the parser makes one per node, and a frozen dataclass costs four times
+    as much to build."""
 
     line: int
     column: int

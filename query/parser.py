@@ -1,10 +1,12 @@
 """Query text → :class:`~tracelake.query.ast.Query`.
 
-The LALR parser is built once, at import, from ``grammar.lark``, with a transformer run
-inline that builds nodes with source spans taken from the tokens. The transformer only
-builds nodes; what they mean is the compiler's business. Lark's exceptions never leave
-:func:`parse`: they become :class:`~tracelake.errors.QuerySyntaxError` with the line, the
-column, the tokens that could have stood there and a caret excerpt.
+The LALR parser is built once, at import, from ``grammar.lark``, with a builder called
+at each reduction that makes nodes with source spans taken from the tokens. The builder
+only builds nodes; what they mean is the compiler's business. Text is parsed by
+:class:`~.lalr.LeanLALR` over Lark's own tables; text it refuses goes through Lark
+itself, so that Lark's exceptions describe it. They never leave :func:`parse`: they
+become :class:`~tracelake.errors.QuerySyntaxError` with the line, the column, the tokens
+that could have stood there and a caret excerpt.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 from typing import Any
 from typing import Literal as Lit
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lexer import PatternStr
 
 from tracelake.errors import QueryError, QuerySyntaxError
 
 from . import ast
+from .lalr import LeanLALR
 
 __all__ = ["parse"]
 
@@ -77,6 +80,21 @@ def _cover(*parts: Any) -> ast.Span:
     return ast.Span(start[0], start[1], end[0], end[1], start[2], end[2])
 
 
+def _span(part: Token | ast.Node) -> ast.Span:
+    """The span of one token or node (the common case of :func:`_cover`, made cheap)."""
+    if part.__class__ is Token:
+        tok: Any = part
+        return ast.Span(tok.line, tok.column, tok.end_line, tok.end_column, tok.start_pos,
+                        tok.end_pos)
+    return part.span  # type: ignore[union-attr]
+
+
+def _join(first: Token | ast.Node, last: Token | ast.Node) -> ast.Span:
+    """The span from the start of ``first`` to the end of ``last``."""
+    a, b = _span(first), _span(last)
+    return ast.Span(a.line, a.column, b.end_line, b.end_column, a.start, b.end)
+
+
 def _integer(node: ast.Literal, what: str) -> int:
     value = node.value
     if not isinstance(value, int) or isinstance(value, bool):
@@ -97,9 +115,9 @@ def _name(tok: Token) -> str:
     return str(tok)
 
 
-@v_args(inline=True)
-class _Build(Transformer[Token, ast.Query]):
-    """Parse-tree callbacks that build AST nodes, nothing else."""
+class _Build:
+    """Reduction callbacks that build AST nodes, nothing else: one method per rule (or
+    alias), called with the rule's children as arguments."""
 
     def start(self, items: tuple[ast.SelectItem, ...], table: Token,
               *clauses: tuple[Any, ...]) -> ast.Query:
@@ -115,11 +133,13 @@ class _Build(Transformer[Token, ast.Query]):
         return items
 
     def select_star(self, star: Token) -> ast.SelectItem:
-        return ast.SelectItem(ast.Star(span=_cover(star)), span=_cover(star))
+        span = _span(star)
+        return ast.SelectItem(ast.Star(span=span), span=span)
 
     def select_expr(self, expr: ast.Expr, alias: Token | None) -> ast.SelectItem:
-        return ast.SelectItem(expr, None if alias is None else _name(alias),
-                              span=_cover(expr, alias))
+        if alias is None:
+            return ast.SelectItem(expr, None, span=expr.span)
+        return ast.SelectItem(expr, _name(alias), span=_join(expr, alias))
 
     def where(self, cond: ast.Condition) -> tuple[str, ast.Condition]:
         return ("where", cond)
@@ -132,7 +152,8 @@ class _Build(Transformer[Token, ast.Query]):
 
     def order_item(self, expr: ast.Expr, direction: Token | None) -> ast.OrderItem:
         descending = direction is not None and direction.type == "DESC"
-        return ast.OrderItem(expr, descending, span=_cover(expr, direction))
+        span = expr.span if direction is None else _join(expr, direction)
+        return ast.OrderItem(expr, descending, span=span)
 
     def direction(self, tok: Token) -> Token:
         return tok
@@ -151,39 +172,39 @@ class _Build(Transformer[Token, ast.Query]):
 
     def or_(self, left: Any, right: Any) -> ast.Or:
         items = (*left.items, right) if type(left) is ast.Or else (left, right)
-        return ast.Or(items, span=_cover(left, right))
+        return ast.Or(items, span=_join(left, right))
 
     def and_(self, left: Any, right: Any) -> ast.And:
         items = (*left.items, right) if type(left) is ast.And else (left, right)
-        return ast.And(items, span=_cover(left, right))
+        return ast.And(items, span=_join(left, right))
 
     def not_(self, neg: Token, cond: ast.Condition) -> ast.Not:
-        return ast.Not(cond, span=_cover(neg, cond))
+        return ast.Not(cond, span=_join(neg, cond))
 
     def paren(self, cond: ast.Condition, _rpar: Token) -> ast.Condition:
         return cond
 
     def compare(self, left: ast.Expr, op: Token, right: ast.Expr) -> ast.Compare:
         symbol = "<>" if op == "!=" else str(op)
-        return ast.Compare(symbol, left, right, span=_cover(left, right))  # type: ignore[arg-type]
+        return ast.Compare(symbol, left, right, span=_join(left, right))  # type: ignore[arg-type]
 
     def like(self, expr: ast.Expr, neg: Token | None, kind: Token,
              pattern: ast.Expr) -> ast.Like:
         return ast.Like(expr, pattern, neg is not None, kind.type == "ILIKE",
-                        span=_cover(expr, pattern))
+                        span=_join(expr, pattern))
 
     def in_list(self, expr: ast.Expr, neg: Token | None, *values: Any) -> ast.In:
-        return ast.In(expr, values[:-1], neg is not None, span=_cover(expr, values[-1]))
+        return ast.In(expr, values[:-1], neg is not None, span=_join(expr, values[-1]))
 
     def in_param(self, expr: ast.Expr, neg: Token | None, name: Token) -> ast.In:
-        return ast.In(expr, self.param(name), neg is not None, span=_cover(expr, name))
+        return ast.In(expr, self.param(name), neg is not None, span=_join(expr, name))
 
     def between(self, expr: ast.Expr, neg: Token | None, low: ast.Expr,
                 high: ast.Expr) -> ast.Between:
-        return ast.Between(expr, low, high, neg is not None, span=_cover(expr, high))
+        return ast.Between(expr, low, high, neg is not None, span=_join(expr, high))
 
     def is_null(self, expr: ast.Expr, neg: Token | None, null: Token) -> ast.IsNull:
-        return ast.IsNull(expr, neg is not None, span=_cover(expr, null))
+        return ast.IsNull(expr, neg is not None, span=_join(expr, null))
 
     def bool_test(self, expr: ast.Expr) -> ast.BoolTest:
         return ast.BoolTest(expr, span=expr.span)
@@ -191,11 +212,11 @@ class _Build(Transformer[Token, ast.Query]):
     # operands
 
     def column(self, name: Token) -> ast.Column:
-        return ast.Column(_name(name).lower(), span=_cover(name))
+        return ast.Column(_name(name).lower(), span=_span(name))
 
     def qualified(self, head: Token, *names: Token) -> ast.GraphRef | ast.MetaRef:
         qualifier = str(head).lower()
-        span = _cover(head, names)
+        span = _join(head, names[-1])
         if qualifier == "meta":
             return ast.MetaRef(tuple(str(n) for n in names), span=span)
         if qualifier in ("parent", "child") and len(names) == 1:
@@ -207,18 +228,18 @@ class _Build(Transformer[Token, ast.Query]):
                          "parent., child. or meta.", _cover(head), ("parent", "child", "meta"))
 
     def call(self, name: Token, args: tuple[ast.Expr, ...], rpar: Token) -> ast.Call:
-        return ast.Call(_name(name).lower(), args, span=_cover(name, rpar))
+        return ast.Call(_name(name).lower(), args, span=_join(name, rpar))
 
     def call_args(self, *args: Any) -> tuple[ast.Expr, ...]:
         if len(args) == 1 and isinstance(args[0], Token):  # count(*)
-            return (ast.Star(span=_cover(args[0])),)
+            return (ast.Star(span=_span(args[0])),)
         return args
 
     def out(self, tok: Token) -> ast.Out:
-        return ast.Out(span=_cover(tok))
+        return ast.Out(span=_span(tok))
 
     def out_slice(self, tok: Token, *index: Any) -> ast.OutSlice:
-        return ast.OutSlice(index[:-1], span=_cover(tok, index[-1]))
+        return ast.OutSlice(index[:-1], span=_join(tok, index[-1]))
 
     def index_at(self, number: ast.Literal) -> int:
         return _integer(number, "an index")
@@ -236,30 +257,45 @@ class _Build(Transformer[Token, ast.Query]):
     # literals
 
     def string(self, tok: Token) -> ast.Literal:
-        return ast.Literal(str(tok)[1:-1].replace("''", "'"), span=_cover(tok))
+        return ast.Literal(str(tok)[1:-1].replace("''", "'"), span=_span(tok))
 
     def number(self, minus: Token | None, tok: Token) -> ast.Literal:
         text = str(tok)
         value: int | float = float(text) if any(c in text for c in ".eE") else int(text)
-        return ast.Literal(-value if minus is not None else value, span=_cover(minus, tok))
+        if minus is None:
+            return ast.Literal(value, span=_span(tok))
+        return ast.Literal(-value, span=_join(minus, tok))
 
     def true(self, tok: Token) -> ast.Literal:
-        return ast.Literal(True, span=_cover(tok))
+        return ast.Literal(True, span=_span(tok))
 
     def false(self, tok: Token) -> ast.Literal:
-        return ast.Literal(False, span=_cover(tok))
+        return ast.Literal(False, span=_span(tok))
 
     def null(self, tok: Token) -> ast.Literal:
-        return ast.Literal(None, span=_cover(tok))
+        return ast.Literal(None, span=_span(tok))
 
     def param(self, tok: Token) -> ast.Param:
-        return ast.Param(str(tok)[1:], span=_cover(tok))
+        return ast.Param(str(tok)[1:], span=_span(tok))
 
 
-# The transformer runs inline: the parser calls it at each reduction, and no parse tree
-# is built (a tree and a second pass cost about a third more).
+class _Inline:
+    """The builder as a Lark transformer: Lark calls a rule's callback with the list of
+    its children; the builder takes them as arguments."""
+
+    def __init__(self, build: _Build):
+        self._build = build
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._build, name)  # AttributeError: Lark's default applies
+        return lambda children: method(*children)
+
+
+# The builder runs inline, at each reduction: no parse tree is built (a tree and a second
+# pass cost about a third more).
 _LARK = Lark.open("grammar.lark", rel_to=__file__, parser="lalr", maybe_placeholders=True,
-                  transformer=_Build())
+                  transformer=_Inline(_Build()))
+_LEAN = LeanLALR(_LARK, _Build())
 
 _DESCRIBE = {
     "NAME": "a name", "PARAM": "a :parameter", "STRING": "a 'string'", "NUMBER": "a number",
@@ -311,7 +347,10 @@ def parse(text: str) -> ast.Query:
     if not isinstance(text, str):
         raise TypeError(f"a query is a str, not {type(text).__name__}")
     try:
-        return _LARK.parse(text)  # type: ignore[return-value]
+        query = _LEAN.parse(text)
+        if query is None:  # refused: Lark's own run says why
+            return _LARK.parse(text)  # type: ignore[return-value]
+        return query  # type: ignore[no-any-return]
     except _Misplaced as exc:
         raise _misplaced(text, exc) from None
     except UnexpectedInput as exc:

@@ -15,12 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lark import Lark
+from lark.exceptions import LarkError
 from test_query_catalog import make_catalog, snapshot
 
 from tracelake import errors
 from tracelake.errors import QueryCompileError, QueryError, QuerySyntaxError
 from tracelake.query import ast, compile_query, parse
 from tracelake.query import compiler as compiler_module
+from tracelake.query import parser as parser_module
 
 GRAMMAR = Path(compiler_module.__file__).with_name("grammar.lark")
 
@@ -426,3 +428,55 @@ def _doc_queries() -> list[str]:
 @pytest.mark.parametrize("text", _doc_queries())
 def test_the_documented_queries_compile(text: str) -> None:
     compile_query(text)
+
+
+# The lean parser ---------------------------------------------------------------------------
+
+def _outcome(parse_with: Any, text: str) -> Any:
+    """What a parser made of ``text``: the AST with every span, or the refusal."""
+    def spanned(node: Any) -> Any:
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            return (type(node).__name__,
+                    *(spanned(getattr(node, f.name)) for f in dataclasses.fields(node)))
+        return tuple(spanned(n) for n in node) if isinstance(node, tuple) else node
+    try:
+        return spanned(parse_with(text))
+    except parser_module._Misplaced as exc:
+        return ("misplaced", exc.message, spanned(exc.span))
+    except LarkError as exc:
+        inner = getattr(exc, "orig_exc", None)
+        if isinstance(inner, parser_module._Misplaced):
+            return ("misplaced", inner.message, spanned(inner.span))
+        return ("syntax", type(exc).__name__)
+
+
+_LEAN_EXTRA = st.sampled_from(["...", " as ", "x", ":p", "'a\nb'", "true", " asc", " desc",
+                               "offset ", "1e3", ".5", " ilike ", "fromage", "OUT", "Meta."])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(_ALPHABET, _LEAN_EXTRA), max_size=25).map(
+    lambda t: "select " + "".join(t)))
+def test_the_lean_parser_agrees_with_lark(text: str) -> None:
+    """Text the lean driver parses (or refuses in the builder) comes out exactly as
+    through Lark, spans included; what it leaves to Lark is Lark's to judge."""
+    lean = _outcome(parser_module._LEAN.parse, text)
+    if lean is not None:
+        assert lean == _outcome(parser_module._LARK.parse, text)
+
+
+@pytest.mark.parametrize("text", [t for t, _ in ACCEPT] + _doc_queries())
+def test_valid_queries_take_the_lean_path(text: str) -> None:
+    assert parser_module._LEAN.parse(text) == parser_module._LARK.parse(text)
+    assert _outcome(parser_module._LEAN.parse, text) == _outcome(parser_module._LARK.parse,
+                                                                 text)
+
+
+def test_the_lean_parser_refuses_what_it_does_not_follow() -> None:
+    from tracelake.query.lalr import LeanLALR
+
+    with pytest.raises(ValueError, match="LALR"):
+        LeanLALR(Lark("start: NAME\nNAME: /[a-z]+/", parser="earley"), object())
+    with pytest.raises(ValueError, match="no method for rule"):
+        LeanLALR(Lark("start: NAME NAME\nNAME: /[a-z]+/\n%ignore \" \"", parser="lalr"),
+                 object())
