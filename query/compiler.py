@@ -10,7 +10,10 @@ AST node class has a ``visit_<Class>`` rule; a class without one reaches
 
 The SQL runs on the reader's catalog mirror, which holds the rows of complete runs only;
 ``runs`` keeps every status, so reading it (directly, or joined for ``run`` and ``meta``)
-filters ``status = 'complete'``.
+filters ``status = 'complete'``. Given the complete runs' ids by name (``runs``), a
+condition ``run = X``, ``run != X`` or ``run [not] in (...)`` on another table compares
+``run_id`` with the ids of those names instead, and needs no join: DuckDB then skips
+every row group of other runs (an unknown name stands for id 0, which no run has).
 
 What the SQL returns, in order: ``columns`` (the visible ones; a tensor item's column
 holds the op's tensor slot, for the executor to replace), then ``hidden``.
@@ -82,13 +85,15 @@ class CompiledQuery:
     param_names: frozenset[str] = field(default_factory=frozenset)
 
 
-def compile_query(query: str | ast.Query,
-                  params: Mapping[str, Any] | None = None) -> CompiledQuery:
+def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = None,
+                  runs: Mapping[str, int] | None = None) -> CompiledQuery:
     """Compile query text (or a parsed :class:`~tracelake.query.ast.Query`) to SQL.
 
     ``params`` binds the query's ``:name`` parameters: ``None``, ``bool``, ``int``,
     ``float``, ``str``, ``datetime`` / ``date``, and lists or tuples of those after
-    ``in``. Raises :class:`~tracelake.errors.QuerySyntaxError` or
+    ``in``. ``runs``, the ids of the complete runs of the catalog the SQL will run on by
+    name, lets conditions on ``run`` filter by id (without it they join ``runs``).
+    Raises :class:`~tracelake.errors.QuerySyntaxError` or
     :class:`~tracelake.errors.QueryCompileError`; nothing else for any text."""
     text = query if isinstance(query, str) else ""
     node = parse(query) if isinstance(query, str) else query
@@ -96,7 +101,7 @@ def compile_query(query: str | ast.Query,
         raise TypeError(f"compile_query takes query text or a Query, not {type(query).__name__}")
     values = dict(params or {})
     try:
-        return _Compiler(node, values, text).compile()
+        return _Compiler(node, values, text, runs).compile()
     except _Refused as exc:
         raise QueryCompileError(exc.message, line=exc.span.line, column=exc.span.column,
                                 excerpt=exc.span.excerpt(text) if text else "") from None
@@ -171,10 +176,12 @@ def _fields(node: Any) -> tuple[Any, ...]:
 
 
 class _Compiler:
-    def __init__(self, query: ast.Query, values: dict[str, Any], text: str):
+    def __init__(self, query: ast.Query, values: dict[str, Any], text: str,
+                 runs: Mapping[str, int] | None = None):
         self.query = query
         self.values = values
         self.text = text
+        self.runs = runs if self.query.table != "runs" else None
         self.table = query.table
         self.alias = "r" if self.table == "runs" else "t"
         self.columns: dict[str, Kind] = {}
@@ -554,6 +561,11 @@ class _Compiler:
             if isinstance(side, ast.Literal) and side.value is None:
                 raise self._refuse("nothing equals null: write 'is null' or 'is not null'",
                                    node)
+        if node.op in ("=", "<>"):
+            for run, other in ((node.left, node.right), (node.right, node.left)):
+                ids = self._run_ids(run, (other,))
+                if ids is not None:
+                    return f'{self.alias}."run_id" {node.op} {self.bind(ids[0])}'
         return self._predicate(node, lambda: (
             f"{self._operand(node.left, node.right)} {node.op} "
             f"{self._operand(node.right, node.left)}"))
@@ -577,11 +589,33 @@ class _Compiler:
             values = node.values
         if not values:  # an empty list: nothing is in it
             return "FALSE" if not node.negated else "TRUE"
+        ids = self._run_ids(node.expr, values)
+        if ids is not None:
+            return f'{self.alias}."run_id" {op} ({", ".join(self.bind(i) for i in ids)})'
 
         def build() -> str:
             left = self._operand(node.expr, *values)
             return f"{left} {op} ({', '.join(self._operand(v, node.expr) for v in values)})"
         return self._predicate(node, build)
+
+    def _run_ids(self, expr: ast.Expr, values: tuple[ast.Expr, ...]) -> list[int | None] | None:
+        """The ids of the runs named by ``values`` when ``expr`` is ``run`` and the
+        compiler knows the runs (null stays null; an unknown name is 0, so that it
+        compares false, never null); None when the condition must join ``runs``."""
+        if self.runs is None or not (isinstance(expr, ast.Column) and expr.name == "run"):
+            return None
+        names = []
+        for value in values:
+            if isinstance(value, ast.Param) and value.name in self.values:
+                name = self._param(value)
+            elif isinstance(value, ast.Literal):
+                name = value.value
+            else:
+                return None
+            if name is not None and not isinstance(name, str):
+                return None  # a list (refused later) or a non-text value: as written
+            names.append(name)
+        return [None if n is None else self.runs.get(n, 0) for n in names]
 
     def visit_Between(self, node: ast.Between) -> str:
         op = "NOT BETWEEN" if node.negated else "BETWEEN"
@@ -612,4 +646,4 @@ class _Compiler:
         return "(" + " OR ".join(self.visit(c) for c in node.items) + ")"
 
     def visit_Query(self, node: ast.Query) -> CompiledQuery:
-        return _Compiler(node, self.values, self.text).compile()
+        return _Compiler(node, self.values, self.text, self.runs).compile()

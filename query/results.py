@@ -211,9 +211,11 @@ class _Fetcher:
 
 def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
-    compiled = compile_query(text, params)
+    mirror = store._catalog_mirror
+    mirror.refresh()  # once: the run ids compiled in are those of the rows queried
+    compiled = compile_query(text, params, mirror.run_ids)
     try:
-        table = store._query_arrow(compiled.sql, compiled.params)
+        table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
     except duckdb.Error as exc:
         raise QueryError(f"the query could not run: {exc}") from exc
     values: dict[str, list[Any]] = {}

@@ -257,6 +257,9 @@ class CatalogMirror:
         _create_schema(self.con)
         self._gen: str | None = None
         self._loaded: set[int] = set()
+        #: The complete runs' ids by name, as of the last refresh (queries filter ops by
+        #: run id rather than join ``runs`` for a name).
+        self.run_ids: dict[str, int] = {}
 
     def _token(self) -> str | None:
         """What changes whenever the catalog may have: the writers' generation file, and
@@ -287,9 +290,11 @@ class CatalogMirror:
                 raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
             try:
                 runs = src.sql("SELECT * FROM runs").to_arrow_table()
-                complete = {i for i, st in zip(runs.column("id").to_pylist(),
-                                               runs.column("status").to_pylist(), strict=True)
-                            if st == COMPLETE}
+                ids, names, statuses = (runs.column(c).to_pylist()
+                                        for c in ("id", "name", "status"))
+                complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
+                run_ids = {name: i for i, name, st in zip(ids, names, statuses, strict=True)
+                           if st == COMPLETE}
                 gone = sorted(self._loaded - complete)
                 new = sorted(complete - self._loaded)
                 incoming = {}
@@ -317,6 +322,7 @@ class CatalogMirror:
             con.execute("ROLLBACK")
             raise
         self._loaded = complete
+        self.run_ids = run_ids
         self._gen = gen
 
     def query(self, sql: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
@@ -325,9 +331,11 @@ class CatalogMirror:
         self.refresh()
         return self.con.cursor().execute(sql, params or [])
 
-    def arrow(self, sql: str, params: list[Any] | None = None) -> Any:
-        """``sql``'s result as an Arrow table."""
-        self.refresh()
+    def arrow(self, sql: str, params: list[Any] | None = None, refresh: bool = True) -> Any:
+        """``sql``'s result as an Arrow table (``refresh=False``: on the rows as of the
+        last refresh, e.g. the ones ``run_ids`` describes)."""
+        if refresh:
+            self.refresh()
         return self.con.cursor().sql(sql, params=params or []).to_arrow_table()
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Golden files for the query compiler, and the compiled SQL run on a real catalog.
 
-``tests/data/query_golden/cases.json`` holds each case's query (and parameters) and what
-it compiles to: the SQL, the bound values, the output columns, the tensor items. After an
+``tests/data/query_golden/cases.json`` holds each case's query (and parameters, and for
+some the run ids by name that a store's executor passes) and what it compiles to: the
+SQL, the bound values, the output columns, the tensor items. After an
 intended change to the compiler, regenerate the expectations and read the diff:
 
     TRACELAKE_REGEN_GOLDEN=1 .venv/bin/python -m pytest -q -p no:cacheprovider \\
@@ -42,7 +43,7 @@ def _expectation(compiled: CompiledQuery) -> dict[str, Any]:
 
 
 def _compile(case: dict[str, Any]) -> CompiledQuery:
-    return compile_query(case["query"], case.get("params"))
+    return compile_query(case["query"], case.get("params"), case.get("runs"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ def test_regenerate_golden_files() -> None:
     if not REGENERATE:
         pytest.skip("set TRACELAKE_REGEN_GOLDEN=1 to rewrite the expectations")
     out = [{"name": c["name"], "query": c["query"], "params": c.get("params"),
-            **_expectation(_compile(c))} for c in CASES]
+            **({"runs": c["runs"]} if "runs" in c else {}), **_expectation(_compile(c))}
+           for c in CASES]
     GOLDEN.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
 
 
@@ -80,8 +82,13 @@ def test_golden_sql_runs_on_the_catalog(case: dict[str, Any],
     assert [d[0] for d in cursor.description] == [*compiled.columns, *compiled.hidden]
 
 
-def _rows(catalog: duckdb.DuckDBPyConnection, text: str, **params: Any) -> list[tuple[Any, ...]]:
-    compiled = compile_query(text, params)
+#: The complete runs of ``make_catalog``, as a store's executor passes them.
+RUN_IDS = {"base": 1, "ft": 2}
+
+
+def _rows(catalog: duckdb.DuckDBPyConnection, text: str, params: dict[str, Any],
+          runs: dict[str, int] | None = None) -> list[tuple[Any, ...]]:
+    compiled = compile_query(text, params, runs)
     return catalog.execute(compiled.sql, compiled.params).fetchall()
 
 
@@ -122,9 +129,10 @@ RESULTS = [
 ]
 
 
+@pytest.mark.parametrize("runs", [None, RUN_IDS], ids=["join", "run ids"])
 @pytest.mark.parametrize(("text", "params", "expected"), RESULTS)
 def test_results(text: str, params: dict[str, Any], expected: list[tuple[Any, ...]],
-                 catalog: duckdb.DuckDBPyConnection) -> None:
-    rows = _rows(catalog, text, **params)
+                 runs: dict[str, int] | None, catalog: duckdb.DuckDBPyConnection) -> None:
+    rows = _rows(catalog, text, params, runs)
     width = len(expected[0]) if expected else 0
     assert [row[:width] for row in rows] == expected

@@ -85,11 +85,83 @@ def test_catalog_only_queries_and_meta(store_and_hooks) -> None:
     graph = store.query("select run, label from ops where func = 'linear' and "
                         "parent.func = 'relu' and run = 'ft' order by label")
     assert [r["label"] for r in graph] == ["linear_2_3", "linear_3_5"]
-    assert "?" in graph.sql and "ft" in graph.params and "'ft'" not in graph.sql
+    # the run's name became its id, bound like any value
+    ft = store._catalog_mirror.run_ids["ft"]
+    assert "?" in graph.sql and ft in graph.params and "ft" not in graph.sql
     table = store.query("select run, label, out from ops where run = 'base'").arrow()
     assert "out.shape" in table.column_names and table.num_rows == 7
     html = store.query("select run, out from ops where label = 'relu_1_2'")._repr_html_()
     assert "float32" in html and "<table>" in html
+
+
+RUN_CONDITIONS = [
+    ("run = 'ft'", {}, {"ft"}),
+    ("'ft' = run", {}, {"ft"}),
+    ("run = :r", {"r": "bf"}, {"bf"}),
+    ("run = 'nope'", {}, set()),
+    ("run != 'ft'", {}, {"base", "bf"}),
+    ("run <> 'nope'", {}, {"base", "bf", "ft"}),
+    ("not run = 'nope'", {}, {"base", "bf", "ft"}),
+    ("not (run = 'ft' or run = 'nope')", {}, {"base", "bf"}),
+    ("run in ('ft', 'nope')", {}, {"ft"}),
+    ("run in ('ft', null)", {}, {"ft"}),
+    ("run not in ('ft', 'nope')", {}, {"base", "bf"}),
+    ("run not in ('ft', null)", {}, set()),  # SQL: null in a 'not in' list matches nothing
+    ("run in :rs", {"rs": ["base", "nope"]}, {"base"}),
+    ("run not in :rs", {"rs": ["base"]}, {"bf", "ft"}),
+    ("run in :rs", {"rs": []}, set()),
+    ("run like 'b%'", {}, {"base", "bf"}),
+    ("run = label", {}, set()),
+    ("run = 'ft' and parent.run = 'ft' and func = 'relu'", {}, {"ft"}),
+]
+
+
+@pytest.mark.parametrize(("condition", "params", "expected"), RUN_CONDITIONS,
+                         ids=[c for c, _, _ in RUN_CONDITIONS])
+def test_conditions_on_run_filter_by_id_as_the_join_did(store_and_hooks, condition: str,
+                                                        params: dict, expected: set) -> None:
+    """``run = X`` and ``run [not] in (...)`` compare run ids (no join with ``runs``);
+    every condition returns what the join returns."""
+    from tracelake.query import compile_query
+
+    store, _ = store_and_hooks
+    text = f"select run, label from ops where {condition}"
+    res = store.query(text, **params)
+    assert {r["run"] for r in res} == expected
+    joined = compile_query(text, params)  # compiled without the run ids: the join
+    rows = store._catalog_mirror.arrow(joined.sql, joined.params).to_pylist()
+    assert sorted((r["run"], r["label"]) for r in rows) == sorted(
+        (r["run"], r["label"]) for r in res)
+    if not any(word in condition for word in ("like", "label", "parent")):  # joins still
+        by_id = store.query(f"select label from ops where {condition}", **params)
+        assert "JOIN" not in by_id.sql and len(by_id) == len(res)
+
+
+def test_runs_named_with_quotes_deleted_and_overwritten(tmp_path: Path) -> None:
+    model, (x,) = mlp()
+    store = tl.open(tmp_path / "s")
+    names = ["it's", 'say "hi"', "x' or '1'='1", "plain"]
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            store.record(model, x * (i + 1), name=name)
+    for name in names:
+        res = store.query("select run, out from ops where run = :r and label = 'output_1'",
+                          r=name)
+        assert [r["run"] for r in res] == [name] and "JOIN" in res.sql  # run is selected
+        lone = store.query("select out from ops where run = :r and label = 'output_1'", r=name)
+        assert len(lone) == 1 and "JOIN" not in lone.sql and name not in lone.sql
+        assert torch.equal(lone.tensors()[0], res.tensors()[0])
+    literal = store.query("select label from ops where run = 'it''s' and label = 'output_1'")
+    assert len(literal) == 1
+    first = store.query("select out from ops where run = 'plain' and label = 'output_1'")
+    with torch.no_grad():
+        store.record(model, x * -3, name="plain", overwrite=True)
+    again = store.query("select out from ops where run = 'plain' and label = 'output_1'")
+    assert len(again) == 1 and not torch.equal(again.tensors()[0], first.tensors()[0])
+    assert again.params != first.params  # the new run's id
+    store.delete("plain")
+    assert len(store.query("select out from ops where run = 'plain'")) == 0
+    assert len(store.query("select label from ops where run != 'plain'")) == 3 * 7
 
 
 def test_raw_sql_is_read_only_and_isolated(store_and_hooks) -> None:
