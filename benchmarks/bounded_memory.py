@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 import tracelake as tl
+from tracelake.store.writer import NBYTES
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -200,9 +201,9 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
         while saved < target:
             out = rec.record(model, x)
             del out
-            locations = writer.locations
-            saved += sum(loc.nbytes for loc in locations[seen:])
-            seen = len(locations)
+            slots = writer.slots
+            saved += sum(slot[NBYTES] for slot in slots[seen:])
+            seen = len(slots)
             steps += 1
             if steps == 1 or steps & (steps - 1) == 0 or saved >= target:
                 timeline.append((steps, saved / GiB, rss()))
@@ -220,7 +221,7 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
     run_steps = run_.num_steps
     bytes_written = writer.bytes_written
     peak_inflight = writer.peak_inflight
-    waits = writer._budget.waits
+    waits = writer.budget_waits
     on_disk = sum(os.path.getsize(os.path.join(d, f))
                   for d, _, files in os.walk(store_path) for f in files)
 
@@ -239,7 +240,7 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
                           f"({x.numel() * x.element_size() / MiB:.0f} MiB)"),
         ("max_inflight", fmt_mib(max_inflight)),
         ("saved", f"{saved / GiB:.2f} GiB ({saved / mem_total:.2f}x RAM) in {steps} steps, "
-                  f"{len(writer.locations)} tensors; run.num_steps = {run_steps}"),
+                  f"{len(writer.slots)} tensors; run.num_steps = {run_steps}"),
         ("writer.bytes_written", f"{bytes_written / GiB:.2f} GiB; on disk {on_disk / GiB:.2f} GiB"),
         ("wall time", f"{wall:.1f} s (streaming {t_stream - t0:.1f} s, "
                       f"commit {t1 - t_stream:.1f} s)"),

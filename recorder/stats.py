@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Stats", "compute_stats", "segment_stats"]
+__all__ = ["Stats", "compute_stats", "segment_moments", "segment_stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,41 +172,46 @@ def _complex_stats(magnitude: torch.Tensor, numel: int) -> Stats:
     )
 
 
-def segment_stats(values: np.ndarray, counts: np.ndarray) -> list[Stats | None]:
-    """Stats of consecutive segments of ``values`` (float64; segment k has ``counts[k]``
-    elements, all > 0) from a handful of segmented numpy reductions: how a store gets
-    the statistics of the thousands of small tensors in one 4 MiB chunk without several
-    torch calls per tensor. ``None`` where the moments would not give what
-    :func:`compute_stats` gives (NaN or Inf, or a mean that dwarfs the spread): the
-    caller computes those one by one."""
+def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Statistics of consecutive segments of ``values`` (float64; segment k has
+    ``counts[k]`` elements, all > 0) from a handful of segmented numpy reductions: how a
+    store gets the statistics of the thousands of small tensors in one 4 MiB chunk
+    without several torch calls per tensor. Returns a (segments, 7) float64 array of
+    mean, std, min, max, absmax, l2 and frac_zero (the :class:`Stats` fields before the
+    NaN and Inf counts, both 0 here), and a mask, False where these moments would not
+    give what :func:`compute_stats` gives (NaN or Inf, or a mean that dwarfs the
+    spread): the caller computes those one by one."""
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     # Moments about each segment's first element: near-constant tensors (common: a
     # saturated activation) then lose no digits to E[x^2] - mean^2 cancellation.
     shift = values[starts]
+    out = np.empty((len(counts), 7))
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf segments: judged below
         centred = values - np.repeat(shift, counts)
         first = np.add.reduceat(centred, starts)
         second = np.add.reduceat(centred * centred, starts)
         squares = np.add.reduceat(values * values, starts)
-    low = np.minimum.reduceat(values, starts)
-    high = np.maximum.reduceat(values, starts)
+    low = out[:, 2] = np.minimum.reduceat(values, starts)
+    high = out[:, 3] = np.maximum.reduceat(values, starts)
     zeros = np.add.reduceat((values == 0).astype(np.int64), starts)
     with np.errstate(invalid="ignore", over="ignore"):
         offset = first / counts
         moment = second / counts
         spread = moment - offset * offset
-        mean = shift + offset
+        out[:, 0] = shift + offset
         # Cancellation is bounded by how far the first element lies from the mean
         # (at most a factor n); past a millionth, the careful path.
         good = np.isfinite(low) & np.isfinite(high) & np.isfinite(squares) & \
             (spread >= 1e-6 * moment)
-        std = np.sqrt(np.where(good, spread, 0.0))
-    absmax = np.maximum(np.abs(low), np.abs(high))
-    l2 = np.sqrt(squares)
-    frac = zeros / counts
-    return [
-        Stats(m, d, lo, hi, a, n2, f, 0, 0) if g else None
-        for m, d, lo, hi, a, n2, f, g in zip(
-            mean.tolist(), std.tolist(), low.tolist(), high.tolist(), absmax.tolist(),
-            l2.tolist(), frac.tolist(), good.tolist(), strict=True)
-    ]
+        out[:, 1] = np.sqrt(np.where(good, spread, 0.0))
+    out[:, 4] = np.maximum(np.abs(low), np.abs(high))
+    out[:, 5] = np.sqrt(squares)
+    out[:, 6] = zeros / counts
+    return out, good
+
+
+def segment_stats(values: np.ndarray, counts: np.ndarray) -> list[Stats | None]:
+    """:func:`segment_moments` as :class:`Stats` objects, ``None`` where not good."""
+    moments, good = segment_moments(values, counts)
+    return [Stats(*row, 0, 0) if g else None  # type: ignore[call-arg]
+            for row, g in zip(moments.tolist(), good.tolist(), strict=True)]

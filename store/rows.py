@@ -8,10 +8,13 @@ so that a stored run answers through the very classes an in-memory trace uses.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -42,7 +45,8 @@ from tracelake.recorder.stats import Stats
 
 from .tensors import dtype_name, parse_dtype
 
-__all__ = ["STAT_FIELDS", "StoredOpTable", "decode_structure", "load_step", "step_tables"]
+__all__ = ["STAT_FIELDS", "StoredOpTable", "decode_structure", "load_step", "step_tables",
+           "tensors_table"]
 
 STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
                "inf_count")
@@ -113,100 +117,145 @@ def decode_structure(obj: Any) -> Any:
     return obj
 
 
-def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntry],
-                emitter: SelectingEmitter, stats: dict[int, Stats],
-                locations: list[Any]) -> dict[str, pa.Table]:
-    """Arrow tables of one recorded step. ``stats``: statistics by tensor slot;
-    ``locations``: where each slot was written (an op's row carries its tensor's array
-    and byte offset, so a query finds the bytes without another join).
+def _codes(values: Sequence[Any]) -> tuple[list[Any], np.ndarray]:
+    """A column's distinct values (in order of first appearance) and each row's index
+    into them: rows share module stacks, shapes, dtypes, layers and call sites, so each
+    distinct value is converted once and Arrow ``take``s the rest."""
+    distinct = list(dict.fromkeys(values))
+    code = {v: k for k, v in enumerate(distinct)}
+    return distinct, np.fromiter(map(code.__getitem__, values), np.int32, len(values))
 
-    Built column by column from the transposed rows, converting what rows share (module
-    stacks, shapes, dtypes, layers, call sites) once per distinct value: this runs for
-    every op of every stored run."""
+
+def _taken(distinct: list[Any], codes: np.ndarray, type_: pa.DataType) -> pa.Array:
+    return pa.array(distinct, type=type_).take(codes)
+
+
+def step_tables(run_id: int, step: int, table: OpTable, modules: list[ModuleEntry],
+                emitter: SelectingEmitter, stats: tuple[np.ndarray, np.ndarray],
+                tensors: pa.Table) -> dict[str, pa.Table]:
+    """Arrow tables of one recorded step. ``stats``: the writer's statistics by tensor
+    slot (``TensorWriter.stat_matrix``); ``tensors``: the run's ``tensors`` table (an
+    op's row carries its tensor's array and byte offset, so a query finds the bytes
+    without another join).
+
+    Built column by column (this runs for every op of every stored run): what rows
+    share (module stacks, shapes, dtypes, layers, call sites) is converted once per
+    distinct value, and the tensor columns are gathered by slot."""
     rows = table.rows
     n = len(rows)
-    if not n:
-        columns: tuple[tuple[Any, ...], ...] = ((),) * 16
-    else:
-        columns = tuple(zip(*rows, strict=True))
+    columns: tuple[tuple[Any, ...], ...] = tuple(zip(*rows, strict=True)) if n else ((),) * 16
+    slot_of = np.full(n, -1, dtype=np.int64)
+    op_slot = emitter._op_slot
+    if op_slot:
+        slot_of[np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = \
+            np.fromiter(op_slot.values(), np.int64, len(op_slot))
+    saved = slot_of >= 0
+    unsaved = ~saved
+    tensor = pa.array(slot_of, mask=unsaved, type=_I64)
 
-    def mapped(column: int, convert: Any) -> list[Any]:
-        values = columns[column]
-        cache = {v: convert(v) for v in set(values)}
-        return [cache[v] for v in values]
-
-    stacks = mapped(MODULES, lambda st: (st[-1][0] if st else "",
-                                         [{"path": p, "pass": k} for p, k in st]))
-    shapes = mapped(SHAPE, lambda sh: (list(sh), math.prod(sh)))
-    layers = mapped(LAYER, lambda lay: (table.layer_label(lay), table.num_passes(lay)))
-    dtypes = columns[DTYPE]
-    sites: dict[Any, tuple[Any, Any, Any]] = {}
-    for index, site in enumerate(columns[SITE]):
-        if site not in sites:
-            loc = table.source(index)
-            sites[site] = (loc.file, loc.line, loc.function) if loc else (None, None, None)
-    where = [sites[site] for site in columns[SITE]]
-    slots = emitter._op_slot
-    slot_of = [slots.get(i) for i in range(n)]
-    unsaved = emitter._stats
-    stat_of = [stats.get(slot) if slot is not None else unsaved.get(i)
-               for i, slot in enumerate(slot_of)]
-    cols: dict[str, list[Any] | tuple[Any, ...]] = {
-        "run_id": [run_id] * n, "step": [step] * n, "idx": list(range(n)),
-        "label": table.labels, "layer": [lay[0] for lay in layers], "pass": columns[PASS],
-        "num_passes": [lay[1] for lay in layers], "func": columns[FUNC],
-        "kind": columns[KIND], "module": [st[0] for st in stacks],
-        "modules": [st[1] for st in stacks], "shape": [sh[0] for sh in shapes],
-        "dtype": mapped(DTYPE, dtype_name), "device": mapped(DEVICE, str),
-        "nbytes": [sh[1] * dt.itemsize for sh, dt in zip(shapes, dtypes, strict=True)],
+    stacks, stack_of = _codes(columns[MODULES])
+    shapes, shape_of = _codes(columns[SHAPE])
+    dtypes, dtype_of = _codes(columns[DTYPE])
+    devices, device_of = _codes(columns[DEVICE])
+    layers, layer_of = _codes(columns[LAYER])
+    params, params_of = _codes(columns[PARAMS])
+    _, site_of = _codes(columns[SITE])
+    first = np.unique(site_of, return_index=True)[1].tolist()  # each site's first row
+    where = [table.source(index) for index in first]
+    numel = np.array([math.prod(sh) for sh in shapes], dtype=np.int64)
+    itemsize = np.array([dt.itemsize for dt in dtypes], dtype=np.int64)
+    constant = np.full(n, run_id, dtype=np.int32)
+    cols: dict[str, Any] = {
+        "run_id": constant, "step": np.full(n, step, dtype=np.int32),
+        "idx": np.arange(n, dtype=np.int32), "label": table.labels,
+        "layer": _taken([table.layer_label(lay) for lay in layers], layer_of, _STR),
+        "pass": columns[PASS],
+        "num_passes": _taken([table.num_passes(lay) for lay in layers], layer_of, _I32),
+        "func": columns[FUNC], "kind": columns[KIND],
+        "module": _taken([st[-1][0] if st else "" for st in stacks], stack_of, _STR),
+        "modules": _taken([[{"path": p, "pass": k} for p, k in st] for st in stacks],
+                          stack_of, _MODULES),
+        "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
+        "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
+        "device": _taken([str(dev) for dev in devices], device_of, _STR),
+        "nbytes": numel[shape_of] * itemsize[dtype_of],
         "out_index": columns[OUT_INDEX], "inplace": columns[INPLACE],
-        "params": columns[PARAMS], "layer_idx": columns[LAYER], "n_func": columns[N_FUNC],
-        "n_layer": columns[N_LAYER], "saved": [slot is not None for slot in slot_of],
-        "tensor": slot_of,
-        "array": [None if slot is None else locations[slot].array for slot in slot_of],
-        "byte_offset": [None if slot is None or locations[slot].offset < 0
-                        else locations[slot].offset for slot in slot_of],
-        "source_file": [w[0] for w in where],
-        "source_line": [w[1] for w in where], "source_func": [w[2] for w in where],
+        "params": _taken([list(p) for p in params], params_of, pa.list_(_STR)),
+        "layer_idx": columns[LAYER], "n_func": columns[N_FUNC], "n_layer": columns[N_LAYER],
+        "saved": saved, "tensor": tensor,
+        "array": tensors.column("array").take(tensor),
+        "byte_offset": tensors.column("byte_offset").take(tensor),
+        "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
+        "source_line": _taken([w.line if w else None for w in where], site_of, _I32),
+        "source_func": _taken([w.function if w else None for w in where], site_of, _STR),
     }
-    for name in STAT_FIELDS:
-        cols[name] = [getattr(st, name) if st is not None else None for st in stat_of]
-    ops = pa.Table.from_arrays([pa.array(cols[f.name], type=f.type) for f in _OPS_SCHEMA],
+    values, valid = stats[0][slot_of], stats[1][slot_of]  # slot -1: the undefined row
+    for index, st in emitter._stats.items():  # stats="all": unsaved ops, one by one
+        row = [getattr(st, name) for name in STAT_FIELDS]
+        values[index] = [0.0 if v is None else v for v in row]
+        valid[index] = [v is not None for v in row]
+    for k, name in enumerate(STAT_FIELDS):
+        column = values[:, k] if k < 7 else values[:, k].astype(np.int64)
+        cols[name] = pa.array(column, mask=~valid[:, k])
+    ops = pa.Table.from_arrays([_array(cols[f.name], f.type) for f in _OPS_SCHEMA],
                                schema=_OPS_SCHEMA)
-    edge_rows = [(parent, child, str(arg), k)
-                 for child, (parents, args) in enumerate(zip(columns[PARENTS],
-                                                             columns[PARENT_ARGS], strict=True))
-                 if parents
-                 for k, (parent, arg) in enumerate(zip(parents, args, strict=True))]
-    edges = _table(_EDGES_SCHEMA, [(run_id, step, *e) for e in edge_rows])
-    mods = []
-    for m in modules:
-        mods.append((
-            run_id, step, m.index, m.label, m.path, m.type, m.pass_num, m.num_passes,
-            m.first_op, m.last_op, m._op_range[0], m._op_range[1], list(m._input_indices),
-            list(m._output_indices),
-            None if m._input_slots is None else list(m._input_slots),
-            None if m._output_slots is None else list(m._output_slots),
-            None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
-        ))
-    return {"ops": ops, "edges": edges, "modules": _table(_MODULES_SCHEMA, mods)}
+    return {"ops": ops, "edges": _edges(run_id, step, columns[PARENTS], columns[PARENT_ARGS]),
+            "modules": _modules(run_id, step, modules)}
 
 
-def tensors_table(run_id: int, locations: list[Any]) -> pa.Table:
-    """The ``tensors`` table of a run from its writer's locations (slot = position)."""
-    n = len(locations)
-    shapes: dict[tuple[int, ...], list[int]] = {}
+def _array(values: Any, type_: pa.DataType) -> Any:
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        values = values if values.type == type_ else values.cast(type_)
+        return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    return pa.array(values, type=type_)
+
+
+def _edges(run_id: int, step: int, parents: tuple[tuple[int, ...], ...],
+           args: tuple[tuple[Any, ...], ...]) -> pa.Table:
+    """One row per (child, parent) pair; ``edge`` numbers a child's parents."""
+    counts = np.fromiter(map(len, parents), np.int64, len(parents))
+    total = int(counts.sum())
+    child = np.repeat(np.arange(len(parents), dtype=np.int32), counts)
+    edge = np.arange(total, dtype=np.int32) - np.repeat(
+        (np.cumsum(counts) - counts).astype(np.int32), counts)
+    names, name_of = _codes(list(itertools.chain.from_iterable(args)))
+    columns = (np.full(total, run_id, dtype=np.int32), np.full(total, step, dtype=np.int32),
+               list(itertools.chain.from_iterable(parents)), child,
+               _taken([str(a) for a in names], name_of, _STR), edge)
+    return pa.Table.from_arrays([_array(c, f.type) for c, f in zip(columns, _EDGES_SCHEMA,
+                                                                  strict=True)],
+                                schema=_EDGES_SCHEMA)
+
+
+def _modules(run_id: int, step: int, modules: list[ModuleEntry]) -> pa.Table:
+    rows = [(
+        run_id, step, m.index, m.label, m.path, m.type, m.pass_num, m.num_passes,
+        m.first_op, m.last_op, m._op_range[0], m._op_range[1], list(m._input_indices),
+        list(m._output_indices),
+        None if m._input_slots is None else list(m._input_slots),
+        None if m._output_slots is None else list(m._output_slots),
+        None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
+    ) for m in modules]
+    return _table(_MODULES_SCHEMA, rows)
+
+
+def tensors_table(run_id: int, slots: list[Any], codec: Any) -> pa.Table:
+    """The ``tensors`` table of a run from its writer's slots (slot = position):
+    (array, byte offset or -1, nbytes, shape, dtype, step) tuples; ``codec(slot)``."""
+    n = len(slots)
+    array, offset, nbytes, shape, dtype, step = zip(*slots, strict=True) if n else ((),) * 6
+    offsets = np.array(offset, dtype=np.int64)
+    shapes, shape_of = _codes(shape)
+    dtypes, dtype_of = _codes(dtype)
     columns = (
-        [run_id] * n, [loc.step for loc in locations], list(range(n)),
-        [loc.array for loc in locations],
-        [loc.offset if loc.offset >= 0 else None for loc in locations],
-        [loc.nbytes for loc in locations],
-        [shapes.get(loc.shape) or shapes.setdefault(loc.shape, list(loc.shape))
-         for loc in locations],
-        [dtype_name(loc.dtype) for loc in locations], [loc.codec for loc in locations],
+        np.full(n, run_id, dtype=np.int32), step, np.arange(n, dtype=np.int32), array,
+        pa.array(offsets, mask=offsets < 0), nbytes,
+        _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
+        _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
+        [codec(slot) for slot in range(n)],
     )
     return pa.Table.from_arrays(
-        [pa.array(c, type=f.type) for c, f in zip(columns, _TENSORS_SCHEMA, strict=True)],
+        [_array(c, f.type) for c, f in zip(columns, _TENSORS_SCHEMA, strict=True)],
         schema=_TENSORS_SCHEMA)
 
 

@@ -227,15 +227,17 @@ class Recording:
             raise StoreError(f"the recording {self.name!r} recorded no forward pass; call the "
                              "model (or rec.record(model, ...)) inside the block")
         writer.close()
+        tensors = tensors_table(self.run_id, writer.slots, writer.codec)
+        stats = writer.stat_matrix()
         tables: dict[str, list[Any]] = {"ops": [], "edges": [], "modules": []}
         for step, (table, modules, emitter) in enumerate(self._steps):
             for key, value in step_tables(self.run_id, step, table, modules, emitter,
-                                          writer.stats, writer.locations).items():
+                                          stats, tensors).items():
                 tables[key].append(value)
         import pyarrow as pa
 
         merged: dict[str, Any] = {k: pa.concat_tables(v) for k, v in tables.items()}
-        merged["tensors"] = tensors_table(self.run_id, writer.locations)
+        merged["tensors"] = tensors
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
                    "bytes": nbytes, "device": self._device, **self._fingerprints}

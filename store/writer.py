@@ -10,10 +10,14 @@ memory does not grow with the size of the capture.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import mmap
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +26,7 @@ from tracelake.errors import StoreError
 from tracelake.recorder.emit import SelectingEmitter, tensor_version
 from tracelake.recorder.entries import OpTable
 from tracelake.recorder.selectors import Selector
-from tracelake.recorder.stats import Stats, compute_stats, segment_stats
+from tracelake.recorder.stats import Stats, compute_stats, segment_moments
 
 from .tensors import (
     ALIGN,
@@ -38,12 +42,19 @@ __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 DEFAULT_MAX_INFLIGHT = 256 << 20
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
-# dtype -> (its pack, whether a plain numpy byte copy is exact for it)
-_PLANS: dict[torch.dtype, tuple[str, bool]] = {}
+_memmove = ctypes.memmove
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+# Fields of TensorWriter.slots: one plain tuple per saved tensor (array, byte offset or
+# -1, nbytes, shape, dtype, step), appended on the forward thread, so built as cheaply as
+# Python allows, and of plain values only (the garbage collector then stops tracking it:
+# a torch.Size in it kept 20,000 tuples per run under watch, and a full collection
+# of the process, ~250 ms, came with every few runs).
+ARRAY: Final = 0
+NBYTES: Final = 2
 
 
-@dataclass(slots=True)
-class Location:
+class Location(NamedTuple):
     """Where a saved tensor lives: a pack (byte offset) or its own array (offset -1)."""
 
     array: str
@@ -55,63 +66,98 @@ class Location:
     codec: str = "raw"
 
 
-class _Budget:
-    """Bytes in flight, capped: ``take`` waits while the cap would be exceeded (one item
-    larger than the cap still goes, alone)."""
+class _Buffers:
+    """Byte buffers on their way to disk (pack chunks, copies of large tensors), reused.
+
+    At most ``cap`` bytes are in flight: ``take`` waits while more would be (one buffer
+    larger than the cap still goes, alone). Written buffers are kept for reuse while in
+    flight + kept stays within the cap (fresh memory costs page faults: copying 32 MiB
+    into it took 33 ms, into a reused buffer 5.6), so the writer never holds more than
+    ``cap`` bytes of buffers at once. Buffers are anonymous maps (huge pages where the
+    system has them), returned to the system as soon as they are dropped."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.used = 0
+        self.used = 0  # in flight
+        self.kept = 0  # free, kept for reuse
         self.peak = 0
         self.waits = 0
+        self._free: dict[int, list[np.ndarray]] = {}
         self._cond = threading.Condition()
 
-    def take(self, nbytes: int) -> None:
+    def take(self, nbytes: int) -> np.ndarray:
         with self._cond:
             if self.used and self.used + nbytes > self.cap:
                 self.waits += 1
                 self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+            free = self._free.get(nbytes)
+            if free:
+                self.kept -= nbytes
+                return free.pop()
+            while self.kept and self.used + self.kept > self.cap:  # make room: drop others
+                size = next(n for n, bufs in self._free.items() if bufs)
+                self._free[size].pop()
+                self.kept -= size
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if _HUGE is not None:  # 2 MiB pages: first use faults 512x less (41 -> 11 ms per
+            with contextlib.suppress(OSError):  # 32 MiB copied in), fewer TLB misses
+                memory.madvise(_HUGE)
+        return np.frombuffer(memory, dtype=np.uint8)
 
-    def give(self, nbytes: int) -> None:
+    def give(self, buffer: np.ndarray) -> None:
         with self._cond:
-            self.used -= nbytes
+            self.used -= buffer.nbytes
+            if self.used + self.kept + buffer.nbytes <= self.cap:  # else (one too large): dropped
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+                self.kept += buffer.nbytes
             self._cond.notify_all()
 
+    def clear(self) -> None:
+        with self._cond:
+            self._free.clear()
+            self.kept = 0
 
-@dataclass
+
+@dataclass(eq=False)
 class _Stream:
-    """The open chunk of one pack: its buffer, where the next tensor goes, who is in it."""
+    """The open chunk of one pack: its buffer (and that buffer's address), where the next
+    tensor goes, and the slots of the tensors in it."""
 
     name: str
     chunk: int = 0
     buffer: np.ndarray | None = None
+    address: int = 0
     used: int = 0
-    members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = field(
-        default_factory=list)
+    members: list[int] = field(default_factory=list)
 
 
 class TensorWriter:
-    """Saves tensors of one run into its :class:`RunArrays`, in the background."""
+    """Saves tensors of one run into its :class:`RunArrays`, in the background.
+
+    ``slots`` holds one tuple per saved tensor, indexed by slot: (array, byte offset or
+    -1, nbytes, shape, dtype, step); ``location(slot)`` names the fields."""
 
     def __init__(self, arrays: RunArrays, max_inflight: int = DEFAULT_MAX_INFLIGHT,
                  workers: int = 2):
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays
-        self.locations: list[Location] = []
+        self.slots: list[tuple[str, int, int, Any, torch.dtype, int]] = []
+        self.codecs: dict[int, str] = {}  # own arrays' codecs (a pack's follows its name)
+        # statistics: tiny packed tensors' in batches (slots, moments), the rest one by one
+        self._batches: list[tuple[np.ndarray, np.ndarray]] = []
         self.stats: dict[int, Stats] = {}
         self.step = 0
         self.bytes_written = 0
-        self._budget = _Budget(max_inflight)
+        self._buffers = _Buffers(max_inflight)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
         self._pending: set[Future[None]] = set()
         self._errors: list[BaseException] = []
         self._streams: dict[str, _Stream] = {}
-        self._free: list[np.ndarray] = []
-        self._large_free: dict[int, list[torch.Tensor]] = {}
-        self._large_pooled = 0
+        # dtype -> (its pack's stream, whether a plain byte copy of its memory is exact)
+        self._plans: dict[torch.dtype, tuple[_Stream, bool]] = {}
         self._lock = threading.Lock()
 
     # -- the forward thread --------------------------------------------------------------
@@ -119,77 +165,68 @@ class TensorWriter:
     def save(self, tensor: torch.Tensor) -> int:
         """Copy ``tensor`` now and have it written; return its slot number.
 
-        Runs once per saved tensor on the forward thread: few torch attribute reads, and
-        per-dtype decisions (pack, fast copy) looked up, not recomputed."""
+        Runs once per saved tensor on the forward thread: a small CPU tensor costs a few
+        attribute reads, one ``memmove`` into its pack's open buffer and one tuple."""
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
         if tensor.layout is not _STRIDED:
             raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
-        dtype = tensor.dtype
-        shape: Any = tensor.shape
         nbytes = tensor.nbytes
-        slot = len(self.locations)
         if nbytes >= CHUNK_BYTES:
-            shape = tuple(shape)
-            self._budget.take(nbytes)
-            raw = self._large_buffer(nbytes)
-            copy = raw.view(dtype).view(shape)
-            copy.copy_(tensor.detach())
-            self.locations.append(Location(f"t{slot}", -1, nbytes, shape, dtype, self.step))
-            self._submit(self._write_array, slot, copy, raw)
-            return slot
-        plan = _PLANS.get(dtype)
+            return self._save_large(tensor, nbytes)
+        dtype = tensor.dtype
+        plan = self._plans.get(dtype)
         if plan is None:
-            plan = _PLANS[dtype] = (pack_stream(dtype), numpy_dtype(dtype) is not None
-                                    and not dtype.is_complex)
-        name, plain = plan
-        stream = self._streams.get(name)
-        if stream is None:
-            stream = self._streams[name] = _Stream(name)
+            plan = self._plan(dtype)
+        stream, plain = plan
         start = -(-stream.used // ALIGN) * ALIGN
         if start + nbytes > CHUNK_BYTES:
             self._flush(stream)
             start = 0
         if stream.buffer is None:
-            stream.buffer = self._buffer()
+            stream.buffer = self._buffers.take(CHUNK_BYTES)
+            stream.address = stream.buffer.ctypes.data
         if nbytes:
-            source = tensor.detach() if tensor.requires_grad else tensor
-            copied = False
-            if plain and type(source) is _TENSOR and source.is_contiguous() and \
-                    source.device.type == "cpu":
-                try:  # a plain byte copy through numpy: a third of torch's per-call cost
-                    data = source.numpy()  # refuses tensors with the negative bit set
-                    stream.buffer[start:start + nbytes] = data.reshape(-1).view(np.uint8)
-                    copied = True
-                except RuntimeError:
-                    pass
-            if not copied:
+            if plain and tensor.is_cpu and type(tensor) is _TENSOR and \
+                    tensor.is_contiguous() and not tensor.is_neg():
+                # The tensor's bytes as they are: ~0.5 us, where numpy's copy took ~3
+                # and torch's copy_ into a view of the buffer ~8.
+                _memmove(stream.address + start, tensor.data_ptr(), nbytes)
+            else:
                 region = torch.from_numpy(stream.buffer[start:start + nbytes])
-                region.view(dtype).view(shape).copy_(source)
-        shape = tuple(shape)
+                region.view(dtype).view(tensor.shape).copy_(tensor.detach())
+        slot = len(self.slots)
         stream.used = start + nbytes
-        stream.members.append((slot, start, nbytes, dtype, shape))
-        self.locations.append(Location(name, stream.chunk * CHUNK_BYTES + start, nbytes,
-                                       shape, dtype, self.step, pack_codec(name)))
+        stream.members.append(slot)
+        self.slots.append((stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
+                           tuple(tensor.shape), dtype, self.step))
         return slot
 
-    def _large_buffer(self, nbytes: int) -> torch.Tensor:
-        """A byte buffer for a large copy: one that was written already if one of this
-        size is free (freshly allocated memory costs page faults: 4x a copy into warm
-        memory here), else a new one."""
-        with self._lock:
-            free = self._large_free.get(nbytes)
-            if free:
-                self._large_pooled -= nbytes
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def _plan(self, dtype: torch.dtype) -> tuple[_Stream, bool]:
+        name = pack_stream(dtype)
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = _Stream(name)
+        # numpy knowing the dtype means its bytes are plain values (not complex: conj bit)
+        plain = numpy_dtype(dtype) is not None and not dtype.is_complex
+        plan = self._plans[dtype] = (stream, plain)
+        return plan
 
-    def _buffer(self) -> np.ndarray:
-        self._budget.take(CHUNK_BYTES)
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return np.empty(CHUNK_BYTES, dtype=np.uint8)
+    def _save_large(self, tensor: torch.Tensor, nbytes: int) -> int:
+        """A tensor of a chunk or more: copied whole into a buffer of its own."""
+        dtype = tensor.dtype
+        shape = tuple(tensor.shape)
+        buffer = self._buffers.take(nbytes)
+        try:
+            copy = torch.from_numpy(buffer).view(dtype).view(shape)
+            copy.copy_(tensor.detach())
+        except BaseException:
+            self._buffers.give(buffer)
+            raise
+        slot = len(self.slots)
+        self.slots.append((f"t{slot}", -1, nbytes, shape, dtype, self.step))
+        self._submit(self._write_array, slot, copy, buffer)
+        return slot
 
     def _flush(self, stream: _Stream) -> None:
         if stream.buffer is not None and stream.members:
@@ -216,28 +253,25 @@ class TensorWriter:
     # -- worker threads ---------------------------------------------------------------------
 
     def _write_chunk(self, name: str, chunk: int, buffer: np.ndarray, used: int,
-                     members: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]]) -> None:
+                     members: list[int]) -> None:
         try:
-            self.stats.update(_chunk_stats(buffer, members))
+            batches, singles = _chunk_stats(buffer, chunk * CHUNK_BYTES, members, self.slots)
+            self._batches.extend(batches)
+            self.stats.update(singles)
             self.arrays.write_pack_chunk(name, chunk, buffer[:used])
-            self.bytes_written += used
-        finally:
             with self._lock:
-                self._free.append(buffer)
-            self._budget.give(CHUNK_BYTES)
+                self.bytes_written += used
+        finally:
+            self._buffers.give(buffer)
 
-    def _write_array(self, slot: int, copy: torch.Tensor, raw: torch.Tensor) -> None:
-        nbytes = raw.numel()
+    def _write_array(self, slot: int, copy: torch.Tensor, buffer: np.ndarray) -> None:
         try:
             self.stats[slot] = compute_stats(copy)
-            self.locations[slot].codec = self.arrays.write_array(f"t{slot}", copy)
-            self.bytes_written += nbytes
+            self.codecs[slot] = self.arrays.write_array(f"t{slot}", copy)
+            with self._lock:
+                self.bytes_written += buffer.nbytes
         finally:
-            with self._lock:  # keep it for the next copy of this size, within a quarter cap
-                if self._large_pooled + nbytes <= self._budget.cap // 4:
-                    self._large_free.setdefault(nbytes, []).append(raw)
-                    self._large_pooled += nbytes
-            self._budget.give(nbytes)
+            self._buffers.give(buffer)
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -246,48 +280,102 @@ class TensorWriter:
         for stream in self._streams.values():
             self._flush(stream)  # the last shard: as many inner chunks as it fills
         self._pool.shutdown(wait=True)
+        self._buffers.clear()
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._buffers.clear()
+
+    def stat_matrix(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every slot's statistics (after :meth:`close`): a (slots + 1, 9) float64 array,
+        columns in :class:`Stats` field order, and where each is defined (False where a
+        statistic is ``None``). The extra last row is all undefined, so that index -1
+        reads as 'no statistics'."""
+        n = len(self.slots)
+        values = np.zeros((n + 1, len(_STAT_FIELDS)))
+        valid = np.zeros((n + 1, len(_STAT_FIELDS)), dtype=bool)
+        for slots, moments in self._batches:
+            values[slots, :moments.shape[1]] = moments  # NaN and Inf counts: 0
+            valid[slots] = True
+        for slot, stats in self.stats.items():
+            row = [getattr(stats, name) for name in _STAT_FIELDS]
+            values[slot] = [0.0 if v is None else v for v in row]
+            valid[slot] = [v is not None for v in row]
+        return values, valid
+
+    def codec(self, slot: int) -> str:
+        array = self.slots[slot][ARRAY]
+        return self.codecs.get(slot, "raw") if array[0] == "t" else pack_codec(array)
+
+    def location(self, slot: int) -> Location:
+        return Location(*self.slots[slot], codec=self.codec(slot))
+
+    @property
+    def locations(self) -> list[Location]:
+        """Every slot's :class:`Location` (built on demand, not on the forward thread)."""
+        return [self.location(slot) for slot in range(len(self.slots))]
 
     @property
     def peak_inflight(self) -> int:
-        return self._budget.peak
+        return self._buffers.peak
+
+    @property
+    def budget_waits(self) -> int:
+        return self._buffers.waits
 
 
-_Member = tuple[int, int, int, torch.dtype, tuple[int, ...]]  # slot, start, nbytes, dtype, shape
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _GATHER_MAX = 16 << 10  # bytes
+_STAT_FIELDS = tuple(f.name for f in fields(Stats))
+# A chunk's statistics: (slots, their (k, 7) moments from segment_moments) per batch,
+# and the tensors computed one by one.
+_ChunkStats = tuple[list[tuple[np.ndarray, np.ndarray]], dict[int, Stats]]
 
 
-def _chunk_stats(buffer: np.ndarray, members: list[_Member]) -> dict[int, Stats]:
-    """Statistics of every tensor packed in one chunk: per dtype, one gather of all their
-    elements and a few segmented reductions (``segment_stats``); the odd ones (complex,
-    empty, NaN/Inf, mean-dominated) one by one."""
-    out: dict[int, Stats] = {}
-    groups: dict[torch.dtype, list[_Member]] = {}
+@functools.cache
+def _gathered(dtype: torch.dtype) -> bool:
+    """Whether tiny tensors of ``dtype`` get their statistics in one batch (real dtypes
+    whose elements numpy can view as unsigned integers of their width)."""
+    return not dtype.is_complex and dtype.itemsize in _UNSIGNED
+
+
+def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
+                 slots: list[tuple[str, int, int, Any, torch.dtype, int]]) -> _ChunkStats:
+    """Statistics of every tensor packed in one chunk (the one at byte ``base`` of its
+    pack): per dtype, one gather of all the tiny tensors' elements and a few segmented
+    reductions (``segment_moments``); larger and odd ones (complex, empty, NaN/Inf,
+    mean-dominated) one by one."""
+    singles: dict[int, Stats] = {}
+    groups: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
     raw = torch.from_numpy(buffer)
 
-    def single(member: _Member) -> Stats:
-        _, start, nbytes, dtype, shape = member
+    def single(slot: int) -> Stats:
+        _, offset, nbytes, shape, dtype, _ = slots[slot]
         if not nbytes:
             return compute_stats(torch.empty(shape, dtype=dtype))
+        start = offset - base
         return compute_stats(raw[start:start + nbytes].view(dtype).view(shape))
 
-    for member in members:
-        dtype = member[3]
+    for slot in members:
+        _, offset, nbytes, _, dtype, _ = slots[slot]
         # Gathering pays for tiny tensors (one numpy pass instead of torch calls each);
         # a larger one is cheaper through compute_stats's reductions on its own view.
-        if 0 < member[2] <= _GATHER_MAX and not dtype.is_complex and dtype.itemsize in _UNSIGNED:
-            groups.setdefault(dtype, []).append(member)
+        if 0 < nbytes <= _GATHER_MAX and _gathered(dtype):
+            lists = groups.get(dtype)
+            if lists is None:
+                lists = groups[dtype] = ([], [], [])
+            lists[0].append(slot)
+            lists[1].append(offset)
+            lists[2].append(nbytes)
         else:
-            out[member[0]] = single(member)
-    for dtype, group in groups.items():
+            singles[slot] = single(slot)
+    batches = []
+    for dtype, (group, offsets, sizes) in groups.items():
         item = dtype.itemsize
-        starts = np.fromiter((m[1] // item for m in group), np.int64, len(group))
-        counts = np.fromiter((m[2] // item for m in group), np.int64, len(group))
+        starts = (np.array(offsets, dtype=np.int64) - base) // item
+        counts = np.array(sizes, dtype=np.int64) // item
         ends = np.cumsum(counts)
         index = np.arange(int(ends[-1])) + np.repeat(starts - (ends - counts), counts)
         bits = buffer.view(_UNSIGNED[item])[index]
@@ -296,9 +384,12 @@ def _chunk_stats(buffer: np.ndarray, members: list[_Member]) -> dict[int, Stats]
             values = bits.view(native).astype(np.float64)
         else:  # bfloat16, float8, bool: torch knows them
             values = torch.from_numpy(bits).view(dtype).to(torch.float64).numpy()
-        for member, stats in zip(group, segment_stats(values, counts), strict=True):
-            out[member[0]] = stats if stats is not None else single(member)
-    return out
+        moments, good = segment_moments(values, counts)
+        batches.append((np.array(group, dtype=np.int64)[good], moments[good]))
+        if not good.all():
+            for k in np.flatnonzero(~good).tolist():
+                singles[group[k]] = single(group[k])
+    return batches, singles
 
 
 class StoreEmitter(SelectingEmitter):
@@ -308,11 +399,16 @@ class StoreEmitter(SelectingEmitter):
     def __init__(self, selector: Selector, stats: str, table: OpTable, writer: TensorWriter):
         super().__init__(selector, stats, table)
         self._writer = writer
-        self._versions: dict[int, int | None] = {}
+        self._save = writer.save
+        self._versions: dict[int, int] = {}
 
     def _keep(self, tensor: torch.Tensor) -> int:
-        slot = self._writer.save(tensor)
-        self._versions[slot] = tensor_version(tensor)
+        slot = self._save(tensor)
+        try:
+            version = tensor._version
+        except (RuntimeError, AttributeError):  # inference tensors track no version
+            return slot
+        self._versions[slot] = version
         return slot
 
     def _holds(self, slot: int, tensor: torch.Tensor) -> bool:

@@ -1,0 +1,123 @@
+"""The store's write path up close: what the forward thread copies, the buffers it copies
+into, and the statistics the workers compute, against plain PyTorch."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hook_capture import assert_bitwise
+from torch import nn
+
+import tracelake as tl
+from tracelake.recorder.stats import compute_stats
+from tracelake.store.tensors import CHUNK_BYTES, RunArrays
+from tracelake.store.writer import TensorWriter
+
+MiB = 1 << 20
+
+
+def small_tensors() -> list[torch.Tensor]:
+    """Small tensors of every kind the writer's fast byte copy must get right or refuse:
+    contiguous, strided views, the negative and conjugate bits, autograd leaves, odd
+    dtypes, empty and 0-d."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 10)
+    z = torch.complex(x, -x)
+    leaf = torch.randn(3, 3, requires_grad=True)
+    return [
+        x, x.t(), x[:, 1::3], x[2], torch._neg_view(x), z, z.conj(), leaf, leaf * 2,
+        x.to(torch.bfloat16), x.to(torch.float16), (x > 0), x.to(torch.int64),
+        x.to(torch.float8_e4m3fn), torch.empty(0, 4), torch.tensor(3.5), x.double(),
+        torch.tensor([float("nan"), 1.0, float("inf")]),
+    ]
+
+
+def test_saved_bytes_are_the_values(tmp_path: Path) -> None:
+    """Every tensor reads back bit for bit, whichever copy the writer took."""
+    arrays = RunArrays(tmp_path / "t", "r", create=True)
+    writer = TensorWriter(arrays)
+    tensors = [*small_tensors(), torch.randn(1100, 1024)]  # the last: its own array
+    slots = [writer.save(t) for t in tensors]
+    writer.close()
+    for slot, tensor in zip(slots, tensors, strict=True):
+        loc = writer.location(slot)
+        want = tensor.detach().resolve_conj().resolve_neg()
+        if loc.offset >= 0:
+            got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape,
+                                     "x")
+        else:
+            got = arrays.read_array(loc.array, loc.dtype, loc.shape, "x")
+        assert_bitwise(got, want.contiguous(), f"slot {slot}")
+
+
+def test_statistics_are_compute_stats(tmp_path: Path) -> None:
+    """The workers' batched statistics are compute_stats' numbers; undefined ones (empty
+    tensors, complex means) stay undefined."""
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
+    tensors = [*small_tensors(), torch.full((70,), 131072.0), torch.randn(1100, 1024)]
+    slots = [writer.save(t) for t in tensors]
+    writer.close()
+    values, valid = writer.stat_matrix()
+    assert not valid[-1].any(), "the row that index -1 reads is all undefined"
+    for slot, tensor in zip(slots, tensors, strict=True):
+        want = compute_stats(tensor.detach().resolve_conj().resolve_neg())
+        for k, name in enumerate(("mean", "std", "min", "max", "absmax", "l2", "frac_zero",
+                                  "nan_count", "inf_count")):
+            expected = getattr(want, name)
+            assert valid[slot, k] == (expected is not None), (slot, name)
+            if expected is not None:
+                assert math.isclose(values[slot, k], expected, rel_tol=1e-6, abs_tol=1e-6) or \
+                    (math.isnan(values[slot, k]) and math.isnan(expected)), (slot, name)
+
+
+def test_buffers_never_exceed_the_cap(tmp_path: Path) -> None:
+    """Copies in flight plus buffers kept for reuse stay within max_inflight, with large
+    tensors of several sizes going through; nothing is kept after close."""
+    cap = 3 * CHUNK_BYTES
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True), max_inflight=cap)
+    buffers = writer._buffers
+    for k in range(12):
+        writer.save(torch.full(((4 + k % 4) * MiB // 4,), float(k)))
+        writer.save(torch.full((1000,), float(k)))
+        assert buffers.used + buffers.kept <= cap
+    writer.close()
+    assert writer.peak_inflight <= cap
+    assert buffers.kept == 0
+
+
+class InPlaceAfter(nn.Module):
+    """Saves ``a = x * 2`` and ``v = a[1]`` (a view), then writes them in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * 2
+        v = a[1]
+        a.add_(1)
+        v.mul_(10)
+        return a
+
+
+@pytest.mark.parametrize("rows", [4, 4096], ids=["packed", "own-array"])
+def test_a_later_in_place_op_cannot_change_a_stored_value(tmp_path: Path, rows: int) -> None:
+    x = torch.randn(rows, 1024)
+    run = tl.open(tmp_path / "s").record(InPlaceAfter(), x, name="r")
+    assert_bitwise(run["mul_1_1"].out, x * 2, "x * 2, before add_")
+    assert_bitwise(run["getitem_1_2"].out, (x * 2)[1], "the view, before either write")
+    assert_bitwise(run["output_1"].out, InPlaceAfter()(x), "the output")
+
+
+def test_stored_ops_carry_their_tensors_location(tmp_path: Path) -> None:
+    """An op row's array and byte offset are those of its tensor's row, packed or not."""
+    x = torch.randn(4096, 1024)
+    store = tl.open(tmp_path / "s")
+    store.record(InPlaceAfter(), x, name="r")
+    joined = store.sql(
+        "SELECT o.label, o.array = t.array AS same_array, "
+        "o.byte_offset IS NOT DISTINCT FROM t.byte_offset AS same_offset, t.byte_offset "
+        "FROM ops o JOIN tensors t ON o.run_id = t.run_id AND o.tensor = t.slot")
+    assert joined["same_array"].all() and joined["same_offset"].all()
+    assert joined["byte_offset"].isna().any() and joined["byte_offset"].notna().any()
+    assert np.isin(["mul_1_1", "getitem_1_2"], joined["label"]).all()
