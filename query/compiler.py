@@ -86,16 +86,18 @@ class CompiledQuery:
 
 
 def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = None,
-                  runs: Mapping[str, int] | None = None) -> CompiledQuery:
+                  runs: Mapping[str, int] | None = None, *, source: str = ""
+                  ) -> CompiledQuery:
     """Compile query text (or a parsed :class:`~tracelake.query.ast.Query`) to SQL.
 
     ``params`` binds the query's ``:name`` parameters: ``None``, ``bool``, ``int``,
     ``float``, ``str``, ``datetime`` / ``date``, and lists or tuples of those after
     ``in``. ``runs``, the ids of the complete runs of the catalog the SQL will run on by
     name, lets conditions on ``run`` filter by id (without it they join ``runs``).
+    ``source``: the text a parsed query came from, for the excerpts of errors.
     Raises :class:`~tracelake.errors.QuerySyntaxError` or
     :class:`~tracelake.errors.QueryCompileError`; nothing else for any text."""
-    text = query if isinstance(query, str) else ""
+    text = query if isinstance(query, str) else source
     node = parse(query) if isinstance(query, str) else query
     if not isinstance(node, ast.Query):
         raise TypeError(f"compile_query takes query text or a Query, not {type(query).__name__}")

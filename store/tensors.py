@@ -113,17 +113,17 @@ class _ChunkCache:
 
         self.budget = budget
         self.used = 0
-        self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._items: OrderedDict[tuple[Any, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[str, int]) -> np.ndarray | None:
+    def get(self, key: tuple[Any, int]) -> np.ndarray | None:
         with self._lock:
             data = self._items.get(key)
             if data is not None:
                 self._items.move_to_end(key)
             return data
 
-    def put(self, key: tuple[str, int], data: np.ndarray) -> None:
+    def put(self, key: tuple[Any, int], data: np.ndarray) -> None:
         with self._lock:
             if key in self._items:
                 return
@@ -352,16 +352,17 @@ class RunArrays:
         except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
             raise ChunkCorruptError(self.run, label, f"{name} {chunk_keys}", str(exc)) from exc
 
-    def _shard_stamp(self, name: str, shard: int, label: str) -> tuple[Path, str]:
+    def _shard_stamp(self, name: str, shard: int, label: str) -> tuple[str, tuple[Any, ...]]:
         """The shard's path, and what identifies its current contents (cache entries of
-        a file that changed since, e.g. damaged on disk, are never used)."""
-        path = self.path / name / "c" / str(shard)
+        a file that changed since, e.g. damaged on disk, are never used). Runs once per
+        tensor read: plain strings, no pathlib."""
+        path = os.path.join(self.path, name, "c", str(shard))
         try:
             st = os.stat(path)
         except FileNotFoundError:
             raise ChunkCorruptError(self.run, label, f"{name}/c/{shard}",
                                     "the shard file is missing") from None
-        return path, f"{path}:{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
+        return path, (path, st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _shard_index(self, name: str, shard: int, label: str) -> np.ndarray:
         path, stamp = self._shard_stamp(name, shard, label)
@@ -424,8 +425,11 @@ class RunArrays:
             lo = max(offset - position * INNER_BYTES, 0)
             hi = min(offset + nbytes - position * INNER_BYTES, INNER_BYTES)
             parts.append(chunk[lo:hi])
-        data = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
-        return tensor_from_bytes(data, dtype, shape)
+        data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        as_numpy = numpy_dtype(dtype)
+        if as_numpy is not None:  # typed and copied out of the cached chunk in one step
+            return torch.from_numpy(data.view(as_numpy).reshape(shape).copy())
+        return tensor_from_bytes(data.copy(), dtype, shape)
 
     def read_array(self, name: str, dtype: torch.dtype, shape: Sequence[int], label: str,
                    key: tuple[Any, ...] | None = None) -> torch.Tensor:

@@ -164,6 +164,28 @@ def test_runs_named_with_quotes_deleted_and_overwritten(tmp_path: Path) -> None:
     assert len(store.query("select label from ops where run != 'plain'")) == 3 * 7
 
 
+@pytest.mark.parametrize("limit", [0, 1, 20, 63, 64, 65, 210])
+def test_mirror_results_small_and_large_are_duckdbs_own_arrow(store_and_hooks,
+                                                              limit: int) -> None:
+    """The mirror answers a SQL text seen before from Python rows typed by the first
+    result's schema (below 64 rows), or rows then Arrow: always what DuckDB's own Arrow
+    export gives, types included (lists, structs, timestamps, HUGEINT sums)."""
+    store, _ = store_and_hooks
+    mirror = store._catalog_mirror
+    texts = [
+        ('SELECT t.label, t.shape, t.modules, t.run_id, t.mean, t.saved, r.created, '
+         'r.meta, k.i FROM ops AS t JOIN runs AS r ON r.id = t.run_id '
+         'CROSS JOIN range(10) AS k(i) ORDER BY t.run_id, t.idx, k.i LIMIT ?', [limit]),
+        ("SELECT func, sum(nbytes) AS s, count(*) AS n, avg(mean) AS m FROM ops "
+         "WHERE idx < ? GROUP BY func ORDER BY func", [limit]),
+    ]
+    for sql, params in texts:
+        want = mirror._cursor().sql(sql, params=params).to_arrow_table()
+        for _ in range(2):  # the first time, then from the kept statement and schema
+            got = mirror.arrow(sql, params)
+            assert got.schema == want.schema and got.equals(want)
+
+
 def test_raw_sql_is_read_only_and_isolated(store_and_hooks) -> None:
     store, _ = store_and_hooks
     df = store.sql("select count(*) as n from ops")
@@ -201,8 +223,11 @@ def test_query_errors_point_at_the_culprit(store_and_hooks) -> None:
     with pytest.raises(tl.QuerySyntaxError) as info:
         store.query("select run from ops where")
     assert "^" in str(info.value)
-    with pytest.raises(tl.QueryCompileError, match="did you mean 'func'"):
-        store.query("select fucn from ops")
+    for _ in range(2):  # the second time from the kept parse: the same excerpt
+        with pytest.raises(tl.QueryCompileError, match="did you mean 'func'") as info:
+            store.query("select fucn from ops where func = :f", f="relu")
+        assert str(info.value).splitlines()[1:] == ["  select fucn from ops where func = :f",
+                                                    "         ^^^^"]
 
 
 def test_cli_query(store_and_hooks, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
