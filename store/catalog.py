@@ -387,24 +387,29 @@ class CatalogMirror:
         known = self._prepared.get(key)
         if known is None:
             statements = duckdb.extract_statements(sql)
-            table = cursor.sql(statements[0] if len(statements) == 1 else sql,
-                               params=params).to_arrow_table()
-            if len(statements) == 1:
-                if len(self._prepared) >= _PREPARED:
-                    self._prepared.clear()
-                self._prepared[key] = (statements[0], table.schema)
-            return table
-        statement, schema = known
-        cursor.execute(statement, params)
-        rows = cursor.fetchmany(_FEW_ROWS)
-        if len(rows) < _FEW_ROWS:
-            table = _typed(pa, rows, schema)
-            if table is not None:
-                return table
-            return cursor.sql(statement, params=params).to_arrow_table()
+            if len(statements) != 1:
+                return cursor.sql(sql, params=params).to_arrow_table()
+            statement, schema, rows = statements[0], None, []
+            cursor.execute(statement, params)
+        else:
+            statement, schema = known
+            cursor.execute(statement, params)
+            rows = cursor.fetchmany(_FEW_ROWS)
+            if len(rows) < _FEW_ROWS:
+                table = _typed(pa, rows, schema)
+                if table is not None:
+                    return table
+                return cursor.sql(statement, params=params).to_arrow_table()
         with warnings.catch_warnings():  # "an extra copy of the rows": of the rest, yes
             warnings.filterwarnings("ignore", message="Arrow output on a DB-API result")
             rest = cursor.to_arrow_table()  # None when the rows were all fetched
+        if schema is None:  # the first time: all of it came as Arrow
+            if rest is None:  # (nothing was fetched before, so DuckDB gave a table)
+                rest = cursor.sql(statement, params=params).to_arrow_table()
+            if len(self._prepared) >= _PREPARED:
+                self._prepared.clear()
+            self._prepared[key] = (statement, rest.schema)
+            return rest
         head = _typed(pa, rows, schema if rest is None else rest.schema)
         if head is None:
             return cursor.sql(statement, params=params).to_arrow_table()
