@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Stats", "compute_stats", "segment_moments", "segment_stats"]
+__all__ = ["Stats", "combine_stats", "compute_stats", "partial_stats", "segment_moments",
+           "segment_stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +56,32 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
             return _EMPTY
         if x.is_complex():
             return _complex_stats(x.abs(), numel)
-        if not x.is_floating_point():
-            # Integers are exact in float64 up to 2**53; bools become 0/1.
-            x = x.to(torch.float64)
-        elif x.dtype in _LOW_PRECISION or x.dtype.itemsize < 2:
-            x = x.float()
+        x = _real(x)
         if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
             return _small_stats(x.reshape(-1).tolist())
+        return _finish(x, numel, *partial_stats(x))
+
+
+def combine_stats(tensor: torch.Tensor, partials: list[tuple[float, ...]]) -> Stats:
+    """:func:`compute_stats` of ``tensor`` from the :func:`partial_stats` of parts that
+    partition its elements: how a store's worker gets the statistics of a large tensor
+    from the chunks it writes, each reduced while it is in cache (one pass over memory
+    instead of five). Complex and empty tensors: compute_stats itself."""
+    with torch.no_grad():
+        x = tensor.detach()
+        numel = x.numel()
+        if numel <= _SMALL or x.is_complex() or not partials:
+            return compute_stats(x)
+        totals, norms, lows, highs, nonzeros = zip(*partials, strict=True)
+        l2 = math.sqrt(math.fsum(n * n for n in norms))
+        return _finish(x, numel, math.fsum(totals), l2, min(lows), max(highs), sum(nonzeros))
+
+
+def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float]:
+    """(sum, l2 norm, min, max, nonzeros) of a real tensor, with one host sync: the sum
+    accumulated in float64, min and max NaN when there is one."""
+    with torch.no_grad():
+        x = _real(x.detach())
         low, high = torch.aminmax(x)
         f64 = torch.float64
         parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64),
@@ -70,18 +90,34 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         if total is None:
             parts.append(x.sum(dtype=f64))
         l2, min_, max_, nonzero, *rest = torch.stack(parts).tolist()
-        total = rest[0] if total is None else total
-        nans = infs = 0
-        if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
-            nans = int(torch.isnan(x).sum().item())
-            infs = int(torch.isinf(x).sum().item())
-        else:
-            if not math.isfinite(l2):  # squares overflowed the tensor's dtype
-                l2 = torch.linalg.vector_norm(x, dtype=torch.float64).item()
-            if not math.isfinite(total):
-                total = x.sum(dtype=torch.float64).item()
-        mean = total / numel
-        std = _std(x, numel, mean, l2) if not (nans or infs) else math.nan
+        return rest[0] if total is None else total, l2, min_, max_, nonzero
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in a dtype whose reductions are exact enough: integers in float64 (exact up
+    to 2**53; bools become 0/1), half and 8-bit floats in float32."""
+    if not x.is_floating_point():
+        return x.to(torch.float64)
+    if x.dtype in _LOW_PRECISION or x.dtype.itemsize < 2:
+        return x.float()
+    return x
+
+
+def _finish(x: torch.Tensor, numel: int, total: float, l2: float, min_: float, max_: float,
+            nonzero: float) -> Stats:
+    """Stats from the reductions of (all of) ``x``; ``x`` itself only for the rare
+    second looks: NaN/Inf counts, overflowed squares, a mean that dwarfs the spread."""
+    nans = infs = 0
+    if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
+        nans = int(torch.isnan(x).sum().item())
+        infs = int(torch.isinf(x).sum().item())
+    else:
+        if not math.isfinite(l2):  # squares overflowed a float dtype
+            l2 = torch.linalg.vector_norm(x, dtype=torch.float64).item()
+        if not math.isfinite(total):
+            total = x.sum(dtype=torch.float64).item()
+    mean = total / numel
+    std = _std(x, numel, mean, l2) if not (nans or infs) else math.nan
     return Stats(
         mean=mean,
         std=std,
@@ -140,11 +176,11 @@ def _std(x: torch.Tensor, numel: int, mean: float, l2: float) -> float:
     # tensor's dtype (the subtraction is then exact) and correct for the rounding.
     # In slices, so that the temporaries stay a few MiB however large the tensor (a
     # store computes this on its workers, beside its bounded in-flight buffers).
-    shift = torch.tensor(mean, dtype=x.dtype).item()
     flat = x.reshape(-1)
+    shift = torch.tensor(mean, dtype=_real(flat[:1]).dtype).item()
     squares = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, numel, _SLICE):
-        part = flat[start:start + _SLICE]
+        part = _real(flat[start:start + _SLICE])
         squares += torch.linalg.vector_norm(part - shift, dtype=torch.float64) ** 2
     variance = squares.item() / numel - (mean - shift) ** 2
     return math.sqrt(max(variance, 0.0))

@@ -33,7 +33,8 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,14 +158,55 @@ def choose_codec(data: np.ndarray) -> str:
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
 
 
-def write_chunk_file(path: Path, data: np.ndarray, codec: str) -> None:
+def write_chunk_file(path: Path, data: np.ndarray, codec: str,
+                     pending: _Unsynced | None = None) -> None:
     """Encode one chunk as its array declares (C-order bytes, zstd if asked, then the
-    CRC32C of what is stored, little-endian) and write it durably."""
+    CRC32C of what is stored, little-endian) and write it: durably, or into
+    ``pending`` (durable by the time that closes)."""
     payload: Any = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if codec == "zstd":
         payload = Zstd(level=1).encode(payload)
     checksum = struct.pack("<I", google_crc32c.value(payload))  # numpy array or bytes
-    _write_all(path, [payload, checksum])
+    _write_all(path, [payload, checksum], pending)
+
+
+class _Unsynced:
+    """Files written whose data is not durable yet. Their writeback starts at once (the
+    device writes while the worker encodes the next chunk, instead of waiting on each
+    ``fdatasync`` in turn); at most ``window`` wait, the oldest made durable first;
+    ``close`` makes them all durable."""
+
+    def __init__(self, window: int = 8):
+        self.window = window
+        self._fds: deque[int] = deque()
+
+    def add(self, fd: int) -> None:
+        self._fds.append(fd)
+        if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        while len(self._fds) > self.window:
+            _durable(self._fds.popleft())
+
+    def close(self) -> None:
+        try:
+            while self._fds:
+                _durable(self._fds[0])
+                self._fds.popleft()
+        finally:
+            for fd in self._fds:  # an error above: close the rest, durable or not
+                os.close(fd)
+            self._fds.clear()
+
+
+def _durable(fd: int) -> None:
+    """Wait for ``fd``'s data to be on disk, let the kernel drop its pages (a capture
+    larger than RAM stays cheap), close it."""
+    try:
+        os.fdatasync(fd)
+        if _START_WRITEBACK:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def write_shard_file(path: Path, data: np.ndarray, codec: str) -> None:
@@ -194,7 +236,10 @@ def write_shard_file(path: Path, data: np.ndarray, codec: str) -> None:
     _write_all(path, pieces)
 
 
-def _write_all(path: Path, pieces: list[Any]) -> None:
+def _write_all(path: Path, pieces: list[Any], pending: _Unsynced | None = None) -> None:
+    """Write ``pieces`` as the file ``path``, made durable here, on the worker thread,
+    while the forward pass goes on (the commit's fsync of the run then finds little left
+    to wait for), or handed to ``pending``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -206,14 +251,13 @@ def _write_all(path: Path, pieces: list[Any]) -> None:
                 views.pop(0)
             if written:
                 views[0] = views[0][written:]
-        # Made durable here, on the worker thread, while the forward pass goes on (the
-        # commit's fsync of the run then finds little left to wait for); and the kernel
-        # may drop these pages from the page cache (a capture larger than RAM stays cheap).
-        os.fdatasync(fd)
-        if _START_WRITEBACK:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if pending is None:
+        _durable(fd)
+    else:
+        pending.add(fd)
 
 
 def _compressors(codec: str) -> list[Any]:
@@ -297,12 +341,16 @@ class RunArrays:
                 array.resize((start + CHUNK_BYTES,))
         write_shard_file(self.path / name / "c" / str(index), data, pack_codec(name))
 
-    def write_array(self, name: str, tensor: torch.Tensor) -> str:
-        """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used."""
+    def write_array(self, name: str, tensor: torch.Tensor,
+                    on_chunk: Callable[[torch.Tensor], None] | None = None) -> str:
+        """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used.
+        ``on_chunk`` sees each chunk's part of ``tensor`` just before it is encoded, while
+        its bytes are in cache (the parts partition the tensor)."""
         data = tensor_bits(tensor)
         codec = choose_codec(data)
         shape = tuple(tensor.shape) or (1,)
         data = data.reshape(shape)
+        view = tensor.reshape(shape)
         chunks = chunk_shape(shape, data.dtype.itemsize)
         zarr.create_array(
             str(self.path / name), shape=shape, chunks=chunks, dtype=data.dtype,
@@ -310,14 +358,21 @@ class RunArrays:
             attributes={"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)},
         )
         root = self.path / name / "c"
-        for idx in _product([range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)]):
-            sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
-            part = data[sel]
-            if part.shape != chunks:  # an edge chunk: padded to full size with the fill value
-                full = np.zeros(chunks, dtype=data.dtype)
-                full[tuple(slice(0, n) for n in part.shape)] = part
-                part = full
-            write_chunk_file(root.joinpath(*map(str, idx)), part, codec)
+        pending = _Unsynced()
+        try:
+            for idx in _product([range(math.ceil(n / c))
+                                 for n, c in zip(shape, chunks, strict=True)]):
+                sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
+                if on_chunk is not None:
+                    on_chunk(view[sel])
+                part = data[sel]
+                if part.shape != chunks:  # an edge chunk: padded to full size with zeros
+                    full = np.zeros(chunks, dtype=data.dtype)
+                    full[tuple(slice(0, n) for n in part.shape)] = part
+                    part = full
+                write_chunk_file(root.joinpath(*map(str, idx)), part, codec, pending)
+        finally:
+            pending.close()
         return codec
 
     # -- reading ---------------------------------------------------------------------------

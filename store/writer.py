@@ -26,7 +26,13 @@ from tracelake.errors import StoreError
 from tracelake.recorder.emit import SelectingEmitter, tensor_version
 from tracelake.recorder.entries import OpTable
 from tracelake.recorder.selectors import Selector
-from tracelake.recorder.stats import Stats, compute_stats, segment_moments
+from tracelake.recorder.stats import (
+    Stats,
+    combine_stats,
+    compute_stats,
+    partial_stats,
+    segment_moments,
+)
 
 from .tensors import (
     ALIGN,
@@ -266,8 +272,11 @@ class TensorWriter:
 
     def _write_array(self, slot: int, copy: torch.Tensor, buffer: np.ndarray) -> None:
         try:
-            self.stats[slot] = compute_stats(copy)
-            self.codecs[slot] = self.arrays.write_array(f"t{slot}", copy)
+            partials: list[tuple[float, ...]] = []  # each chunk's, reduced while in cache
+            self.codecs[slot] = self.arrays.write_array(
+                f"t{slot}", copy, None if copy.is_complex() else
+                lambda part: partials.append(partial_stats(part)))
+            self.stats[slot] = combine_stats(copy, partials)
             with self._lock:
                 self.bytes_written += buffer.nbytes
         finally:

@@ -55,8 +55,10 @@ def test_saved_bytes_are_the_values(tmp_path: Path) -> None:
 
 
 def test_statistics_are_compute_stats(tmp_path: Path) -> None:
-    """The workers' batched statistics are compute_stats' numbers; undefined ones (empty
-    tensors, complex means) stay undefined."""
+    """The workers' statistics are compute_stats' numbers (a large tensor's from its
+    chunks' reductions: float32 norms of 4 MiB parts, closer to the float64 value than one
+    norm of the whole, hence the tolerance); undefined ones (empty tensors, complex means)
+    stay undefined."""
     writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
     tensors = [*small_tensors(), torch.full((70,), 131072.0), torch.randn(1100, 1024)]
     slots = [writer.save(t) for t in tensors]
@@ -70,7 +72,7 @@ def test_statistics_are_compute_stats(tmp_path: Path) -> None:
             expected = getattr(want, name)
             assert valid[slot, k] == (expected is not None), (slot, name)
             if expected is not None:
-                assert math.isclose(values[slot, k], expected, rel_tol=1e-6, abs_tol=1e-6) or \
+                assert math.isclose(values[slot, k], expected, rel_tol=1e-4, abs_tol=1e-6) or \
                     (math.isnan(values[slot, k]) and math.isnan(expected)), (slot, name)
 
 
