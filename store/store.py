@@ -383,9 +383,6 @@ class Store:
 
     # -- queries --------------------------------------------------------------------------
 
-    def _query_arrow(self, sql: str, params: list[Any]) -> Any:
-        return self._catalog_mirror.arrow(sql, params)
-
     def query(self, text: str, **params: Any) -> Any:
         """Run a query (``docs/query.md``) over every complete run; returns a
         :class:`~tracelake.query.results.Result`. ``:name`` parameters are bound from
