@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -118,14 +118,14 @@ class SourceFinder:
     per process (the folders never change, and the classification of a code object
     cannot either), so a new recording starts warm."""
 
-    _roots: tuple[str, ...] | None = None
-    _files: frozenset[str] = frozenset()
+    _roots: ClassVar[tuple[str, ...] | None] = None
+    _files: ClassVar[frozenset[str]] = frozenset()
     #: id(code) -> False for internal code, else the call sites seen in that code by
     #: bytecode offset: one ``(code, offset)`` tuple per site, shared by every call it
     #: issues (a loop over layers issues the same sites again and again). ``_seen`` keeps
     #: each classified code alive, so its id is never reused by another code.
-    codes: dict[int, Any] = {}
-    _seen: list[Any] = []
+    codes: ClassVar[dict[int, Any]] = {}
+    _seen: ClassVar[list[Any]] = []
 
     @classmethod
     def classify(cls, code: Any) -> Any:

@@ -230,7 +230,7 @@ class Labeller:
             refs.append(_ref(tensor))
             if self._emit is not None:
                 self._emit(index, tensor, -1)
-            i += 1
+            i += 1  # noqa: SIM113 (a counter costs a third of enumerate here, per op)
 
     def _repeat_of(self, root: _Frame, index: int, name: str, out_index: int) -> int:
         """The layer this op repeats: the op at the same position of the first call of

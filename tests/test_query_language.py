@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -290,18 +288,6 @@ def test_query_errors_are_in_the_tree() -> None:
 def test_a_parsed_query_compiles_like_its_text() -> None:
     text = "select run, out[0] from ops where meta.lr > :lr order by run"
     assert compile_query(parse(text), {"lr": 0.1}) == compile_query(text, {"lr": 0.1})
-
-
-def test_parse_and_compile_are_fast() -> None:
-    """The issue asks for ≤ 0.5 ms; the bound here leaves room for loaded CI machines."""
-    text = ("select run, label, out from ops where func = 'relu' and module like 'encoder%' "
-            "and meta.lr > 0.01 order by run limit 10")
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        compile_query(text)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 0.005
 
 
 # Properties ---------------------------------------------------------------------------------
