@@ -85,6 +85,7 @@ TABLES: dict[str, str] = {
     ),
 }
 _RUN_TABLES = ("ops", "tensors", "edges", "modules")
+_ATTACHED = "tl_catalog"  # the catalog file's name inside a writer's DuckDB
 #: Results of fewer rows come back as Python rows (faster than Arrow below ~100 rows).
 _FEW_ROWS = 64
 #: How many SQL texts a mirror keeps parsed.
@@ -111,20 +112,48 @@ def _alive(paths: StorePaths, run_id: int) -> bool:
     return False
 
 
+class _Engine:
+    """The in-memory DuckDB into which writers attach the catalog file, one transaction
+    at a time: starting a DuckDB costs ~35 ms, attaching a file ~3, and every run takes
+    two transactions. One per process (like the chunk cache of tensors.py), made on
+    first use, and made again in a forked child (a parent's DuckDB is not for it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._con: tuple[int, duckdb.DuckDBPyConnection] | None = None
+
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        """The engine's connection; hold ``lock`` while using it."""
+        pid = os.getpid()
+        if self._con is None or self._con[0] != pid:
+            self._con = (pid, duckdb.connect(":memory:"))
+        return self._con[1]
+
+
+_ENGINE = _Engine()
+
+
 class CatalogWriter:
-    """Short, exclusive, transactional changes to ``catalog.duckdb``."""
+    """Short, exclusive, transactional changes to ``catalog.duckdb``: each attaches the
+    file to the process's writing DuckDB (:class:`_Engine`) and detaches it (a
+    checkpoint, then no handle left) before letting the lock go."""
 
     def __init__(self, paths: StorePaths):
         self.paths = paths
 
     @contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        with locked(self.paths.lock, exclusive=True):
+        with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
+            con = _ENGINE.connection()
+            con.execute("USE memory")  # and forget what a failed transaction left attached
+            con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
+            path = str(self.paths.catalog).replace("'", "''")
             try:
-                con = duckdb.connect(str(self.paths.catalog))
+                con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
             except duckdb.Error as exc:
                 raise StoreError(f"cannot open the catalog {self.paths.catalog}: {exc}") from exc
             try:
+                con.execute(f"USE {_ATTACHED}")
                 _create_schema(con)
                 con.execute("BEGIN TRANSACTION")
                 try:
@@ -136,7 +165,8 @@ class CatalogWriter:
                 seq = con.execute("SELECT coalesce(max(seq), 0) FROM runs").fetchone()
                 self._bump(int(seq[0]) if seq else 0)
             finally:
-                con.close()
+                con.execute("USE memory")
+                con.execute(f"DETACH {_ATTACHED}")  # checkpoints, and lets go of the file
 
     def _bump(self, seq: int) -> None:
         """Tell readers the catalog changed (a new value every time, even for deletes)."""

@@ -51,6 +51,7 @@ __all__ = [
     "ALIGN",
     "CHUNK_BYTES",
     "RunArrays",
+    "Unsynced",
     "choose_codec",
     "chunk_shape",
     "dtype_name",
@@ -159,7 +160,7 @@ _START_WRITEBACK = hasattr(os, "posix_fadvise")
 
 
 def write_chunk_file(path: Path, data: np.ndarray, codec: str,
-                     pending: _Unsynced | None = None) -> None:
+                     pending: Unsynced | None = None) -> None:
     """Encode one chunk as its array declares (C-order bytes, zstd if asked, then the
     CRC32C of what is stored, little-endian) and write it: durably, or into
     ``pending`` (durable by the time that closes)."""
@@ -170,32 +171,47 @@ def write_chunk_file(path: Path, data: np.ndarray, codec: str,
     _write_all(path, [payload, checksum], pending)
 
 
-class _Unsynced:
+class Unsynced:
     """Files written whose data is not durable yet. Their writeback starts at once (the
-    device writes while the worker encodes the next chunk, instead of waiting on each
-    ``fdatasync`` in turn); at most ``window`` wait, the oldest made durable first;
-    ``close`` makes them all durable."""
+    device writes while the workers encode the next chunks, instead of each waiting on
+    its ``fdatasync`` in turn); at most ``window`` wait, the oldest made durable first
+    (by whichever thread adds one too many); ``close`` makes them all durable. Safe to
+    share between threads."""
 
     def __init__(self, window: int = 8):
         self.window = window
         self._fds: deque[int] = deque()
+        self._lock = threading.Lock()
 
     def add(self, fd: int) -> None:
-        self._fds.append(fd)
         if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        while len(self._fds) > self.window:
-            _durable(self._fds.popleft())
+        with self._lock:
+            self._fds.append(fd)
+            due = [self._fds.popleft() for _ in range(len(self._fds) - self.window)]
+        _all_durable(due)
 
-    def close(self) -> None:
-        try:
-            while self._fds:
-                _durable(self._fds[0])
-                self._fds.popleft()
-        finally:
-            for fd in self._fds:  # an error above: close the rest, durable or not
-                os.close(fd)
+    def close(self, durable: bool = True) -> None:
+        """Make every file durable (or, not ``durable``: just close them)."""
+        with self._lock:
+            due = list(self._fds)
             self._fds.clear()
+        if durable:
+            _all_durable(due)
+        else:
+            for fd in due:
+                os.close(fd)
+
+
+def _all_durable(fds: list[int]) -> None:
+    try:
+        for k, fd in enumerate(fds):
+            _durable(fd)
+            fds[k] = -1
+    finally:
+        for fd in fds:  # an error above: close the rest, durable or not
+            if fd >= 0:
+                os.close(fd)
 
 
 def _durable(fd: int) -> None:
@@ -209,7 +225,8 @@ def _durable(fd: int) -> None:
         os.close(fd)
 
 
-def write_shard_file(path: Path, data: np.ndarray, codec: str) -> None:
+def write_shard_file(path: Path, data: np.ndarray, codec: str,
+                     pending: Unsynced | None = None) -> None:
     """One Zarr v3 ``sharding_indexed`` shard of a 1-D uint8 pack: the inner chunks
     covering ``data`` (each C-order bytes [→ zstd] → crc32c, the last padded to full
     size), then the index ((offset, nbytes) little-endian uint64 per inner chunk of the
@@ -233,10 +250,10 @@ def write_shard_file(path: Path, data: np.ndarray, codec: str) -> None:
         pieces += [memoryview(payload).cast("B"), checksum]
     table = index.tobytes()
     pieces += [table, struct.pack("<I", google_crc32c.value(table))]
-    _write_all(path, pieces)
+    _write_all(path, pieces, pending)
 
 
-def _write_all(path: Path, pieces: list[Any], pending: _Unsynced | None = None) -> None:
+def _write_all(path: Path, pieces: list[Any], pending: Unsynced | None = None) -> None:
     """Write ``pieces`` as the file ``path``, made durable here, on the worker thread,
     while the forward pass goes on (the commit's fsync of the run then finds little left
     to wait for), or handed to ``pending``."""
@@ -329,23 +346,26 @@ class RunArrays:
                 self._grow[name] = threading.Lock()
             return array
 
-    def write_pack_chunk(self, name: str, index: int, data: np.ndarray) -> None:
+    def write_pack_chunk(self, name: str, index: int, data: np.ndarray,
+                         pending: Unsynced | None = None) -> None:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in
         64 KiB inner chunks, each encoded and checksummed, then the shard's index. A
         last, partly filled shard simply has fewer inner chunks (a small run costs what
-        it holds, rounded up to 64 KiB)."""
+        it holds, rounded up to 64 KiB). Durable on return, or once ``pending`` closes."""
         array = self._pack(name)
         start = index * CHUNK_BYTES
         with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose shards
             if array.shape[0] < start + CHUNK_BYTES:
                 array.resize((start + CHUNK_BYTES,))
-        write_shard_file(self.path / name / "c" / str(index), data, pack_codec(name))
+        write_shard_file(self.path / name / "c" / str(index), data, pack_codec(name), pending)
 
     def write_array(self, name: str, tensor: torch.Tensor,
-                    on_chunk: Callable[[torch.Tensor], None] | None = None) -> str:
+                    on_chunk: Callable[[torch.Tensor], None] | None = None,
+                    pending: Unsynced | None = None) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used.
         ``on_chunk`` sees each chunk's part of ``tensor`` just before it is encoded, while
-        its bytes are in cache (the parts partition the tensor)."""
+        its bytes are in cache (the parts partition the tensor). Durable on return, or
+        once ``pending`` closes."""
         data = tensor_bits(tensor)
         codec = choose_codec(data)
         shape = tuple(tensor.shape) or (1,)
@@ -358,7 +378,8 @@ class RunArrays:
             attributes={"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)},
         )
         root = self.path / name / "c"
-        pending = _Unsynced()
+        own = pending is None
+        pending = Unsynced() if pending is None else pending
         try:
             for idx in _product([range(math.ceil(n / c))
                                  for n, c in zip(shape, chunks, strict=True)]):
@@ -372,7 +393,8 @@ class RunArrays:
                     part = full
                 write_chunk_file(root.joinpath(*map(str, idx)), part, codec, pending)
         finally:
-            pending.close()
+            if own:
+                pending.close()
         return codec
 
     # -- reading ---------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from .tensors import (
     ALIGN,
     CHUNK_BYTES,
     RunArrays,
+    Unsynced,
     numpy_dtype,
     pack_codec,
     pack_stream,
@@ -158,6 +159,7 @@ class TensorWriter:
         self.step = 0
         self.bytes_written = 0
         self._buffers = _Buffers(max_inflight)
+        self._unsynced = Unsynced()  # files written, durable by the end of close()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
         self._pending: set[Future[None]] = set()
         self._errors: list[BaseException] = []
@@ -264,7 +266,7 @@ class TensorWriter:
             batches, singles = _chunk_stats(buffer, chunk * CHUNK_BYTES, members, self.slots)
             self._batches.extend(batches)
             self.stats.update(singles)
-            self.arrays.write_pack_chunk(name, chunk, buffer[:used])
+            self.arrays.write_pack_chunk(name, chunk, buffer[:used], self._unsynced)
             with self._lock:
                 self.bytes_written += used
         finally:
@@ -275,7 +277,7 @@ class TensorWriter:
             partials: list[tuple[float, ...]] = []  # each chunk's, reduced while in cache
             self.codecs[slot] = self.arrays.write_array(
                 f"t{slot}", copy, None if copy.is_complex() else
-                lambda part: partials.append(partial_stats(part)))
+                lambda part: partials.append(partial_stats(part)), self._unsynced)
             self.stats[slot] = combine_stats(copy, partials)
             with self._lock:
                 self.bytes_written += buffer.nbytes
@@ -290,12 +292,17 @@ class TensorWriter:
             self._flush(stream)  # the last shard: as many inner chunks as it fills
         self._pool.shutdown(wait=True)
         self._buffers.clear()
+        try:
+            self._unsynced.close(durable=not self._errors)
+        except OSError as exc:
+            self._errors.append(exc)
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._buffers.clear()
+        self._unsynced.close(durable=False)
 
     def stat_matrix(self) -> tuple[np.ndarray, np.ndarray]:
         """Every slot's statistics (after :meth:`close`): a (slots + 1, 9) float64 array,

@@ -36,7 +36,7 @@ model, inputs = BUILDERS["cnn"]()
 if moment == "mid-forward":
     model.features[4].register_forward_hook(die)
 elif moment == "mid-write":  # a worker thread dies half way through writing a file
-    def half(path, pieces):
+    def half(path, pieces, *_rest):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(bytes(p) for p in pieces)[:100])
         die()

@@ -123,3 +123,23 @@ def test_stored_ops_carry_their_tensors_location(tmp_path: Path) -> None:
     assert joined["same_array"].all() and joined["same_offset"].all()
     assert joined["byte_offset"].isna().any() and joined["byte_offset"].notna().any()
     assert np.isin(["mul_1_1", "getitem_1_2"], joined["label"]).all()
+
+
+def test_catalog_transactions_let_go_of_the_file(tmp_path: Path) -> None:
+    """Writers attach the catalog to a DuckDB kept by the process and detach it after
+    each transaction: right after a commit, another process opens the file read-write
+    (DuckDB refuses that while any process holds it), even under a path with a quote."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "it's a store"
+    store = tl.open(root)
+    store.record(InPlaceAfter(), torch.randn(4, 8), name="r")
+    code = ("import duckdb, sys; con = duckdb.connect(sys.argv[1]); "
+            "print(con.execute('SELECT name, status FROM runs').fetchall()); con.close()")
+    done = subprocess.run([sys.executable, "-c", code, str(root / "catalog.duckdb")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "('r', 'complete')" in done.stdout
+    store.record(InPlaceAfter(), torch.randn(4, 8), name="s")  # and the writer goes on
+    assert set(store.runs()["name"]) == {"r", "s"}
