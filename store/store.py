@@ -31,7 +31,7 @@ from .catalog import (
     _alive,
 )
 from .layout import StorePaths, fsync_tree, validate_name
-from .rows import step_tables, tensors_table
+from .rows import run_tables, tensors_table
 from .run import Run
 from .tensors import RunArrays
 from .verify import VerifyReport, verify_run
@@ -229,14 +229,7 @@ class Recording:
         writer.close()
         tensors = tensors_table(self.run_id, writer.slots, writer.codec)
         stats = writer.stat_matrix()
-        tables: dict[str, list[Any]] = {"ops": [], "edges": [], "modules": []}
-        for step, (table, modules, emitter) in enumerate(self._steps):
-            for key, value in step_tables(self.run_id, step, table, modules, emitter,
-                                          stats, tensors).items():
-                tables[key].append(value)
-        import pyarrow as pa
-
-        merged: dict[str, Any] = {k: pa.concat_tables(v) for k, v in tables.items()}
+        merged = run_tables(self.run_id, self._steps, stats, tensors)
         merged["tensors"] = tensors
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
