@@ -46,8 +46,8 @@ from tracelake.recorder.stats import Stats
 
 from .tensors import dtype_name, parse_dtype
 
-__all__ = ["STAT_FIELDS", "StoredOpTable", "decode_structure", "load_step", "run_tables",
-           "tensors_table"]
+__all__ = ["STAT_FIELDS", "StoredOpTable", "decode_structure", "distinct_codes", "load_step",
+           "run_tables", "tensors_table"]
 
 STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
                "inf_count")
@@ -126,7 +126,7 @@ def decode_structure(obj: Any) -> Any:
     return obj
 
 
-def _codes(values: Sequence[Any]) -> tuple[list[Any], np.ndarray]:
+def distinct_codes(values: Sequence[Any]) -> tuple[list[Any], np.ndarray]:
     """A column's distinct values (in order of first appearance) and each row's index
     into them: rows share module stacks, shapes, dtypes, layers and call sites, so each
     distinct value is converted once and Arrow ``take``s the rest."""
@@ -173,15 +173,15 @@ def run_tables(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Select
         which = np.searchsorted(starts, rows_, side="right") - 1
         return [tables[k] for k in which.tolist()], (np.asarray(rows_) - starts[which]).tolist()
 
-    stacks, stack_of = _codes(columns[MODULES])
-    shapes, shape_of = _codes(columns[SHAPE])
-    dtypes, dtype_of = _codes(columns[DTYPE])
-    devices, device_of = _codes(columns[DEVICE])
-    params, params_of = _codes(columns[PARAMS])
+    stacks, stack_of = distinct_codes(columns[MODULES])
+    shapes, shape_of = distinct_codes(columns[SHAPE])
+    dtypes, dtype_of = distinct_codes(columns[DTYPE])
+    devices, device_of = distinct_codes(columns[DEVICE])
+    params, params_of = distinct_codes(columns[PARAMS])
     layer_rows = (np.array(columns[LAYER], dtype=np.int64) + np.repeat(starts, sizes)).tolist()
-    layers, layer_of = _codes(layer_rows)  # a layer: the run-wide row of its first entry
+    layers, layer_of = distinct_codes(layer_rows)  # a layer: the run-wide row of its first entry
     layer_tables, layer_local = local(layers)
-    _, site_of = _codes(columns[SITE])
+    _, site_of = distinct_codes(columns[SITE])
     first = np.unique(site_of, return_index=True)[1].tolist()  # each site's first row
     where = [table.source(row) for table, row in zip(*local(first), strict=True)]
     numel = np.array([math.prod(sh) for sh in shapes], dtype=np.int64)
@@ -243,7 +243,7 @@ def _edges(run_id: int, step_of: np.ndarray, idx: np.ndarray,
     total = int(counts.sum())
     edge = np.arange(total, dtype=np.int32) - np.repeat(
         (np.cumsum(counts) - counts).astype(np.int32), counts)
-    names, name_of = _codes(list(itertools.chain.from_iterable(args)))
+    names, name_of = distinct_codes(list(itertools.chain.from_iterable(args)))
     columns = (np.full(total, run_id, dtype=np.int32), np.repeat(step_of, counts),
                list(itertools.chain.from_iterable(parents)), np.repeat(idx, counts),
                _taken([str(a) for a in names], name_of, _STR), edge)
@@ -271,8 +271,8 @@ def tensors_table(run_id: int, slots: list[Any], codec: Any) -> pa.Table:
     n = len(slots)
     array, offset, nbytes, shape, dtype, step = _transposed(slots, 6)
     offsets = np.array(offset, dtype=np.int64)
-    shapes, shape_of = _codes(shape)
-    dtypes, dtype_of = _codes(dtype)
+    shapes, shape_of = distinct_codes(shape)
+    dtypes, dtype_of = distinct_codes(dtype)
     columns = (
         np.full(n, run_id, dtype=np.int32), step, np.arange(n, dtype=np.int32), array,
         pa.array(offsets, mask=offsets < 0), nbytes,

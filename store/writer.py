@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import functools
 import mmap
+import operator
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,7 @@ import torch
 
 from tracelake.errors import StoreError
 from tracelake.recorder.emit import SelectingEmitter, tensor_version
-from tracelake.recorder.entries import OpTable
+from tracelake.recorder.entries import SHAPE, OpTable
 from tracelake.recorder.selectors import Selector
 from tracelake.recorder.stats import (
     Stats,
@@ -34,6 +35,7 @@ from tracelake.recorder.stats import (
     segment_moments,
 )
 
+from .rows import distinct_codes
 from .tensors import (
     ALIGN,
     CHUNK_BYTES,
@@ -59,6 +61,7 @@ _HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
 # of the process, ~250 ms, came with every few runs).
 ARRAY: Final = 0
 NBYTES: Final = 2
+_OFFSET, _NBYTES, _DTYPE = (operator.itemgetter(k) for k in (1, 2, 4))
 
 
 class Location(NamedTuple):
@@ -170,8 +173,9 @@ class TensorWriter:
 
     # -- the forward thread --------------------------------------------------------------
 
-    def save(self, tensor: torch.Tensor) -> int:
-        """Copy ``tensor`` now and have it written; return its slot number.
+    def save(self, tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> int:
+        """Copy ``tensor`` now and have it written; return its slot number. ``shape``:
+        ``tuple(tensor.shape)`` when the caller has it already.
 
         Runs once per saved tensor on the forward thread: a small CPU tensor costs a few
         attribute reads, one ``memmove`` into its pack's open buffer and one tuple."""
@@ -183,11 +187,8 @@ class TensorWriter:
         if nbytes >= CHUNK_BYTES:
             return self._save_large(tensor, nbytes)
         dtype = tensor.dtype
-        plan = self._plans.get(dtype)
-        if plan is None:
-            plan = self._plan(dtype)
-        stream, plain = plan
-        start = -(-stream.used // ALIGN) * ALIGN
+        stream, plain = self._plans.get(dtype) or self._plan(dtype)
+        start = (stream.used + ALIGN - 1) & -ALIGN
         if start + nbytes > CHUNK_BYTES:
             self._flush(stream)
             start = 0
@@ -197,8 +198,8 @@ class TensorWriter:
         if nbytes:
             if plain and tensor.is_cpu and type(tensor) is _TENSOR and \
                     tensor.is_contiguous() and not tensor.is_neg():
-                # The tensor's bytes as they are: ~0.5 us, where numpy's copy took ~3
-                # and torch's copy_ into a view of the buffer ~8.
+                # The tensor's bytes as they are: ~1.5 us with the ctypes call, where
+                # numpy's copy took ~4 and torch's copy_ into a view of the buffer ~10.
                 _memmove(stream.address + start, tensor.data_ptr(), nbytes)
             else:
                 region = torch.from_numpy(stream.buffer[start:start + nbytes])
@@ -207,7 +208,7 @@ class TensorWriter:
         stream.used = start + nbytes
         stream.members.append(slot)
         self.slots.append((stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
-                           tuple(tensor.shape), dtype, self.step))
+                           tuple(tensor.shape) if shape is None else shape, dtype, self.step))
         return slot
 
     def _plan(self, dtype: torch.dtype) -> tuple[_Stream, bool]:
@@ -362,9 +363,9 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
     """Statistics of every tensor packed in one chunk (the one at byte ``base`` of its
     pack): per dtype, one gather of all the tiny tensors' elements and a few segmented
     reductions (``segment_moments``); larger and odd ones (complex, empty, NaN/Inf,
-    mean-dominated) one by one."""
+    mean-dominated) one by one. The members' fields come out as arrays, not through a
+    Python loop (a chunk holds up to 65,536 tensors)."""
     singles: dict[int, Stats] = {}
-    groups: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
     raw = torch.from_numpy(buffer)
 
     def single(slot: int) -> Stats:
@@ -374,24 +375,25 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
         start = offset - base
         return compute_stats(raw[start:start + nbytes].view(dtype).view(shape))
 
-    for slot in members:
-        _, offset, nbytes, _, dtype, _ = slots[slot]
-        # Gathering pays for tiny tensors (one numpy pass instead of torch calls each);
-        # a larger one is cheaper through compute_stats's reductions on its own view.
-        if 0 < nbytes <= _GATHER_MAX and _gathered(dtype):
-            lists = groups.get(dtype)
-            if lists is None:
-                lists = groups[dtype] = ([], [], [])
-            lists[0].append(slot)
-            lists[1].append(offset)
-            lists[2].append(nbytes)
-        else:
-            singles[slot] = single(slot)
+    rows = list(map(slots.__getitem__, members))
+    count = len(rows)
+    offsets = np.fromiter(map(_OFFSET, rows), np.int64, count) - base
+    sizes = np.fromiter(map(_NBYTES, rows), np.int64, count)
+    dtypes, dtype_of = distinct_codes(list(map(_DTYPE, rows)))
+    chosen = np.array(members, dtype=np.int64)
+    # Gathering pays for tiny tensors (one numpy pass instead of torch calls each); a
+    # larger one is cheaper through compute_stats's reductions on its own view.
+    tiny = (sizes > 0) & (sizes <= _GATHER_MAX)
     batches = []
-    for dtype, (group, offsets, sizes) in groups.items():
+    for code, dtype in enumerate(dtypes):
+        mine = dtype_of == code if len(dtypes) > 1 else np.ones(count, dtype=bool)
+        batch = mine & tiny if _gathered(dtype) else np.zeros(count, dtype=bool)
+        for k in np.flatnonzero(mine & ~batch).tolist():
+            singles[members[k]] = single(members[k])
+        if not batch.any():
+            continue
         item = dtype.itemsize
-        starts = (np.array(offsets, dtype=np.int64) - base) // item
-        counts = np.array(sizes, dtype=np.int64) // item
+        starts, counts = offsets[batch] // item, sizes[batch] // item
         ends = np.cumsum(counts)
         index = np.arange(int(ends[-1])) + np.repeat(starts - (ends - counts), counts)
         bits = buffer.view(_UNSIGNED[item])[index]
@@ -401,10 +403,10 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
         else:  # bfloat16, float8, bool: torch knows them
             values = torch.from_numpy(bits).view(dtype).to(torch.float64).numpy()
         moments, good = segment_moments(values, counts)
-        batches.append((np.array(group, dtype=np.int64)[good], moments[good]))
-        if not good.all():
-            for k in np.flatnonzero(~good).tolist():
-                singles[group[k]] = single(group[k])
+        batch_slots = chosen[batch]
+        batches.append((batch_slots[good], moments[good]))
+        for slot in batch_slots[~good].tolist():
+            singles[slot] = single(slot)
     return batches, singles
 
 
@@ -416,10 +418,17 @@ class StoreEmitter(SelectingEmitter):
         super().__init__(selector, stats, table)
         self._writer = writer
         self._save = writer.save
+        self._rows = table.rows
         self._versions: dict[int, int] = {}
 
-    def _keep(self, tensor: torch.Tensor) -> int:
-        slot = self._save(tensor)
+    def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
+        if self._const is True and same_as < 0:  # saving all, a new tensor: straight on
+            self._op_slot[index] = self._keep(tensor, self._rows[index][SHAPE])
+        else:
+            super().on_entry(index, tensor, same_as)
+
+    def _keep(self, tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> int:
+        slot = self._save(tensor, shape)
         try:
             version = tensor._version
         except (RuntimeError, AttributeError):  # inference tensors track no version
