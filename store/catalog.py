@@ -126,7 +126,13 @@ class _Engine:
         """The engine's connection; hold ``lock`` while using it."""
         pid = os.getpid()
         if self._con is None or self._con[0] != pid:
-            self._con = (pid, duckdb.connect(":memory:"))
+            con = duckdb.connect(":memory:")
+            # A commit larger than this is checkpointed into the file at once instead of
+            # written to the write-ahead log first (and checkpointed again on detach):
+            # a 20,000-op run's commit ~65 ms faster. Atomic all the same: the file's
+            # header moves to the new blocks last.
+            con.execute("SET checkpoint_threshold = '1KB'")
+            self._con = (pid, con)
         return self._con[1]
 
 
@@ -140,6 +146,7 @@ class CatalogWriter:
 
     def __init__(self, paths: StorePaths):
         self.paths = paths
+        self._has_schema = False
 
     @contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -148,13 +155,16 @@ class CatalogWriter:
             con.execute("USE memory")  # and forget what a failed transaction left attached
             con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
             path = str(self.paths.catalog).replace("'", "''")
+            if not self.paths.catalog.exists():
+                self._has_schema = False
             try:
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
             except duckdb.Error as exc:
                 raise StoreError(f"cannot open the catalog {self.paths.catalog}: {exc}") from exc
             try:
                 con.execute(f"USE {_ATTACHED}")
-                _create_schema(con)
+                if not self._has_schema:  # once per writer and file: ~1 ms a table
+                    _create_schema(con)
                 con.execute("BEGIN TRANSACTION")
                 try:
                     yield con
@@ -163,6 +173,7 @@ class CatalogWriter:
                     con.execute("ROLLBACK")
                     raise
                 seq = con.execute("SELECT coalesce(max(seq), 0) FROM runs").fetchone()
+                self._has_schema = True
                 self._bump(int(seq[0]) if seq else 0)
             finally:
                 con.execute("USE memory")

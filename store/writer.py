@@ -322,12 +322,12 @@ class TensorWriter:
             valid[slot] = [v is not None for v in row]
         return values, valid
 
-    def codec(self, slot: int) -> str:
-        array = self.slots[slot][ARRAY]
-        return self.codecs.get(slot, "raw") if array[0] == "t" else pack_codec(array)
+    def codec(self, array: str) -> str:
+        """The codec of an array this writer wrote (own arrays are named ``t<slot>``)."""
+        return self.codecs.get(int(array[1:]), "raw") if array[0] == "t" else pack_codec(array)
 
     def location(self, slot: int) -> Location:
-        return Location(*self.slots[slot], codec=self.codec(slot))
+        return Location(*self.slots[slot], codec=self.codec(self.slots[slot][ARRAY]))
 
     @property
     def locations(self) -> list[Location]:
