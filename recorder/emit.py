@@ -25,6 +25,7 @@ __all__ = [
     "SelectingEmitter",
     "TensorSlots",
     "copy_tensor",
+    "storage_address",
     "structure",
     "tensor_version",
 ]
@@ -63,6 +64,17 @@ def copy_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         except (RuntimeError, TypeError):
             pass
     return [copy_tensor(t) for t in tensors]
+
+
+def storage_address(tensor: Any) -> int | None:
+    """Where ``tensor``'s storage lives (what every view of it shares), or ``None`` for
+    what is not a tensor with one."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _storage_users(tensor: torch.Tensor) -> int | None:
@@ -113,13 +125,9 @@ class TensorSlots:
 
     def before_write(self, tensor: torch.Tensor) -> None:
         """``tensor``'s storage is about to be written: copy every alias of it first."""
-        if not self._aliases or not isinstance(tensor, torch.Tensor):
-            return
-        try:
-            address = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return
-        self._copy_slots(self._aliases.pop(address, []))
+        address = storage_address(tensor) if self._aliases else None
+        if address is not None:
+            self._copy_slots(self._aliases.pop(address, []))
 
     def _copy_slots(self, slots: list[int]) -> None:
         """Replace the aliases in ``slots`` (all of one storage) by copies; what cannot be

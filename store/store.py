@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pandas
+import pyarrow as pa
 import torch
 
 from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
@@ -165,6 +166,8 @@ class Recording:
 
     def _end(self, model: torch.nn.Module, recording: ForwardRecording, table: OpTable,
              emitter: StoreEmitter, args: tuple, kwargs: dict) -> None:
+        assert self._writer is not None
+        self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
         if not self._fingerprints:
             self._fingerprints = {
@@ -186,6 +189,7 @@ class Recording:
             output = model(*args, **kwargs)
         except BaseException:
             recording.stop(None, failed=True)
+            self._writer.settle()  # type: ignore[union-attr]
             raise
         finally:
             self._depth -= 1
@@ -227,10 +231,13 @@ class Recording:
             raise StoreError(f"the recording {self.name!r} recorded no forward pass; call the "
                              "model (or rec.record(model, ...)) inside the block")
         writer.close()
+        if writer.lost:
+            self._drop(writer.lost)
         tensors = tensors_table(self.run_id, writer.slots, writer.codec)
         stats = writer.stat_matrix()
         merged = run_tables(self.run_id, self._steps, stats, tensors)
-        merged["tensors"] = tensors
+        merged["tensors"] = tensors if not writer.lost else tensors.filter(
+            pa.array([slot not in writer.lost for slot in range(len(writer.slots))]))
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
                    "bytes": nbytes, "device": self._device, **self._fingerprints}
@@ -238,6 +245,21 @@ class Recording:
                                                merged, summary)
         self._release()
         self._steps = []
+
+    def _drop(self, lost: set[int]) -> None:
+        """Record the entries of tensors written in place, unseen, while being stored as
+        unsaved, with a warning (as an in-memory trace drops such values)."""
+        for table, modules, emitter in self._steps:
+            for index, slot in list(emitter.op_slots.items()):
+                if slot in lost:
+                    del emitter.op_slots[index]
+                    warnings.warn(
+                        f"{table.labels[index]} was written in place by an operation "
+                        "tracelake could not intercept while it was being stored, so its "
+                        "value is not saved", TraceLakeWarning, stacklevel=4)
+            for entry in modules:
+                if lost.intersection(entry._input_slots or (), entry._output_slots or ()):
+                    entry._input_slots = entry._output_slots = entry._structure = None
 
     def _fail(self) -> None:
         if self._writer is not None:

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -35,6 +36,7 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -361,16 +363,22 @@ class RunArrays:
 
     def write_array(self, name: str, tensor: torch.Tensor,
                     on_chunk: Callable[[torch.Tensor], None] | None = None,
-                    pending: Unsynced | None = None) -> str:
+                    pending: Unsynced | None = None,
+                    reading: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
+                    ) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used.
         ``on_chunk`` sees each chunk's part of ``tensor`` just before it is encoded, while
         its bytes are in cache (the parts partition the tensor). Durable on return, or
-        once ``pending`` closes."""
-        data = tensor_bits(tensor)
-        codec = choose_codec(data)
+        once ``pending`` closes. ``reading``, if given, is entered around each read and
+        yields the tensor to read then (same dtype and shape: the writer may swap the
+        forward's own tensor for a copy of it between chunks)."""
+        def read() -> AbstractContextManager[torch.Tensor]:
+            return reading() if reading is not None else contextlib.nullcontext(tensor)
+
         shape = tuple(tensor.shape) or (1,)
-        data = data.reshape(shape)
-        view = tensor.reshape(shape)
+        with read() as now:
+            data = tensor_bits(now)
+            codec = choose_codec(data)
         chunks = chunk_shape(shape, data.dtype.itemsize)
         zarr.create_array(
             str(self.path / name), shape=shape, chunks=chunks, dtype=data.dtype,
@@ -384,14 +392,15 @@ class RunArrays:
             for idx in _product([range(math.ceil(n / c))
                                  for n, c in zip(shape, chunks, strict=True)]):
                 sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
-                if on_chunk is not None:
-                    on_chunk(view[sel])
-                part = data[sel]
-                if part.shape != chunks:  # an edge chunk: padded to full size with zeros
-                    full = np.zeros(chunks, dtype=data.dtype)
-                    full[tuple(slice(0, n) for n in part.shape)] = part
-                    part = full
-                write_chunk_file(root.joinpath(*map(str, idx)), part, codec, pending)
+                with read() as now:  # encoded and written before it may change
+                    if on_chunk is not None:
+                        on_chunk(now.reshape(shape)[sel])
+                    part = tensor_bits(now).reshape(shape)[sel]
+                    if part.shape != chunks:  # an edge chunk: padded to full size with zeros
+                        full = np.zeros(chunks, dtype=part.dtype)
+                        full[tuple(slice(0, n) for n in part.shape)] = part
+                        part = full
+                    write_chunk_file(root.joinpath(*map(str, idx)), part, codec, pending)
         finally:
             if own:
                 pending.close()

@@ -1,20 +1,21 @@
 """The streaming write path: copy on the forward thread, encode and write in the background.
 
-A saved tensor is copied off the live graph at once, on the forward thread (the copy
-in-place ops cannot change): a small one straight into the current 4 MiB pack buffer of
-its stream, a large one into a contiguous CPU copy. Full buffers and large copies go to
-worker threads, which compute their statistics, encode and write them. Bytes in flight
-are capped (``max_inflight``): when the cap is reached the forward pass waits, so peak
-memory does not grow with the size of the capture.
+A small saved tensor is copied at once, on the forward thread, straight into the current
+4 MiB pack buffer of its stream (the copy no later in-place op can change). A large CPU
+tensor is written by the workers from where it is, and copied only if something may
+write it first: an in-place op the recorder sees, or the end of the step while anything
+else holds it (``inflight.Live``); large tensors elsewhere (GPU, views of larger
+storages) are copied at once. Worker threads compute statistics, encode and write; bytes
+in flight are capped (``max_inflight``): when the cap is reached the forward pass waits,
+so peak memory does not grow with the size of the capture.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import mmap
 import operator
+import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tracelake.errors import StoreError
-from tracelake.recorder.emit import SelectingEmitter, tensor_version
+from tracelake.recorder.emit import SelectingEmitter, storage_address, tensor_version
 from tracelake.recorder.entries import SHAPE, OpTable
 from tracelake.recorder.selectors import Selector
 from tracelake.recorder.stats import (
@@ -35,6 +36,7 @@ from tracelake.recorder.stats import (
     segment_moments,
 )
 
+from .inflight import Buffers, Live, Overwritten, alias_version, storage_holders
 from .rows import distinct_codes
 from .tensors import (
     ALIGN,
@@ -52,8 +54,6 @@ DEFAULT_MAX_INFLIGHT = 256 << 20
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
 _memmove = ctypes.memmove
-_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
-
 # Fields of TensorWriter.slots: one plain tuple per saved tensor (array, byte offset or
 # -1, nbytes, shape, dtype, step), appended on the forward thread, so built as cheaply as
 # Python allows, and of plain values only (the garbage collector then stops tracking it:
@@ -74,60 +74,6 @@ class Location(NamedTuple):
     dtype: torch.dtype
     step: int
     codec: str = "raw"
-
-
-class _Buffers:
-    """Byte buffers on their way to disk (pack chunks, copies of large tensors), reused.
-
-    At most ``cap`` bytes are in flight: ``take`` waits while more would be (one buffer
-    larger than the cap still goes, alone). Written buffers are kept for reuse while in
-    flight + kept stays within the cap (fresh memory costs page faults: copying 32 MiB
-    into it took 33 ms, into a reused buffer 5.6), so the writer never holds more than
-    ``cap`` bytes of buffers at once. Buffers are anonymous maps (huge pages where the
-    system has them), returned to the system as soon as they are dropped."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.used = 0  # in flight
-        self.kept = 0  # free, kept for reuse
-        self.peak = 0
-        self.waits = 0
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._cond = threading.Condition()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        with self._cond:
-            if self.used and self.used + nbytes > self.cap:
-                self.waits += 1
-                self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-            free = self._free.get(nbytes)
-            if free:
-                self.kept -= nbytes
-                return free.pop()
-            while self.kept and self.used + self.kept > self.cap:  # make room: drop others
-                size = next(n for n, bufs in self._free.items() if bufs)
-                self._free[size].pop()
-                self.kept -= size
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if _HUGE is not None:  # 2 MiB pages: first use faults 512x less (41 -> 11 ms per
-            with contextlib.suppress(OSError):  # 32 MiB copied in), fewer TLB misses
-                memory.madvise(_HUGE)
-        return np.frombuffer(memory, dtype=np.uint8)
-
-    def give(self, buffer: np.ndarray) -> None:
-        with self._cond:
-            self.used -= buffer.nbytes
-            if self.used + self.kept + buffer.nbytes <= self.cap:  # else (one too large): dropped
-                self._free.setdefault(buffer.nbytes, []).append(buffer)
-                self.kept += buffer.nbytes
-            self._cond.notify_all()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._free.clear()
-            self.kept = 0
 
 
 @dataclass(eq=False)
@@ -161,7 +107,7 @@ class TensorWriter:
         self.stats: dict[int, Stats] = {}
         self.step = 0
         self.bytes_written = 0
-        self._buffers = _Buffers(max_inflight)
+        self._buffers = Buffers(max_inflight)
         self._unsynced = Unsynced()  # files written, durable by the end of close()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
         self._pending: set[Future[None]] = set()
@@ -170,6 +116,10 @@ class TensorWriter:
         # dtype -> (its pack's stream, whether a plain byte copy of its memory is exact)
         self._plans: dict[torch.dtype, tuple[_Stream, bool]] = {}
         self._lock = threading.Lock()
+        # storage address -> large tensors the workers read from the forward's memory
+        self._live: dict[int, list[Live]] = {}
+        #: slots whose tensor was written in place, unseen, while being stored: dropped
+        self.lost: set[int] = set()
 
     # -- the forward thread --------------------------------------------------------------
 
@@ -222,20 +172,67 @@ class TensorWriter:
         return plan
 
     def _save_large(self, tensor: torch.Tensor, nbytes: int) -> int:
-        """A tensor of a chunk or more: copied whole into a buffer of its own."""
+        """A tensor of a chunk or more, with an array of its own. A plain contiguous CPU
+        tensor is not copied: the workers write it from where it is (copying 32 MiB cost
+        the forward 6-7 ms, 11-70 more into fresh memory), and it is copied only if
+        something may write it before they are done: an in-place op the recorder sees
+        (``before_write``), or the end of the step while anything else holds it
+        (``settle``). A write the recorder cannot see moves its version counter: that
+        tensor is then dropped, with a warning, never stored wrong."""
         dtype = tensor.dtype
         shape = tuple(tensor.shape)
-        buffer = self._buffers.take(nbytes)
-        try:
-            copy = torch.from_numpy(buffer).view(dtype).view(shape)
-            copy.copy_(tensor.detach())
-        except BaseException:
-            self._buffers.give(buffer)
-            raise
         slot = len(self.slots)
+        version = alias_version(tensor, nbytes)
+        if version is not None:
+            self._buffers.hold(nbytes)
+            live = Live(tensor.detach(), nbytes, version)
+            self._live.setdefault(tensor.untyped_storage().data_ptr(), []).append(live)
+        else:
+            buffer = self._buffers.take(nbytes)
+            try:
+                copy = torch.from_numpy(buffer).view(dtype).view(shape)
+                copy.copy_(tensor.detach())
+            except BaseException:
+                self._buffers.give(buffer)
+                raise
+            live = Live(copy, nbytes, None, buffer)
         self.slots.append((f"t{slot}", -1, nbytes, shape, dtype, self.step))
-        self._submit(self._write_array, slot, copy, buffer)
+        self._submit(self._write_array, slot, live)
         return slot
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is about to be written in place: copy what the workers
+        still read from it."""
+        address = storage_address(tensor) if self._live else None
+        for live in self._live.pop(address, ()) if address is not None else ():
+            self._copy_live(live)
+
+    def settle(self) -> None:
+        """The end of a step: copy what the workers still read from memory anything
+        besides this writer holds (the step's output, its inputs, caches), since what
+        holds it may write it next; the forward's own temporaries stay uncopied."""
+        for address, lives in list(self._live.items()):
+            waiting = [live for live in lives if not live.done]
+            holders = storage_holders(waiting[0]) if waiting else 0
+            if waiting and (holders is None or holders > len(waiting)):
+                for live in waiting:
+                    self._copy_live(live)
+                waiting = []
+            if waiting:
+                self._live[address] = waiting
+            else:
+                del self._live[address]
+
+    def _copy_live(self, live: Live) -> None:
+        with live.lock:
+            if live.done or live.version is None or live.source is None:
+                return
+            if live.source._version != live.version:  # already written behind our back
+                return  # the worker finds out at its next chunk
+            buffer = self._buffers.buffer(live.nbytes)  # its bytes are already counted
+            copy = torch.from_numpy(buffer).view(live.source.dtype).view(live.source.shape)
+            copy.copy_(live.source)
+            live.source, live.buffer, live.version = copy, buffer, None
 
     def _flush(self, stream: _Stream) -> None:
         if stream.buffer is not None and stream.members:
@@ -273,17 +270,28 @@ class TensorWriter:
         finally:
             self._buffers.give(buffer)
 
-    def _write_array(self, slot: int, copy: torch.Tensor, buffer: np.ndarray) -> None:
+    def _write_array(self, slot: int, live: Live) -> None:
         try:
             partials: list[tuple[float, ...]] = []  # each chunk's, reduced while in cache
+            assert live.source is not None
             self.codecs[slot] = self.arrays.write_array(
-                f"t{slot}", copy, None if copy.is_complex() else
-                lambda part: partials.append(partial_stats(part)), self._unsynced)
-            self.stats[slot] = combine_stats(copy, partials)
+                f"t{slot}", live.source, None if live.source.is_complex() else
+                lambda part: partials.append(partial_stats(part)), self._unsynced,
+                live.reading)
+            with live.reading() as tensor:
+                self.stats[slot] = combine_stats(tensor, partials)
             with self._lock:
-                self.bytes_written += buffer.nbytes
+                self.bytes_written += live.nbytes
+        except Overwritten:
+            self.lost.add(slot)
         finally:
-            self._buffers.give(buffer)
+            with live.lock:
+                live.done = True
+                live.source = None
+            if live.buffer is not None:
+                self._buffers.give(live.buffer)
+            else:
+                self._buffers.release(live.nbytes)
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -297,6 +305,8 @@ class TensorWriter:
             self._unsynced.close(durable=not self._errors)
         except OSError as exc:
             self._errors.append(exc)
+        for slot in self.lost:  # what was written of them is not theirs
+            shutil.rmtree(self.arrays.path / f"t{slot}", ignore_errors=True)
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
 
@@ -420,6 +430,9 @@ class StoreEmitter(SelectingEmitter):
         self._save = writer.save
         self._rows = table.rows
         self._versions: dict[int, int] = {}
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        self._writer.before_write(tensor)
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
         if self._const is True and same_as < 0:  # saving all, a new tensor: straight on

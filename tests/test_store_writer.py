@@ -143,3 +143,63 @@ def test_catalog_transactions_let_go_of_the_file(tmp_path: Path) -> None:
     assert "('r', 'complete')" in done.stdout
     store.record(InPlaceAfter(), torch.randn(4, 8), name="s")  # and the writer goes on
     assert set(store.runs()["name"]) == {"r", "s"}
+
+
+def test_what_the_user_writes_after_a_step_is_not_stored(tmp_path: Path) -> None:
+    """Large tensors are written from the forward's own memory while the next steps
+    run; a step's output (and input) that the caller writes in place after the step,
+    outside any recording, keeps its value as of the step."""
+    x = torch.randn(4096, 1024)
+    given = x.clone()
+    model = InPlaceAfter()
+    store = tl.open(tmp_path / "s")
+    with store.recording("steps", model) as rec:
+        first = model(x)
+        want = first.clone()
+        first.mul_(-1)  # the caller's own in-place write, after the step
+        x.add_(5)  # and on the input, before the next step
+        rec.record(model, x)
+    run = store["steps"]
+    assert_bitwise(run.step(0)["output_1"].out, want, "step 0's output, as returned")
+    assert_bitwise(run.step(0)["input_1"].out, given, "step 0's input, as given")
+    assert_bitwise(run.step(1)["input_1"].out, x, "step 1's input")
+
+
+class Unseen(nn.Module):
+    """Writes a saved tensor in place where the recorder cannot see it."""
+
+    def __init__(self, gate: object):
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * 2
+        with torch._C.DisableTorchFunction():
+            a.add_(1)  # no torch function mode here: only its version counter moves
+        self.gate.set()  # type: ignore[attr-defined]
+        return a * 3
+
+
+def test_an_unseen_in_place_write_drops_the_value_never_stores_it_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import warnings
+
+    gate = threading.Event()
+    write = RunArrays.write_array
+
+    def held_back(self: RunArrays, *args: object, **kwargs: object) -> str:
+        gate.wait(30)  # the workers start only once the forward has written `a`
+        return write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RunArrays, "write_array", held_back)
+    x = torch.randn(4096, 1024)
+    store = tl.open(tmp_path / "s")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = store.record(Unseen(gate), x, name="r")
+    assert any("mul_1_1 was written in place" in str(w.message) for w in caught)
+    assert not run["mul_1_1"].saved and run["mul_1_1"].out is None
+    assert_bitwise(run["mul_2_2"].out, (x * 2 + 1) * 3, "the next op, stored")
+    assert_bitwise(run["input_1"].out, x, "the input")
+    assert not store.verify().problems
