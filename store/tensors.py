@@ -175,34 +175,77 @@ def write_chunk_file(path: Path, data: np.ndarray, codec: str,
 
 class Unsynced:
     """Files written whose data is not durable yet. Their writeback starts at once (the
-    device writes while the workers encode the next chunks, instead of each waiting on
-    its ``fdatasync`` in turn); at most ``window`` wait, the oldest made durable first
-    (by whichever thread adds one too many); ``close`` makes them all durable. Safe to
-    share between threads."""
+    device writes while the workers encode the next chunks); a thread of its own makes
+    them durable, oldest first, so that no worker waits on an ``fdatasync`` (each one is
+    a flush of the device's cache, slow on a virtual disk) while it could encode; at most
+    ``window`` wait, then ``add`` waits too. ``close`` makes them all durable and raises
+    what syncing raised. Safe to share between threads; ``background=False``: the thread
+    that adds one too many syncs the oldest itself."""
 
-    def __init__(self, window: int = 8):
+    def __init__(self, window: int = 16, background: bool = True):
         self.window = window
         self._fds: deque[int] = deque()
-        self._lock = threading.Lock()
+        self._busy = 0  # being made durable now
+        self._error: OSError | None = None
+        self._cond = threading.Condition()
+        self._background = background
+        self._thread: threading.Thread | None = None
 
     def add(self, fd: int) -> None:
         if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with self._lock:
+        with self._cond:
             self._fds.append(fd)
-            due = [self._fds.popleft() for _ in range(len(self._fds) - self.window)]
+            if not self._background:
+                due = [self._fds.popleft() for _ in range(len(self._fds) - self.window)]
+            else:
+                due = []
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="tracelake-sync")
+                    self._thread.start()
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: len(self._fds) + self._busy <= self.window
+                                    or self._error is not None)
         _all_durable(due)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._fds) or self._thread is None)
+                if not self._fds:
+                    return  # closed, nothing left
+                fd = self._fds.popleft()
+                self._busy += 1
+            try:
+                _durable(fd)
+            except OSError as exc:
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
 
     def close(self, durable: bool = True) -> None:
         """Make every file durable (or, not ``durable``: just close them)."""
-        with self._lock:
+        with self._cond:
+            if not durable:
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds.clear()
+            thread, self._thread = self._thread, None
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()  # it drains what is left, then ends
+        with self._cond:
             due = list(self._fds)
             self._fds.clear()
+            error, self._error = self._error, None
         if durable:
             _all_durable(due)
-        else:
-            for fd in due:
-                os.close(fd)
+        if error is not None and durable:
+            raise error
 
 
 def _all_durable(fds: list[int]) -> None:
@@ -387,7 +430,7 @@ class RunArrays:
         )
         root = self.path / name / "c"
         own = pending is None
-        pending = Unsynced() if pending is None else pending
+        pending = Unsynced(background=False) if pending is None else pending
         try:
             for idx in _product([range(math.ceil(n / c))
                                  for n, c in zip(shape, chunks, strict=True)]):

@@ -203,3 +203,38 @@ def test_an_unseen_in_place_write_drops_the_value_never_stores_it_wrong(
     assert_bitwise(run["mul_2_2"].out, (x * 2 + 1) * 3, "the next op, stored")
     assert_bitwise(run["input_1"].out, x, "the input")
     assert not store.verify().problems
+
+
+def test_unsynced_files_are_durable_at_close_and_errors_surface(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's window of files written but not yet durable: a thread of its own
+    syncs them; close() waits for all of them and raises what syncing raised."""
+    import os
+
+    from tracelake.store import tensors
+
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(tensors.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    pending = tensors.Unsynced(window=2)
+    fds = []
+    for k in range(7):
+        fd = os.open(tmp_path / f"f{k}", os.O_WRONLY | os.O_CREAT)
+        os.write(fd, b"x" * 1000)
+        fds.append(fd)
+        pending.add(fd)
+    pending.close()
+    assert sorted(synced) == sorted(fds)
+    for fd in fds:  # every one closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(tensors.os, "fdatasync", failing)
+    pending = tensors.Unsynced(window=2)
+    for k in range(3):
+        pending.add(os.open(tmp_path / f"g{k}", os.O_WRONLY | os.O_CREAT))
+    with pytest.raises(OSError, match="Input/output"):
+        pending.close()
