@@ -222,19 +222,30 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
     NaN and Inf counts, both 0 here), and a mask, False where these moments would not
     give what :func:`compute_stats` gives (NaN or Inf, or a mean that dwarfs the
     spread): the caller computes those one by one."""
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    # Moments about each segment's first element: near-constant tensors (common: a
-    # saturated activation) then lose no digits to E[x^2] - mean^2 cancellation.
-    shift = values[starts]
     out = np.empty((len(counts), 7))
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf segments: judged below
-        centred = values - np.repeat(shift, counts)
-        first = np.add.reduceat(centred, starts)
-        second = np.add.reduceat(centred * centred, starts)
-        squares = np.add.reduceat(values * values, starts)
-    low = out[:, 2] = np.minimum.reduceat(values, starts)
-    high = out[:, 3] = np.maximum.reduceat(values, starts)
-    zeros = np.add.reduceat((values == 0).astype(np.int64), starts)
+    if counts.min() == counts.max():  # segments of one size (common: a layer's rows):
+        values = values.reshape(len(counts), -1)  # row reductions, ~3x faster
+        shift = values[:, 0]
+        with np.errstate(invalid="ignore", over="ignore"):
+            centred = values - shift[:, None]
+            first, second = centred.sum(1), (centred * centred).sum(1)
+            squares = (values * values).sum(1)
+        low = out[:, 2] = values.min(1)
+        high = out[:, 3] = values.max(1)
+        zeros = (values == 0).sum(1)
+    else:
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        # Moments about each segment's first element: near-constant tensors (common: a
+        # saturated activation) then lose no digits to E[x^2] - mean^2 cancellation.
+        shift = values[starts]
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf: judged below
+            centred = values - np.repeat(shift, counts)
+            first = np.add.reduceat(centred, starts)
+            second = np.add.reduceat(centred * centred, starts)
+            squares = np.add.reduceat(values * values, starts)
+        low = out[:, 2] = np.minimum.reduceat(values, starts)
+        high = out[:, 3] = np.maximum.reduceat(values, starts)
+        zeros = np.add.reduceat((values == 0).astype(np.int64), starts)
     with np.errstate(invalid="ignore", over="ignore"):
         offset = first / counts
         moment = second / counts

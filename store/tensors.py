@@ -378,6 +378,10 @@ class RunArrays:
 
     # -- writing ---------------------------------------------------------------------------
 
+    def prepare_pack(self, name: str) -> None:
+        """Create pack ``name``'s array (its metadata: ~10 ms) ahead of its first shard."""
+        self._pack(name)
+
     def _pack(self, name: str) -> Any:
         with self._lock:
             array = self._arrays.get(name)

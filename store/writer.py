@@ -166,6 +166,7 @@ class TensorWriter:
         stream = self._streams.get(name)
         if stream is None:
             stream = self._streams[name] = _Stream(name)
+            self._submit(self.arrays.prepare_pack, name)  # its metadata, while we go on
         # numpy knowing the dtype means its bytes are plain values (not complex: conj bit)
         plain = numpy_dtype(dtype) is not None and not dtype.is_complex
         plan = self._plans[dtype] = (stream, plain)
