@@ -8,7 +8,8 @@ Run: ``python benchmarks/store_write.py [--repeats 5] [--models gpt2,wide,chain]
 * ``tracelake``: ``store.record(model, *args)`` into a fresh store, every op saved:
   the forward, copies, statistics, encoding, writes, fsync and the catalog commit.
 * ``raw write``: the bytes tracelake stored, as one file written sequentially in 4 MiB
-  blocks and fsync'd: the disk's durable speed, without any forward.
+  blocks, fsync'd, and its directory fsync'd (a new file's name is durable only then,
+  as tracelake's are): the disk's durable speed, without any forward.
 * ``hooks+torch.save``: forward hooks on every module keep ``output.detach().clone()``,
   then ``torch.save`` of that dict and fsync (module outputs only: fewer bytes).
 * ``hooks+safetensors``: the same dict through ``safetensors.torch.save_file`` + fsync.
@@ -51,7 +52,7 @@ from capture_overhead import build_model
 from torch import nn
 
 import tracelake as tl
-from tracelake.store.layout import fsync_file
+from tracelake.store.layout import fsync_dir, fsync_file
 
 try:
     import torchlens
@@ -100,6 +101,7 @@ class Condition:
     seconds: list[float] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
     ops: int = 0
+    after: Callable[[Path], None] | None = None  # untimed, before the directory goes
 
 
 def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
@@ -140,10 +142,11 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
             with store.recording("bench") as rec:
                 rec.record(model, *args)
         assert rec.info is not None
-        conds[1].ops = rec.info["op_count"]  # from the commit: nothing read back, untimed
-        written = rec._writer.bytes_written if rec._writer else 0
+        conds[1].ops = rec.info["op_count"]  # from the commit: nothing read back
+        return rec._writer.bytes_written if rec._writer else 0
+
+    def sized(where: Path) -> None:  # the raw write writes what tracelake stored
         raw_bytes[:] = [_dir_bytes(where / "store" / "runs")]
-        return written
 
     def raw(where: Path) -> int:
         total = raw_bytes[0] if raw_bytes else 256 * MiB
@@ -157,6 +160,7 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
             os.fsync(fd)
         finally:
             os.close(fd)
+        fsync_dir(where)  # durable as tracelake's files are: the new name too
         return total
 
     def hooks_torch_save(where: Path) -> int:
@@ -173,7 +177,7 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
         fsync_file(path)
         return path.stat().st_size
 
-    conds = [Condition("plain", plain), Condition("tracelake", record),
+    conds = [Condition("plain", plain), Condition("tracelake", record, after=sized),
              Condition("raw write", raw), Condition("hooks+torch.save", hooks_torch_save)]
     if HAVE_SAFETENSORS:
         conds.append(Condition("hooks+safetensors", hooks_safetensors))
@@ -204,7 +208,10 @@ def sample(cond: Condition, root: Path) -> tuple[float, int]:
     try:
         start = time.perf_counter()
         nbytes = cond.run(where)
-        return time.perf_counter() - start, nbytes
+        seconds = time.perf_counter() - start
+        if cond.after is not None:
+            cond.after(where)
+        return seconds, nbytes
     finally:
         # Untimed: flush what this sample left dirty (TorchLens does not fsync), so the
         # next condition does not pay for writing it back.
