@@ -78,6 +78,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def result_table(result: Any, caption: str | None = None) -> Table:
+    """A rich table of a query result, tensor cells summarised."""
+    from tracelake.query.results import describe
+
+    table = Table(header_style="bold", caption=caption)
+    for name in result.columns:
+        table.add_column(name, overflow="fold")
+    for row in result:
+        table.add_row(*[describe(row[c]) for c in result.columns])
+    return table
+
+
 DEMO_QUERIES = (
     "select run, label, module, out from ops where func = 'relu' order by run",
     "select run, label, absmax from ops where func = 'linear' and absmax > :limit "
@@ -93,8 +105,6 @@ DEMO_QUERIES = (
 
 def _demo_store(path: str, model: torch.nn.Module, console: Console) -> None:
     """Record the demo model into a store (three runs, three 'prompts') and query it."""
-    from tracelake.query.results import describe
-
     store = tl.open(path)
     prompts = {"base": "Paris is the capital of", "other": "Rome is the capital of",
                "scaled": "Paris, again"}
@@ -109,12 +119,7 @@ def _demo_store(path: str, model: torch.nn.Module, console: Console) -> None:
     for text in DEMO_QUERIES:
         result = store.query(text, **({"limit": 1.0} if ":limit" in text else {}))
         console.print(f"\n[bold]>>> {text}[/bold]", soft_wrap=True)
-        table = Table(header_style="bold")
-        for name in result.columns:
-            table.add_column(name, overflow="fold")
-        for row in result:
-            table.add_row(*[describe(row[c]) for c in result.columns])
-        console.print(table)
+        console.print(result_table(result))
     console.print(f"verify: {store.verify()}", soft_wrap=True)
 
 
@@ -232,11 +237,7 @@ def _query(args: argparse.Namespace) -> int:
             for row in result:
                 writer.writerow([describe(row[c]) for c in result.columns])
         else:
-            table = Table(header_style="bold", caption=f"{len(result)} rows")
-            for name in result.columns:
-                table.add_column(name, overflow="fold")
-            for row in result:
-                table.add_row(*[describe(row[c]) for c in result.columns])
+            table = result_table(result, caption=f"{len(result)} rows")
             Console(file=out, width=None if out.isatty() else 160).print(table)
     finally:
         if out is not sys.stdout:
