@@ -47,7 +47,7 @@ from .schema import (
     star,
 )
 
-__all__ = ["CompiledQuery", "TensorItem", "compile_query"]
+__all__ = ["CompiledQuery", "PointLookup", "TensorItem", "compile_query"]
 
 _SCALARS = (str, int, float, bool, datetime, date, type(None))
 _Ctx = Literal["select", "where", "group", "order", "aggregate"]
@@ -69,6 +69,29 @@ class TensorItem:
 
 
 @dataclass(frozen=True)
+class PointLookup:
+    """A query the store's op index can answer without the SQL: the ops of one run and
+    one label (``where run = X and label = Y``, nothing else), selecting only what the
+    index holds. ``fields``: the index field of each result column of the SQL, in order
+    (``"run"``: the run's name); ``start`` / ``stop``: the slice of the rows that
+    ``limit`` and ``offset`` keep."""
+
+    run_id: int
+    label: str
+    fields: tuple[str, ...]
+    start: int = 0
+    stop: int | None = None
+
+
+#: Columns of ops a point lookup can select: the op index's fields (``run``: by its id).
+_POINT_COLUMNS = frozenset({"run", "step", "idx", "label", "tensor", "array", "byte_offset",
+                            "nbytes", "shape", "dtype"})
+#: The op index's field behind each hidden column (see ``_Compiler._select``).
+_HIDDEN_FIELDS = ("run_id", "step", "tensor", "array", "byte_offset", "nbytes", "shape",
+                  "dtype")
+
+
+@dataclass(frozen=True)
 class CompiledQuery:
     """A query compiled for the catalog: run ``sql`` with ``params``.
 
@@ -83,6 +106,7 @@ class CompiledQuery:
     hidden: tuple[str, ...] = ()
     table: str = "ops"
     param_names: frozenset[str] = field(default_factory=frozenset)
+    point: PointLookup | None = None
 
 
 def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = None,
@@ -218,7 +242,50 @@ class _Compiler:
         params = [*select_params, *from_params, *where_params, *group_params,
                   *order_params, *limit_params]
         return CompiledQuery(sql, params, tuple(names), tuple(self.tensors),
-                             HIDDEN if self.tensors else (), self.table, frozenset(self.used))
+                             HIDDEN if self.tensors else (), self.table, frozenset(self.used),
+                             None if grouped else self._point())
+
+    def _point(self) -> PointLookup | None:
+        """The query as a lookup in the op index, if it is one (after the clauses
+        compiled, so every value in it has been checked)."""
+        q = self.query
+        if self.table != "ops" or self.runs is None or q.order_by or q.group_by or not (
+                isinstance(q.where, ast.And) and len(q.where.items) == 2):
+            return None
+        keys: dict[str, Any] = {}
+        for cond in q.where.items:
+            if not (isinstance(cond, ast.Compare) and cond.op == "="):
+                return None
+            for column, value in ((cond.left, cond.right), (cond.right, cond.left)):
+                if isinstance(column, ast.Column) and column.name in ("run", "label"):
+                    if isinstance(value, ast.Literal):
+                        keys[column.name] = value.value
+                    elif isinstance(value, ast.Param):
+                        keys[column.name] = self.values.get(value.name)
+                    break
+        run, label = keys.get("run"), keys.get("label")
+        if not (isinstance(run, str) and isinstance(label, str)):
+            return None
+        fields = []
+        for item in q.items:
+            if _is_tensor(item.expr):
+                fields.append("tensor")
+            elif isinstance(item.expr, ast.Column) and item.expr.name in _POINT_COLUMNS:
+                fields.append(item.expr.name)
+            else:
+                return None
+        if self.tensors:
+            fields += _HIDDEN_FIELDS
+        start = self._count(q.offset) or 0
+        limit = self._count(q.limit)
+        return PointLookup(self.runs.get(run, 0), label, tuple(fields), start,
+                           None if limit is None else start + limit)
+
+    def _count(self, node: ast.Literal | ast.Param | None) -> int | None:
+        """A limit's or offset's value (checked by ``_limit``)."""
+        if node is None:
+            return None
+        return node.value if isinstance(node, ast.Literal) else self.values[node.name]
 
     def _clause(self, build: Callable[[], Any]) -> tuple[Any, list[Any], Any]:
         """Run ``build`` collecting the parameters it binds, in text order."""

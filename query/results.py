@@ -23,13 +23,14 @@ from tracelake.recorder.stats import compute_stats
 from tracelake.store.run import LazyTensor, _Slot
 
 from . import ast
-from .compiler import CompiledQuery, compile_query
+from .compiler import CompiledQuery, PointLookup, compile_query
 from .parser import parse
 
 if TYPE_CHECKING:
     import pandas
 
     from tracelake.store import Store
+    from tracelake.store.catalog import CatalogMirror
 
 __all__ = ["Result", "describe", "run_query", "run_sql"]
 
@@ -224,15 +225,31 @@ def _parsed(text: str) -> ast.Query:
     return parse(text)
 
 
+def _looked_up(mirror: CatalogMirror, compiled: CompiledQuery, point: PointLookup
+               ) -> pa.Table | None:
+    """The rows the SQL of a point lookup would return, from the mirror's op index; None
+    before DuckDB ran that SQL once (the index has the values, DuckDB's result the
+    types: so a query asked once never builds the index)."""
+    if not mirror.knows(compiled.sql, compiled.params):
+        return None
+    rows = mirror.points.lookup(point.run_id, point.label)[point.start:point.stop]
+    names = mirror.run_names
+    return mirror.typed(compiled.sql, compiled.params, [
+        tuple(names.get(row["run_id"]) if f == "run" else row[f] for f in point.fields)
+        for row in rows])
+
+
 def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
     mirror = store._catalog_mirror
     mirror.refresh()  # once: the run ids compiled in are those of the rows queried
     compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
-    try:
-        table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
-    except duckdb.Error as exc:
-        raise QueryError(f"the query could not run: {exc}") from exc
+    table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
+    if table is None:
+        try:
+            table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
+        except duckdb.Error as exc:
+            raise QueryError(f"the query could not run: {exc}") from exc
     values: dict[str, list[Any]] = {}
     if compiled.tensors:
         fetcher = _Fetcher(store, table, mirror.run_names)

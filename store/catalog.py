@@ -35,6 +35,8 @@ import duckdb
 from tracelake.errors import RunExistsError, StoreError
 
 from .layout import StorePaths, locked, try_lock
+from .points import FIELDS as POINT_FIELDS
+from .points import OpIndex
 
 __all__ = ["COMPLETE", "TABLES", "CatalogMirror", "CatalogWriter"]
 
@@ -321,6 +323,8 @@ class CatalogMirror:
         self.run_names: dict[int, str] = {}
         # (SQL, parameter types) -> DuckDB's parsed statement and its result's schema
         self._prepared: dict[tuple[str, tuple[type, ...]], tuple[Any, Any]] = {}
+        #: Where each op's tensor lies, by run id and label, as of the last refresh.
+        self.points = OpIndex(self._op_rows)
 
     def _token(self) -> str | None:
         """What changes whenever the catalog may have: the writers' generation file, and
@@ -384,6 +388,9 @@ class CatalogMirror:
             raise
         if self._compressed:
             con.execute(f"CHECKPOINT {_MIRROR_DB}")  # compresses the row groups that changed
+        if gone:
+            self.points.drop(gone)
+        self.points.add(new)
         self._loaded = complete
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
@@ -455,6 +462,31 @@ class CatalogMirror:
         if head is None:
             return cursor.sql(statement, params=params).to_arrow_table()
         return head if rest is None else pa.concat_tables([head, rest])
+
+    def _op_rows(self, run_ids: list[int]) -> Any:
+        """The op index's columns of these runs' ops."""
+        where, params = "", []
+        if set(run_ids) != self._loaded:  # (the first time: every run, no filter)
+            where, params = f" WHERE run_id IN ({', '.join('?' * len(run_ids))})", run_ids
+        columns = ", ".join('CAST(shape AS VARCHAR) AS shape' if f == "shape" else f'"{f}"'
+                            for f in POINT_FIELDS)
+        return self._reader().sql(f"SELECT {columns} FROM ops{where}",
+                                  params=params).to_arrow_table()
+
+    def knows(self, sql: str, params: list[Any]) -> bool:
+        """Whether DuckDB ran ``sql`` with parameters of these types (see ``typed``)."""
+        return (sql, tuple(type(p) for p in params)) in self._prepared
+
+    def typed(self, sql: str, params: list[Any], rows: list[tuple[Any, ...]]) -> Any:
+        """``rows`` as the Arrow table ``sql`` returns with ``params``, typed by the schema
+        DuckDB gave its result before; None if it has not run yet, or a value does not
+        convert. For results computed without DuckDB (the op index)."""
+        known = self._prepared.get((sql, tuple(type(p) for p in params)))
+        if known is None:
+            return None
+        import pyarrow as pa
+
+        return _typed(pa, rows, known[1])
 
     def close(self) -> None:
         self.con.close()
