@@ -18,7 +18,7 @@ from tracelake.errors import RecorderError
 
 from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
-from .stats import Stats, compute_stats
+from .stats import Stats, StatsGatherer, compute_stats
 
 __all__ = [
     "MemoryEmitter",
@@ -213,6 +213,8 @@ class SelectingEmitter:
         self._table = table
         self._op_slot: dict[int, int] = {}
         self._stats: dict[int, Stats] = {}
+        # unsaved ops' statistics: small tensors' gathered, complete at finish_ops()
+        self._gather = StatsGatherer() if self._stats_all else None
         #: False when no op entry needs anything: the labeller then skips on_entry.
         self.wants_ops = self._const is not False or self._stats_all
 
@@ -236,8 +238,14 @@ class SelectingEmitter:
             selected = self._selector.matches_op(OpEntry(self._table, None, index))
         if selected:
             self._op_slot[index] = self._slot_for(tensor, same_as)
-        elif self._stats_all:
+        elif self._gather is not None and not self._gather.add(index, tensor):
             self._stats[index] = compute_stats(tensor)
+
+    def finish_ops(self) -> None:
+        """The forward pass is over: complete the statistics of unsaved ops."""
+        if self._gather is not None:
+            self._stats.update(self._gather.finish())
+            self._gather = StatsGatherer()
 
     def before_write(self, tensor: torch.Tensor) -> None:
         pass

@@ -48,6 +48,9 @@ class Emitter(Protocol):
     def before_write(self, tensor: torch.Tensor) -> None:
         """An in-place op is about to write into ``tensor``'s storage."""
 
+    def finish_ops(self) -> None:
+        """The forward pass is over: no more entries."""
+
     def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
                         producers: list[int]) -> None:
         """A module call began with these input tensors (producer entries, -1 if none)."""
@@ -326,6 +329,7 @@ class Labeller:
     # -- final labels --------------------------------------------------------------------
 
     def finish(self) -> None:
+        self._emitter.finish_ops()
         table = self.table
         table.finish()
         labels = table.labels

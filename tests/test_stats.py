@@ -120,3 +120,46 @@ def test_segment_stats_match_compute_stats(parts: list[np.ndarray]) -> None:
             assert close(getattr(got, name), getattr(want, name), 1e-6, scale), name
         assert close(got.std, want.std, 1e-5, scale * 1e-3), "std"
         assert (got.nan_count, got.inf_count) == (0, 0)
+
+
+GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                 torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(
+    st.tuples(st.sampled_from(GATHER_DTYPES),
+              st.one_of(arrays(np.float32, st.integers(1, 300), elements=finite32),
+                        arrays(np.float32, st.integers(1, 6), elements=special))),
+    min_size=1, max_size=40),
+    st.integers(16 << 10, 64 << 10))
+def test_gathered_stats_are_compute_stats_numbers(parts: list[tuple[torch.dtype, np.ndarray]],
+                                                  capacity: int) -> None:
+    """stats="all" gathers small tensors (a small capacity makes buffers fill and flush
+    mid-way): every tensor's statistics match compute_stats of the tensor, NaN and Inf
+    counted, whatever the dtype; larger and complex tensors are refused."""
+    from tracelake.recorder.stats import StatsGatherer
+
+    gatherer = StatsGatherer(capacity)
+    tensors = {}
+    for key, (dtype, values) in enumerate(parts):
+        tensor = torch.from_numpy(values).to(dtype)
+        tensors[key] = tensor.clone()
+        assert gatherer.add(key, tensor)
+        tensor.fill_(7)  # the gatherer took a copy: later writes change nothing
+    assert not gatherer.add(-1, torch.zeros(5000))  # 20 KB: more than gathering pays for
+    assert not gatherer.add(-2, torch.zeros(3, dtype=torch.complex64))
+    assert not gatherer.add(-3, torch.zeros(4, 4).t())  # not contiguous
+    got = gatherer.finish()
+    assert sorted(got) == sorted(tensors)
+    for key, tensor in tensors.items():
+        want = compute_stats(tensor)
+        have = got[key]
+        assert (have.nan_count, have.inf_count) == (want.nan_count, want.inf_count)
+        assert have.frac_zero == want.frac_zero
+        if want.nan_count or want.inf_count:
+            continue
+        scale = max(abs(want.min), abs(want.max)) if want.min is not None else 0.0
+        for name in ("mean", "min", "max", "absmax", "l2"):
+            assert close(getattr(have, name), getattr(want, name), 1e-5, scale), name
+        assert close(have.std, want.std, 1e-4, scale), "std"
