@@ -244,12 +244,13 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
     mirror = store._catalog_mirror
     mirror.refresh()  # once: the run ids compiled in are those of the rows queried
     compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
-    table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
-    if table is None:
-        try:
+    try:
+        table = None if compiled.point is None else _looked_up(mirror, compiled,
+                                                                compiled.point)
+        if table is None:
             table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
-        except duckdb.Error as exc:
-            raise QueryError(f"the query could not run: {exc}") from exc
+    except duckdb.Error as exc:
+        raise QueryError(f"the query could not run: {exc}") from exc
     values: dict[str, list[Any]] = {}
     if compiled.tensors:
         fetcher = _Fetcher(store, table, mirror.run_names)
