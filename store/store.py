@@ -287,9 +287,10 @@ class Store:
     def __init__(self, path: str | os.PathLike[str], create: bool = True):
         self.paths = StorePaths(path)
         self.paths.check(create)
+        # The catalog file is made by the first transaction that needs it (a new store's
+        # first run, usually): until then readers see no runs (no ``catalog.gen`` yet),
+        # and a new store costs no transaction of its own.
         self._catalog = CatalogWriter(self.paths)
-        if not self.paths.catalog.exists():
-            self._catalog.ensure()
         self._mirror: CatalogMirror | None = None
         self._open_arrays: dict[int, RunArrays] = {}
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import tracelake as tl
 from tracelake.recorder.stats import compute_stats
+from tracelake.store.rows import distinct_codes
 from tracelake.store.tensors import CHUNK_BYTES, RunArrays
 from tracelake.store.writer import TensorWriter
 
@@ -238,3 +239,26 @@ def test_unsynced_files_are_durable_at_close_and_errors_surface(
         pending.add(os.open(tmp_path / f"g{k}", os.O_WRONLY | os.O_CREAT))
     with pytest.raises(OSError, match="Input/output"):
         pending.close()
+
+
+_SHAPE = (4, 4)
+
+
+@pytest.mark.parametrize(("values", "identity", "distinct", "codes"), [
+    ([], False, [], []),
+    ([_SHAPE] * 3, False, [_SHAPE], [0, 0, 0]),
+    ([tuple([4, 4]), tuple([4, 4]), (2,)], False, [_SHAPE, (2,)], [0, 0, 1]),
+    ([tuple([4, 4]), tuple([4, 4]), (2,)], True, [_SHAPE, _SHAPE, (2,)], [0, 1, 2]),
+    ([_SHAPE, (2,), _SHAPE], True, [_SHAPE, (2,)], [0, 1, 0]),
+    (("b", "a", "b", "c", "a"), False, ["b", "a", "c"], [0, 1, 0, 2, 1]),
+    ([torch.float32, torch.int64, torch.float32], False, [torch.float32, torch.int64],
+     [0, 1, 0]),
+    ([1, 1.0, True], False, [1], [0, 0, 0]),  # a dict's idea of equal
+])
+def test_distinct_codes(values: list, identity: bool, distinct: list, codes: list) -> None:
+    """Distinct values in order of first appearance and each row's index into them; by
+    identity, equal values that are other objects may stay apart (the rows of one
+    value are one value however they are compared)."""
+    got, got_codes = distinct_codes(values, identity=identity)
+    assert got == distinct and [type(v) for v in got] == [type(v) for v in distinct]
+    assert got_codes.dtype == np.int32 and got_codes.tolist() == codes
