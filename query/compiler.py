@@ -107,6 +107,10 @@ class CompiledQuery:
     table: str = "ops"
     param_names: frozenset[str] = field(default_factory=frozenset)
     point: PointLookup | None = None
+    #: The runs whose rows the SQL can read (ids; empty: the ``runs`` table alone), when
+    #: the query says (``run = X`` or ``run in (...)`` standing on its own or joined
+    #: with ``and``); None: any run's.
+    runs: frozenset[int] | None = None
 
 
 def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = None,
@@ -243,7 +247,32 @@ class _Compiler:
                   *order_params, *limit_params]
         return CompiledQuery(sql, params, tuple(names), tuple(self.tensors),
                              HIDDEN if self.tensors else (), self.table, frozenset(self.used),
-                             None if grouped else self._point())
+                             None if grouped else self._point(), self._scope())
+
+    def _scope(self) -> frozenset[int] | None:
+        """The runs the query can read rows of (see ``CompiledQuery.runs``)."""
+        if self.table == "runs":
+            return frozenset()
+        where = self.query.where
+        if self.runs is None or where is None:
+            return None
+        scope: frozenset[int] | None = None
+        for cond in where.items if isinstance(where, ast.And) else (where,):
+            ids = None
+            if isinstance(cond, ast.Compare) and cond.op == "=":
+                ids = self._run_ids(cond.left, (cond.right,)) or self._run_ids(
+                    cond.right, (cond.left,))
+            elif isinstance(cond, ast.In) and not cond.negated:
+                values = cond.values
+                if isinstance(values, ast.Param):
+                    value = self.values.get(values.name)
+                    items = value if isinstance(value, list | tuple) else [value]
+                    values = tuple(ast.Literal(v) for v in items)
+                ids = self._run_ids(cond.expr, values) if values else []
+            if ids is not None:
+                known = frozenset(i for i in ids if i is not None)
+                scope = known if scope is None else scope & known
+        return scope
 
     def _point(self) -> PointLookup | None:
         """The query as a lookup in the op index, if it is one (after the clauses

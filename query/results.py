@@ -242,8 +242,9 @@ def _looked_up(mirror: CatalogMirror, compiled: CompiledQuery, point: PointLooku
 def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
     mirror = store._catalog_mirror
-    mirror.refresh()  # once: the run ids compiled in are those of the rows queried
+    mirror.refresh(runs=())  # the run ids to compile in
     compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
+    mirror.refresh(runs=compiled.runs)  # the rows the query reads
     try:
         table = None if compiled.point is None else _looked_up(mirror, compiled,
                                                                 compiled.point)

@@ -25,7 +25,7 @@ import shutil
 import socket
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -314,7 +314,9 @@ class CatalogMirror:
         _create_schema(self.con)
         self._local = threading.local()  # each thread's reading cursor
         self._gen: str | None = None
-        self._loaded: set[int] = set()
+        self._loaded: set[int] = set()  # runs whose rows are in the mirror
+        self._complete: set[int] = set()  # the complete runs, as of the last refresh
+        self._everything = False  # whether every complete run's rows are to be loaded
         wal = paths.catalog.with_name(paths.catalog.name + ".wal")
         self._watched = (str(paths.gen), str(paths.catalog), str(wal))
         #: The complete runs' ids by name, and names by id, as of the last refresh
@@ -343,9 +345,18 @@ class CatalogMirror:
         with open(self._watched[0]) as f:
             return f"{f.read()}|{'|'.join(parts)}"
 
-    def refresh(self) -> None:
+    def refresh(self, runs: Collection[int] | None = None) -> None:
+        """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
+        ids; ``None``: of every complete run, from now on). A mirror loads a run's rows
+        only once something asks for them, so that listing the runs of a large store, or
+        reading one of them, does not copy all the others first."""
+        if runs is None:
+            self._everything = True
         gen = self._token()
-        if gen is None or gen == self._gen:
+        if gen is None:
+            return
+        wanted = self._complete if self._everything else self._complete.intersection(runs or ())
+        if gen == self._gen and wanted <= self._loaded:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
@@ -354,20 +365,23 @@ class CatalogMirror:
             except duckdb.Error as exc:
                 raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
             try:
-                runs = src.sql("SELECT * FROM runs").to_arrow_table()
-                ids, names, statuses = (runs.column(c).to_pylist()
+                table = src.sql("SELECT * FROM runs").to_arrow_table()
+                ids, names, statuses = (table.column(c).to_pylist()
                                         for c in ("id", "name", "status"))
                 complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
                 run_ids = {name: i for i, name, st in zip(ids, names, statuses, strict=True)
                            if st == COMPLETE}
+                kept = self._loaded & complete
+                wanted = complete if self._everything else kept | complete.intersection(
+                    runs or ())
                 gone = sorted(self._loaded - complete)
-                new = sorted(complete - self._loaded)
+                new = sorted(wanted - kept)
                 incoming = {}
                 if new:
                     marks = ", ".join("?" * len(new))
-                    for table in _RUN_TABLES:
-                        incoming[table] = src.sql(
-                            f"SELECT * FROM {table} WHERE run_id IN ({marks})", params=new
+                    for name in _RUN_TABLES:
+                        incoming[name] = src.sql(
+                            f"SELECT * FROM {name} WHERE run_id IN ({marks})", params=new
                         ).to_arrow_table()
             finally:
                 src.close()
@@ -375,31 +389,34 @@ class CatalogMirror:
         con.execute("BEGIN TRANSACTION")
         try:
             con.execute("DELETE FROM runs")
-            _insert(con, "runs", runs)
-            for table in _RUN_TABLES:
+            _insert(con, "runs", table)
+            for name in _RUN_TABLES:
                 if gone:
-                    con.execute(f"DELETE FROM {table} WHERE run_id IN "
+                    con.execute(f"DELETE FROM {name} WHERE run_id IN "
                                 f"({', '.join('?' * len(gone))})", gone)
-                if table in incoming:
-                    _insert(con, table, incoming[table])
+                if name in incoming:
+                    _insert(con, name, incoming[name])
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
             raise
-        if self._compressed:
+        if self._compressed and (gone or new):
             con.execute(f"CHECKPOINT {_MIRROR_DB}")  # compresses the row groups that changed
         if gone:
             self.points.drop(gone)
         self.points.add(new)
-        self._loaded = complete
+        self._loaded = kept | set(new)
+        self._complete = complete
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
         self._gen = gen
 
-    def query(self, sql: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
+    def query(self, sql: str, params: list[Any] | None = None,
+              runs: Collection[int] | None = None) -> duckdb.DuckDBPyConnection:
         """Run ``sql`` on the refreshed mirror, in a cursor of its own (DuckDB lets one
-        connection have one unfinished result at a time)."""
-        self.refresh()
+        connection have one unfinished result at a time). ``runs``: the only runs whose
+        rows ``sql`` reads (``()``: the ``runs`` table alone); ``None``: any."""
+        self.refresh(runs)
         return self._cursor().execute(sql, params or [])
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:

@@ -1,0 +1,100 @@
+"""A reader's mirror copies a run's rows only once a query needs them: a query that names
+its runs (``run = X``, ``run in (...)``) loads those, one over every run loads all, and
+answers are the same as from a mirror that holds everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_zoo import mlp
+
+import tracelake as tl
+from tracelake.query import compile_query
+
+NAMES = ["r0", "r1", "r2", "r3"]
+
+
+@pytest.fixture()
+def root(tmp_path: Path) -> Path:
+    store = tl.open(tmp_path / "store")
+    model, (x,) = mlp()
+    with torch.no_grad():
+        for k, name in enumerate(NAMES):
+            store.record(model, x * (k + 1), name=name, meta={"k": k})
+    return tmp_path / "store"
+
+
+def _loaded(store: tl.Store) -> set[str]:
+    mirror = store._catalog_mirror
+    return {mirror.run_names[i] for i in mirror._loaded}
+
+
+def _rows(result: object) -> list[dict]:
+    return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+            for row in result]  # type: ignore[attr-defined]
+
+
+QUERIES = [
+    ("select run, label, out from ops where run = 'r1' order by idx", {"r1"}),
+    ("select run, label from ops where label = 'relu_1_2' and run in ('r0', 'r2') "
+     "order by run", {"r0", "r2"}),
+    ("select run, count(*) from ops where run = :r and func = 'relu' group by run", {"r3"}),
+    ("select run, steps from runs where meta.k >= 2 order by run", set()),
+    ("select out from ops where run = 'nosuch'", set()),
+    ("select out from ops where run in :none", set()),
+]
+
+
+@pytest.mark.parametrize(("text", "loads"), QUERIES)
+def test_a_query_loads_the_runs_it_names(root: Path, text: str, loads: set[str]) -> None:
+    lazy = tl.open(root, create=False)
+    params = {"r": "r3"} if ":r" in text else {"none": []} if ":none" in text else {}
+    got = lazy.query(text, **params)
+    assert _loaded(lazy) == loads
+    full = tl.open(root, create=False)
+    full.query("select count(*) from ops")  # every run's rows
+    assert _loaded(full) == set(NAMES)
+    want = full.query(text, **params)
+    assert _rows(got) == _rows(want)
+
+
+@pytest.mark.parametrize("text", [
+    "select run, label from ops where func = 'relu'",
+    "select run from ops where run = 'r1' or func = 'relu'",
+    "select run from ops where not run = 'r1'",
+    "select run from ops where run != 'r1'",
+    "select run from ops where run not in ('r1')",
+    "select run, label from modules",
+])
+def test_other_queries_read_every_run(root: Path, text: str) -> None:
+    store = tl.open(root, create=False)
+    mirror = store._catalog_mirror
+    mirror.refresh(runs=())
+    assert compile_query(text, None, mirror.run_ids).runs is None
+    store.query(text)
+    assert _loaded(store) == set(NAMES)
+
+
+def test_scoped_mirror_follows_new_deleted_and_overwritten_runs(root: Path) -> None:
+    store = tl.open(root, create=False)
+    count = "select count(*) as n from ops where run = :r"
+    n = list(store.query(count, r="r0"))
+    assert _loaded(store) == {"r0"}
+    other = tl.open(root, create=False)
+    model, (x,) = mlp()
+    with torch.no_grad():
+        other.record(model, x, name="new")
+        other.record(model, x * 7, name="r0", overwrite=True)
+    assert list(store.query(count, r="new")) == n  # the same model: as many ops
+    assert _loaded(store) == {"new"}  # the old r0 dropped, the new one not asked for
+    out = store.query("select out from ops where run = 'r0' and label = 'output_1'")
+    assert torch.equal(out.tensors()[0], model(x * 7))
+    assert _loaded(store) == {"r0", "new"}
+    other.delete("new")
+    assert list(store.query(count, r="new")) == [{"n": 0}]
+    assert "new" not in _loaded(store)
+    per_run = store.query("select run, count(*) as n from ops group by run order by run")
+    assert [(row["run"], row["n"]) for row in per_run] == [(name, n[0]["n"]) for name in NAMES]
+    assert _loaded(store) == set(NAMES)
