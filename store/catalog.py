@@ -123,6 +123,9 @@ class _Engine:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._con: tuple[int, duckdb.DuckDBPyConnection] | None = None
+        #: Whether the last transaction may have left the catalog attached (it failed
+        #: to detach): the next one detaches it first.
+        self.attached = False
 
     def connection(self) -> duckdb.DuckDBPyConnection:
         """The engine's connection; hold ``lock`` while using it."""
@@ -158,13 +161,15 @@ class CatalogWriter:
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
             con = _ENGINE.connection()
-            con.execute("USE memory")  # and forget what a failed transaction left attached
-            con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
+            if _ENGINE.attached:  # forget what a failed transaction left attached
+                con.execute("USE memory")
+                con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
             path = str(self.paths.catalog).replace("'", "''")
             if not self.paths.catalog.exists():
                 self._has_schema = False
             try:
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
+                _ENGINE.attached = True
             except duckdb.Error as exc:
                 raise StoreError(f"cannot open the catalog {self.paths.catalog}: {exc}") from exc
             try:
@@ -178,17 +183,18 @@ class CatalogWriter:
                 except BaseException:
                     con.execute("ROLLBACK")
                     raise
-                seq = con.execute("SELECT coalesce(max(seq), 0) FROM runs").fetchone()
                 self._has_schema = True
-                self._bump(int(seq[0]) if seq else 0)
+                self._bump()
             finally:
                 con.execute("USE memory")
                 con.execute(f"DETACH {_ATTACHED}")  # checkpoints, and lets go of the file
+                _ENGINE.attached = False
 
-    def _bump(self, seq: int) -> None:
-        """Tell readers the catalog changed (a new value every time, even for deletes)."""
+    def _bump(self) -> None:
+        """Tell readers the catalog changed: a new value every time, even for deletes
+        (readers compare it whole; what it says is for people)."""
         tmp = self.paths.gen.with_name(f".gen.{os.getpid()}")
-        tmp.write_text(f"{seq} {_now().isoformat()} {os.getpid()} {os.urandom(4).hex()}")
+        tmp.write_text(f"{_now().isoformat()} {os.getpid()} {os.urandom(8).hex()}")
         os.replace(tmp, self.paths.gen)
 
     def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
@@ -210,16 +216,17 @@ class CatalogWriter:
                     f"the store already has a run named {name!r} ({clash[0][1]}); choose "
                     "another name, or pass overwrite=True to replace it"
                 )
-            row = con.execute("SELECT coalesce(max(id), 0) + 1 FROM runs").fetchone()
-            run_id = int(row[0]) if row else 1
-            con.execute(
+            row = con.execute(
                 "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
                 "model_class, torch_version, device, meta, host, pid) "
-                "VALUES (?, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, ?, ?)",
-                [run_id, name, RECORDING, _now(), info.get("model_class"),
-                 info.get("torch_version"), info.get("device"), json.dumps(info.get("meta")),
-                 socket.gethostname(), os.getpid()],
-            )
+                "SELECT coalesce(max(id), 0) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, ?, ? "
+                "FROM runs RETURNING id",
+                [name, RECORDING, _now(), info.get("model_class"), info.get("torch_version"),
+                 info.get("device"), json.dumps(info.get("meta")), socket.gethostname(),
+                 os.getpid()],
+            ).fetchone()
+            assert row is not None  # one row inserted, always
+            run_id = int(row[0])
             run_dir = self.paths.run_dir(run_id)
             if run_dir.exists():  # left by a gc() that died before removing it
                 shutil.rmtree(run_dir)
@@ -249,16 +256,14 @@ class CatalogWriter:
                     f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
                     f"({', '.join('?' * len(clash))})", clash,
                 )
-            row = con.execute("SELECT coalesce(max(seq), 0) + 1 FROM runs").fetchone()
-            con.execute(
+            cursor = con.execute(
                 "UPDATE runs SET status = ?, finished = ?, steps = ?, op_count = ?, bytes = ?, "
                 "param_fingerprint = ?, input_fingerprint = ?, device = coalesce(?, device), "
-                "seq = ? WHERE id = ?",
+                "seq = (SELECT coalesce(max(seq), 0) + 1 FROM runs) WHERE id = ? RETURNING *",
                 [COMPLETE, _now(), summary["steps"], summary["op_count"], summary["bytes"],
                  summary.get("param_fingerprint"), summary.get("input_fingerprint"),
-                 summary.get("device"), int(row[0]) if row else 1, run_id],
+                 summary.get("device"), run_id],
             )
-            cursor = con.execute("SELECT * FROM runs WHERE id = ?", [run_id])
             values = cursor.fetchone()
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
         return info

@@ -12,7 +12,7 @@ import gc
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,8 +46,8 @@ from tracelake.recorder.stats import Stats
 
 from .tensors import dtype_name, parse_dtype
 
-__all__ = ["STAT_FIELDS", "StoredOpTable", "decode_structure", "distinct_codes", "load_step",
-           "run_tables", "tensors_table"]
+__all__ = ["STAT_FIELDS", "StoredOpTable", "Written", "decode_structure", "distinct_codes",
+           "load_step", "run_tables"]
 
 STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
                "inf_count")
@@ -161,17 +161,43 @@ def _taken(distinct: list[Any], codes: np.ndarray, type_: pa.DataType) -> pa.Arr
     return pa.array(distinct, type=type_).take(codes)
 
 
+#: What a run's writer computes in its workers: the statistics by tensor slot (as
+#: ``TensorWriter.stat_matrix`` gives them) and a function from array name to codec.
+Written = Callable[[], tuple[tuple[np.ndarray, np.ndarray], Callable[[str], str]]]
+
+
 def run_tables(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
-               stats: tuple[np.ndarray, np.ndarray], tensors: pa.Table) -> dict[str, pa.Table]:
-    """The ``ops``, ``edges`` and ``modules`` tables of a run's recorded steps.
-    ``stats``: the writer's statistics by tensor slot (``TensorWriter.stat_matrix``);
-    ``tensors``: the run's ``tensors`` table (an op's row carries its tensor's array and
-    byte offset, so a query finds the bytes without another join).
+               slots: list[Any], written: Written) -> dict[str, pa.Table]:
+    """The ``ops``, ``edges``, ``modules`` and ``tensors`` tables of a run's recorded
+    steps. ``slots``: its writer's slots (``TensorWriter.slots``: an op's row carries its
+    tensor's array and byte offset, so a query finds the bytes without another join);
+    ``written()`` is asked for last, so that the writer's workers finish the run's last
+    chunks (statistics, encoding, writes) while the rest is built.
 
     Built column by column, all steps at once (this runs for every op of every stored
     run, and each Arrow conversion has a fixed cost: 2.5 ms per step of 10 ops): what
     rows share (module stacks, shapes, dtypes, layers, call sites) is converted once per
     distinct value, and the tensor columns are gathered by slot."""
+    tensors, (arrays, array_of) = _tensor_columns(run_id, slots)
+    ops, slot_of, edges = _op_columns(run_id, steps, tensors)
+    modules = _modules(run_id, [(k, m) for k, (_, entries, _) in enumerate(steps)
+                                for m in entries])
+    stats, codec = written()
+    _add_stats(ops, steps, stats, slot_of)
+    tensors["codec"] = _taken([codec(name) for name in arrays], array_of, _STR)
+    return {"ops": _assembled(_OPS_SCHEMA, ops), "edges": edges, "modules": modules,
+            "tensors": _assembled(_TENSORS_SCHEMA, tensors)}
+
+
+def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
+    return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema],
+                                schema=schema)
+
+
+def _op_columns(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+                tensors: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
+    """The ``ops`` columns but the statistics, each op's tensor slot (-1: none), and the
+    ``edges`` table."""
     tables = [table for table, _, _ in steps]
     sizes = np.array([len(table.rows) for table in tables], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes  # each step's first row
@@ -234,27 +260,30 @@ def run_tables(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Select
         "params": _taken([list(p) for p in params], params_of, pa.list_(_STR)),
         "layer_idx": columns[LAYER], "n_func": columns[N_FUNC], "n_layer": columns[N_LAYER],
         "saved": saved, "tensor": tensor,
-        "array": tensors.column("array").take(tensor),
-        "byte_offset": tensors.column("byte_offset").take(tensor),
+        "array": tensors["array"].take(tensor),
+        "byte_offset": tensors["byte_offset"].take(tensor),
         "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
         "source_line": _taken([w.line if w else None for w in where], site_of, _I32),
         "source_func": _taken([w.function if w else None for w in where], site_of, _STR),
     }
+    return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
+
+
+def _add_stats(cols: dict[str, Any], steps: list[tuple[OpTable, list[ModuleEntry], Any]],
+               stats: tuple[np.ndarray, np.ndarray], slot_of: np.ndarray) -> None:
+    """The statistics columns: saved ops' from the writer's, by slot; with
+    ``stats="all"``, unsaved ops' from their emitters."""
     values, valid = stats[0][slot_of], stats[1][slot_of]  # slot -1: the undefined row
-    for start, (_, _, emitter) in zip(starts.tolist(), steps, strict=True):
+    start = 0
+    for table, _, emitter in steps:
         for index, st in emitter._stats.items():  # stats="all": unsaved ops, one by one
             row = [getattr(st, name) for name in STAT_FIELDS]
             values[start + index] = [0.0 if v is None else v for v in row]
             valid[start + index] = [v is not None for v in row]
+        start += len(table.rows)
     for k, name in enumerate(STAT_FIELDS):
         column = values[:, k] if k < 7 else values[:, k].astype(np.int64)
         cols[name] = pa.array(column, mask=~valid[:, k])
-    ops = pa.Table.from_arrays([_array(cols[f.name], f.type) for f in _OPS_SCHEMA],
-                               schema=_OPS_SCHEMA)
-    return {"ops": ops, "edges": _edges(run_id, step_of, idx, columns[PARENTS],
-                                        columns[PARENT_ARGS]),
-            "modules": _modules(run_id, [(k, m) for k, (_, modules, _) in enumerate(steps)
-                                         for m in modules])}
 
 
 def _array(values: Any, type_: pa.DataType) -> Any:
@@ -293,25 +322,25 @@ def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
     return _table(_MODULES_SCHEMA, rows)
 
 
-def tensors_table(run_id: int, slots: list[Any], codec: Any) -> pa.Table:
-    """The ``tensors`` table of a run from its writer's slots (slot = position):
-    (array, byte offset or -1, nbytes, shape, dtype, step) tuples; ``codec(array)``."""
+def _tensor_columns(run_id: int, slots: list[Any]
+                    ) -> tuple[dict[str, Any], tuple[list[str], np.ndarray]]:
+    """The ``tensors`` columns but the codec, from a writer's slots (slot = position):
+    (array, byte offset or -1, nbytes, shape, dtype, step) tuples; and the distinct
+    array names with each slot's index into them (for the codecs, known once written)."""
     n = len(slots)
     array, offset, nbytes, shape, dtype, step = _transposed(slots, 6)
     offsets = np.array(offset, dtype=np.int64)
     arrays, array_of = distinct_codes(array)
     shapes, shape_of = distinct_codes(shape)
     dtypes, dtype_of = distinct_codes(dtype)
-    columns = (
-        np.full(n, run_id, dtype=np.int32), step, np.arange(n, dtype=np.int32),
-        _taken(arrays, array_of, _STR), pa.array(offsets, mask=offsets < 0), nbytes,
-        _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
-        _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
-        _taken([codec(name) for name in arrays], array_of, _STR),
-    )
-    return pa.Table.from_arrays(
-        [_array(c, f.type) for c, f in zip(columns, _TENSORS_SCHEMA, strict=True)],
-        schema=_TENSORS_SCHEMA)
+    columns = {
+        "run_id": np.full(n, run_id, dtype=np.int32), "step": step,
+        "slot": np.arange(n, dtype=np.int32), "array": _taken(arrays, array_of, _STR),
+        "byte_offset": pa.array(offsets, mask=offsets < 0), "nbytes": nbytes,
+        "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
+        "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
+    }
+    return columns, (arrays, array_of)
 
 
 class StoredOpTable(OpTable):

@@ -32,7 +32,7 @@ from .catalog import (
     _alive,
 )
 from .layout import StorePaths, fsync_tree, validate_name
-from .rows import run_tables, tensors_table
+from .rows import run_tables
 from .run import Run
 from .tensors import RunArrays
 from .verify import VerifyReport, verify_run
@@ -230,14 +230,19 @@ class Recording:
         if not self._steps:
             raise StoreError(f"the recording {self.name!r} recorded no forward pass; call the "
                              "model (or rec.record(model, ...)) inside the block")
-        writer.close()
-        if writer.lost:
+
+        def written() -> tuple[tuple[Any, Any], Any]:
+            writer.close()  # the last chunks' statistics, writes and syncs: done by now
+            return writer.stat_matrix(), writer.codec
+
+        writer.flush()  # the workers finish the last chunks while the tables are built
+        merged = run_tables(self.run_id, self._steps, writer.slots, written)
+        if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
-        tensors = tensors_table(self.run_id, writer.slots, writer.codec)
-        stats = writer.stat_matrix()
-        merged = run_tables(self.run_id, self._steps, stats, tensors)
-        merged["tensors"] = tensors if not writer.lost else tensors.filter(
-            pa.array([slot not in writer.lost for slot in range(len(writer.slots))]))
+            merged = run_tables(self.run_id, self._steps, writer.slots,
+                                lambda: (writer.stat_matrix(), writer.codec))
+            merged["tensors"] = merged["tensors"].filter(
+                pa.array([slot not in writer.lost for slot in range(len(writer.slots))]))
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
                    "bytes": nbytes, "device": self._device, **self._fingerprints}

@@ -296,10 +296,14 @@ class TensorWriter:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Write what is buffered, wait for the workers; raise if any write failed."""
+    def flush(self) -> None:
+        """Hand what is buffered to the workers, without waiting (``close`` waits)."""
         for stream in self._streams.values():
             self._flush(stream)  # the last shard: as many inner chunks as it fills
+
+    def close(self) -> None:
+        """Write what is buffered, wait for the workers; raise if any write failed."""
+        self.flush()
         self._pool.shutdown(wait=True)
         self._buffers.clear()
         try:

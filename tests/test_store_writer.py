@@ -146,6 +146,25 @@ def test_catalog_transactions_let_go_of_the_file(tmp_path: Path) -> None:
     assert set(store.runs()["name"]) == {"r", "s"}
 
 
+def test_a_catalog_left_attached_is_detached_by_the_next_transaction(tmp_path: Path) -> None:
+    """A transaction whose detach failed leaves the catalog attached to the process's
+    writing DuckDB; the next transaction detaches it first (and only then: a clean one
+    skips those statements), and lets go of the file as always."""
+    from tracelake.store import catalog
+
+    store = tl.open(tmp_path / "s")
+    store.record(InPlaceAfter(), torch.randn(4, 8), name="r")
+    assert not catalog._ENGINE.attached
+    con = catalog._ENGINE.connection()
+    con.execute(f"ATTACH '{tmp_path / 's' / 'catalog.duckdb'}' AS tl_catalog")
+    catalog._ENGINE.attached = True
+    store.record(InPlaceAfter(), torch.randn(4, 8), name="s")
+    assert not catalog._ENGINE.attached
+    assert con.execute("SELECT count(*) FROM duckdb_databases() "
+                       "WHERE database_name = 'tl_catalog'").fetchone() == (0,)
+    assert set(store.runs()["name"]) == {"r", "s"}
+
+
 def test_what_the_user_writes_after_a_step_is_not_stored(tmp_path: Path) -> None:
     """Large tensors are written from the forward's own memory while the next steps
     run; a step's output (and input) that the caller writes in place after the step,
