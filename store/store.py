@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -310,8 +312,15 @@ class Store:
             self._mirror = CatalogMirror(self.paths)
         return self._mirror
 
-    def _query(self, sql: str, params: list[Any] | None = None) -> Any:
-        return self._catalog_mirror.query(sql, params)
+    def _query(self, sql: str, params: list[Any] | None = None,
+               runs: Collection[int] | None = None) -> Any:
+        """``sql`` on the catalog mirror; ``runs``: the only runs whose rows it reads
+        (``()``: the runs table alone), so that the mirror copies no others (None: any)."""
+        return self._catalog_mirror.query(sql, params, runs)
+
+    def _run_query(self, run_id: int) -> Callable[..., Any]:
+        """``_query`` for SQL that reads the rows of run ``run_id`` only."""
+        return functools.partial(self._query, runs=(run_id,))
 
     # -- recording ------------------------------------------------------------------------
 
@@ -345,7 +354,7 @@ class Store:
     # -- reading --------------------------------------------------------------------------
 
     def _run_info(self, where: str, params: list[Any]) -> dict[str, Any] | None:
-        cursor = self._query(f"SELECT * FROM runs WHERE {where}", params)
+        cursor = self._query(f"SELECT * FROM runs WHERE {where}", params, ())
         row = cursor.fetchone()
         if row is None:
             return None
@@ -356,13 +365,14 @@ class Store:
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
             if name is None:
-                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id]).fetchone()
+                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id],
+                                  ()).fetchone()
                 name = row[0] if row else str(run_id)
             arrays = self._open_arrays[run_id] = RunArrays(self.paths.tensors(run_id), name)
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
-        return Run(info, self._arrays(info["id"], info["name"]), self._query)
+        return Run(info, self._arrays(info["id"], info["name"]), self._run_query(info["id"]))
 
     def __getitem__(self, name: str) -> Run:
         if not isinstance(name, str):
@@ -370,7 +380,7 @@ class Store:
         info = self._run_info("name = ? AND status = ?", [name, COMPLETE])
         if info is None:
             known = [r[0] for r in self._query(
-                "SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()]
+                "SELECT name FROM runs WHERE status = ?", [COMPLETE], ()).fetchall()]
             raise RunNotFoundError(name, known)
         return self._open_run(info)
 
@@ -383,7 +393,7 @@ class Store:
 
     def __len__(self) -> int:
         return int(self._query("SELECT count(*) FROM runs WHERE status = ?",
-                               [COMPLETE]).fetchone()[0])
+                               [COMPLETE], ()).fetchone()[0])
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and
@@ -393,7 +403,7 @@ class Store:
         df = self._query(
             "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
             f"torch_version, meta FROM runs WHERE {where} ORDER BY id",
-            [COMPLETE if not all else COLLECTED]).df()
+            [COMPLETE if not all else COLLECTED], ()).df()
         if all and len(df):
             df["status"] = [
                 INTERRUPTED if s == RECORDING and not _alive(self.paths, i) else s
@@ -433,7 +443,7 @@ class Store:
         freed = 0
         for run_id in dead:
             freed += _remove(self.paths.run_dir(run_id))
-        known = {int(r[0]) for r in self._query("SELECT id FROM runs").fetchall()}
+        known = {int(r[0]) for r in self._query("SELECT id FROM runs", None, ()).fetchall()}
         orphans = 0
         for entry in self.paths.runs.iterdir():
             if entry.name.isdigit() and int(entry.name) not in known | set(dead) and not \
@@ -446,8 +456,8 @@ class Store:
         """Check every chunk's checksum and that catalog and arrays agree."""
         report = VerifyReport()
         for info in self._query("SELECT * FROM runs WHERE status = ? ORDER BY id",
-                                [COMPLETE]).df().to_dict("records"):
-            verify_run(self._open_run(info), self._query, report)
+                                [COMPLETE], ()).df().to_dict("records"):
+            verify_run(self._open_run(info), self._run_query(info["id"]), report)
         return report
 
     def close(self) -> None:

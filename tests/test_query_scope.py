@@ -98,3 +98,19 @@ def test_scoped_mirror_follows_new_deleted_and_overwritten_runs(root: Path) -> N
     per_run = store.query("select run, count(*) as n from ops group by run order by run")
     assert [(row["run"], row["n"]) for row in per_run] == [(name, n[0]["n"]) for name in NAMES]
     assert _loaded(store) == set(NAMES)
+
+
+def test_listing_runs_and_reading_one_copy_only_that_run(root: Path) -> None:
+    store = tl.open(root, create=False)
+    assert store.runs()["name"].tolist() == NAMES
+    assert len(store) == 4 and "r2" in store and "nosuch" not in store
+    assert _loaded(store) == set()
+    run = store["r2"]
+    model, (x,) = mlp()
+    assert torch.equal(run["relu_1_2"].out, torch.relu(model[0](x * 3)))
+    assert _loaded(store) == {"r2"}
+    with pytest.raises(tl.RunNotFoundError):
+        store["nosuch"]
+    assert _loaded(store) == {"r2"}
+    assert store.verify().ok
+    assert _loaded(store) == set(NAMES)  # verify reads each run's rows
