@@ -10,14 +10,16 @@ std, min, max, absmax and l2, and are counted in ``nan_count``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["GATHER_MAX", "Stats", "StatsGatherer", "combine_stats", "compute_stats",
-           "gathered_values", "partial_stats", "segment_moments", "segment_stats"]
+__all__ = ["GATHER_MAX", "UNSIGNED", "Stats", "StatsGatherer", "combine_stats",
+           "compute_stats", "gatherable", "gathered_values", "partial_stats",
+           "segment_moments", "segment_stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,7 @@ _SLICE = 1 << 20  # elements per slice of the careful std pass
 #: a share of a few segmented numpy reductions): cheaper than reducing each on its own.
 GATHER_MAX = 16 << 10
 #: Unsigned integers of each element width: how gathered bytes are viewed.
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: dtypes numpy converts to float64 itself (the rest go through torch).
 _NATIVE = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
            torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
@@ -292,10 +294,11 @@ def gathered_values(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return torch.from_numpy(bits).view(dtype).to(torch.float64).numpy()  # bf16, fp8, bool
 
 
+@functools.cache
 def gatherable(dtype: torch.dtype) -> bool:
     """Whether tensors of ``dtype`` can have their statistics gathered (real dtypes whose
     elements numpy can view as unsigned integers of their width)."""
-    return not dtype.is_complex and dtype.itemsize in _UNSIGNED
+    return not dtype.is_complex and dtype.itemsize in UNSIGNED
 
 
 class _Stage:
@@ -357,7 +360,7 @@ class StatsGatherer:
             return
         item = dtype.itemsize
         counts = np.array(stage.sizes, dtype=np.int64) // item
-        bits = stage.buffer[:stage.used].view(_UNSIGNED[item])
+        bits = stage.buffer[:stage.used].view(UNSIGNED[item])
         moments, good = segment_moments(gathered_values(bits, dtype), counts)
         starts = (np.cumsum(counts) - counts).tolist()
         done = self._done

@@ -13,7 +13,6 @@ so peak memory does not grow with the size of the capture.
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
 import shutil
 import threading
@@ -29,9 +28,13 @@ from tracelake.recorder.emit import SelectingEmitter, storage_address, tensor_ve
 from tracelake.recorder.entries import SHAPE, OpTable
 from tracelake.recorder.selectors import Selector
 from tracelake.recorder.stats import (
+    GATHER_MAX,
+    UNSIGNED,
     Stats,
     combine_stats,
     compute_stats,
+    gatherable,
+    gathered_values,
     partial_stats,
     segment_moments,
 )
@@ -358,19 +361,10 @@ class TensorWriter:
         return self._buffers.waits
 
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_GATHER_MAX = 16 << 10  # bytes
 _STAT_FIELDS = tuple(f.name for f in fields(Stats))
 # A chunk's statistics: (slots, their (k, 7) moments from segment_moments) per batch,
 # and the tensors computed one by one.
 _ChunkStats = tuple[list[tuple[np.ndarray, np.ndarray]], dict[int, Stats]]
-
-
-@functools.cache
-def _gathered(dtype: torch.dtype) -> bool:
-    """Whether tiny tensors of ``dtype`` get their statistics in one batch (real dtypes
-    whose elements numpy can view as unsigned integers of their width)."""
-    return not dtype.is_complex and dtype.itemsize in _UNSIGNED
 
 
 def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
@@ -398,11 +392,11 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
     chosen = np.array(members, dtype=np.int64)
     # Gathering pays for tiny tensors (one numpy pass instead of torch calls each); a
     # larger one is cheaper through compute_stats's reductions on its own view.
-    tiny = (sizes > 0) & (sizes <= _GATHER_MAX)
+    tiny = (sizes > 0) & (sizes <= GATHER_MAX)
     batches = []
     for code, dtype in enumerate(dtypes):
         mine = dtype_of == code if len(dtypes) > 1 else np.ones(count, dtype=bool)
-        batch = mine & tiny if _gathered(dtype) else np.zeros(count, dtype=bool)
+        batch = mine & tiny if gatherable(dtype) else np.zeros(count, dtype=bool)
         for k in np.flatnonzero(mine & ~batch).tolist():
             singles[members[k]] = single(members[k])
         if not batch.any():
@@ -411,13 +405,8 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
         starts, counts = offsets[batch] // item, sizes[batch] // item
         ends = np.cumsum(counts)
         index = np.arange(int(ends[-1])) + np.repeat(starts - (ends - counts), counts)
-        bits = buffer.view(_UNSIGNED[item])[index]
-        native = numpy_dtype(dtype)
-        if native is not None and dtype is not torch.bool:
-            values = bits.view(native).astype(np.float64)
-        else:  # bfloat16, float8, bool: torch knows them
-            values = torch.from_numpy(bits).view(dtype).to(torch.float64).numpy()
-        moments, good = segment_moments(values, counts)
+        bits = buffer.view(UNSIGNED[item])[index]
+        moments, good = segment_moments(gathered_values(bits, dtype), counts)
         batch_slots = chosen[batch]
         batches.append((batch_slots[good], moments[good]))
         for slot in batch_slots[~good].tolist():
