@@ -97,12 +97,15 @@ def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float]:
         x = _real(x.detach())
         low, high = torch.aminmax(x)
         f64 = torch.float64
-        parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64),
-                 torch.count_nonzero(x).to(f64)]
-        total = _numpy_sum64(x)
+        parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64)]
+        total, nonzero = _numpy_sum64(x), _numpy_nonzero(x)
+        if nonzero is None:
+            parts.append(torch.count_nonzero(x).to(f64))
         if total is None:
             parts.append(x.sum(dtype=f64))
-        l2, min_, max_, nonzero, *rest = torch.stack(parts).tolist()
+        l2, min_, max_, *rest = torch.stack(parts).tolist()
+        if nonzero is None:
+            nonzero = rest.pop(0)
         return rest[0] if total is None else total, l2, min_, max_, nonzero
 
 
@@ -154,6 +157,19 @@ def _numpy_sum64(x: torch.Tensor) -> float | None:
         try:
             with np.errstate(all="ignore"):  # inf - inf: NaN, as torch gives, silently
                 return float(np.add.reduce(x.reshape(-1).numpy(), dtype=np.float64))
+        except (RuntimeError, TypeError):  # e.g. a tensor with the negative bit set
+            return None
+    return None
+
+
+def _numpy_nonzero(x: torch.Tensor) -> float | None:
+    """How many elements of a CPU tensor are not zero, counted by numpy: torch's
+    count_nonzero took 6.3 ms for a 4 MiB float32 chunk of a ReLU's output (half zeros,
+    in no order), numpy 0.9 (a store's workers count every chunk they write). ``None``
+    where numpy cannot see the tensor: torch's count, with the other reductions."""
+    if x.device.type == "cpu" and type(x) is torch.Tensor:
+        try:
+            return float(np.count_nonzero(x.numpy()))
         except (RuntimeError, TypeError):  # e.g. a tensor with the negative bit set
             return None
     return None
