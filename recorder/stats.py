@@ -12,7 +12,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,29 +74,48 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         x = _real(x)
         if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
             return _small_stats(x.reshape(-1).tolist())
-        return _finish(x, numel, *partial_stats(x))
+        total, l2, low, high, nonzero, m2, _ = partial_stats(x)
+        return _finish(x, numel, total, l2, low, high, nonzero, m2)
 
 
 def combine_stats(tensor: torch.Tensor, partials: list[tuple[float, ...]]) -> Stats:
     """:func:`compute_stats` of ``tensor`` from the :func:`partial_stats` of parts that
     partition its elements: how a store's worker gets the statistics of a large tensor
     from the chunks it writes, each reduced while it is in cache (one pass over memory
-    instead of five). Complex and empty tensors: compute_stats itself."""
+    instead of five; a part's spread about its own mean too, so that ``std`` needs no
+    second pass over the tensor however its mean dwarfs its spread). Complex and empty
+    tensors: compute_stats itself."""
     with torch.no_grad():
         x = tensor.detach()
         numel = x.numel()
         if numel <= _SMALL or x.is_complex() or not partials:
             return compute_stats(x)
-        totals, norms, lows, highs, nonzeros = zip(*partials, strict=True)
+        totals, norms, lows, highs, nonzeros, spreads, counts = zip(*partials, strict=True)
+        total = math.fsum(totals)
+        mean = total / numel
+        # Chan et al.'s pairwise update: the parts' squared deviations about their own
+        # means, plus what their means' distances from the whole's add.
+        m2 = math.fsum(spreads) + math.fsum(
+            n * (t / n - mean) ** 2 for t, n in zip(totals, counts, strict=True))
         l2 = math.sqrt(math.fsum(n * n for n in norms))
-        return _finish(x, numel, math.fsum(totals), l2, min(lows), max(highs), sum(nonzeros))
+        return _finish(x, numel, total, l2, _nan_or(min, lows), _nan_or(max, highs),
+                       sum(nonzeros), m2)
 
 
-def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float]:
-    """(sum, l2 norm, min, max, nonzeros) of a real tensor, with one host sync: the sum
-    accumulated in float64, min and max NaN when there is one."""
+def _nan_or(pick: Any, values: tuple[float, ...]) -> float:
+    """``pick(values)``, NaN if one of them is (Python's min and max keep a NaN only
+    when it comes first)."""
+    return math.nan if any(v != v for v in values) else pick(values)
+
+
+def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, float, int]:
+    """(sum, l2 norm, min, max, nonzeros, squared deviations from its mean, elements) of
+    a real tensor, with one host sync (and a second pass over ``x`` while it is in cache
+    when its mean dwarfs its spread): the sum accumulated in float64, min and max NaN
+    when there is one (the deviations then NaN too)."""
     with torch.no_grad():
         x = _real(x.detach())
+        numel = x.numel()
         low, high = torch.aminmax(x)
         f64 = torch.float64
         parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64)]
@@ -106,7 +127,16 @@ def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float]:
         l2, min_, max_, *rest = torch.stack(parts).tolist()
         if nonzero is None:
             nonzero = rest.pop(0)
-        return rest[0] if total is None else total, l2, min_, max_, nonzero
+        if total is None:
+            total = rest[0]
+        m2 = math.nan
+        if math.isfinite(min_) and math.isfinite(max_):
+            if not math.isfinite(l2):  # squares overflowed a float dtype
+                l2 = torch.linalg.vector_norm(x, dtype=f64).item()
+            if not math.isfinite(total):
+                total = x.sum(dtype=f64).item()
+            m2 = _std(x, numel, total / numel, l2) ** 2 * numel
+        return total, l2, min_, max_, nonzero, m2, numel
 
 
 def _real(x: torch.Tensor) -> torch.Tensor:
@@ -120,20 +150,15 @@ def _real(x: torch.Tensor) -> torch.Tensor:
 
 
 def _finish(x: torch.Tensor, numel: int, total: float, l2: float, min_: float, max_: float,
-            nonzero: float) -> Stats:
-    """Stats from the reductions of (all of) ``x``; ``x`` itself only for the rare
-    second looks: NaN/Inf counts, overflowed squares, a mean that dwarfs the spread."""
+            nonzero: float, m2: float) -> Stats:
+    """Stats from the reductions of (all of) ``x`` (``m2``: the squared deviations from
+    its mean); ``x`` itself only to count NaN and Inf, when min or max shows some."""
     nans = infs = 0
     if not (math.isfinite(min_) and math.isfinite(max_)):  # min/max propagate NaN
         nans = int(torch.isnan(x).sum().item())
         infs = int(torch.isinf(x).sum().item())
-    else:
-        if not math.isfinite(l2):  # squares overflowed a float dtype
-            l2 = torch.linalg.vector_norm(x, dtype=torch.float64).item()
-        if not math.isfinite(total):
-            total = x.sum(dtype=torch.float64).item()
     mean = total / numel
-    std = _std(x, numel, mean, l2) if not (nans or infs) else math.nan
+    std = math.sqrt(max(m2, 0.0) / numel) if not (nans or infs) else math.nan
     return Stats(
         mean=mean,
         std=std,
@@ -209,18 +234,34 @@ def _std(x: torch.Tensor, numel: int, mean: float, l2: float) -> float:
     shift = torch.tensor(mean, dtype=_real(flat[:1]).dtype).item()
     squares = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, numel, _SLICE):
-        part = _real(flat[start:start + _SLICE]) - shift
-        if part.dtype is torch.float32 and part.device.type == "cpu":
-            # squared in float32, summed in float64 by numpy: 13 ms for 32 MiB where
-            # torch's float64 norm took 19 (it converts element by element)
+        real = _real(flat[start:start + _SLICE])
+        if real.dtype is torch.float32 and real.device.type == "cpu" and \
+                type(real) is torch.Tensor and not real.is_neg():
+            # shifted and squared in float32 in a scratch buffer of this thread's (fresh
+            # memory for each temporary cost a store's worker more than the arithmetic),
+            # summed in float64 by numpy: where torch's float64 norm converts element by
+            # element
+            part = _scratch(real.numel())
             with np.errstate(over="ignore"):
-                total = float(np.add.reduce(np.square(part.numpy()), dtype=np.float64))
+                np.subtract(real.numpy(), np.float32(shift), out=part)
+                total = float(np.add.reduce(np.square(part, out=part), dtype=np.float64))
             if math.isfinite(total):  # else a square overflowed float32: float64 below
                 squares += total
                 continue
-        squares += torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+        squares += torch.linalg.vector_norm(real - shift, dtype=torch.float64) ** 2
     variance = squares.item() / numel - (mean - shift) ** 2
     return math.sqrt(max(variance, 0.0))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """``n`` float32s of this thread's scratch memory (up to ``_SLICE``, kept)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or len(buffer) < n:
+        buffer = _SCRATCH.buffer = np.empty(max(n, 1 << 16), dtype=np.float32)
+    return buffer[:n]
 
 
 def _complex_stats(magnitude: torch.Tensor, numel: int) -> Stats:

@@ -163,3 +163,35 @@ def test_gathered_stats_are_compute_stats_numbers(parts: list[tuple[torch.dtype,
         for name in ("mean", "min", "max", "absmax", "l2"):
             assert close(getattr(have, name), getattr(want, name), 1e-5, scale), name
         assert close(have.std, want.std, 1e-4, scale), "std"
+
+
+@settings(max_examples=60, deadline=None)
+@given(offset=st.sampled_from([0.0, 1.0, 1e3, -1e4]), scale=st.floats(1e-3, 10),
+       n=st.integers(70, 3000), parts=st.integers(1, 7),
+       bad=st.sampled_from([None, math.nan, math.inf]), where=st.floats(0, 0.999))
+def test_stats_combined_from_parts_match_the_whole(offset: float, scale: float, n: int,
+                                                   parts: int, bad: float | None,
+                                                   where: float) -> None:
+    """A store's workers reduce each chunk of a large tensor as they write it and combine
+    the parts' moments (std included, with no second pass even when the mean dwarfs the
+    spread); a NaN or Inf in any part, not only the first, is counted."""
+    from tracelake.recorder.stats import combine_stats, partial_stats
+
+    rng = np.random.default_rng(n)
+    values = (offset + scale * rng.standard_normal(n)).astype(np.float32)
+    if bad is not None:
+        values[int(where * n)] = bad
+    x = torch.from_numpy(values)
+    cuts = sorted({0, n, *rng.integers(1, n, parts - 1).tolist()})
+    got = combine_stats(x, [partial_stats(x[a:b]) for a, b in zip(cuts, cuts[1:])])
+    want = reference(values)
+    assert (got.nan_count, got.inf_count) == (want["nan_count"], want["inf_count"])
+    if bad is not None:
+        assert math.isnan(got.std)
+        return
+    assert got.min == want["min"] and got.max == want["max"]
+    assert got.mean == pytest.approx(want["mean"], rel=1e-12, abs=1e-12)
+    assert got.std == pytest.approx(want["std"], rel=1e-5)
+    assert got == compute_stats(x) or all(
+        getattr(got, f) == pytest.approx(getattr(compute_stats(x), f), rel=1e-5)
+        for f in ("mean", "std", "l2"))
