@@ -37,6 +37,7 @@ from .schema import (
     COLUMNS,
     FUNCTIONS,
     HIDDEN,
+    HIDDEN_COLUMNS,
     REDUCTIONS,
     STATS,
     TABLE_NAMES,
@@ -86,9 +87,6 @@ class PointLookup:
 #: Columns of ops a point lookup can select: the op index's fields (``run``: by its id).
 _POINT_COLUMNS = frozenset({"run", "step", "idx", "label", "tensor", "array", "byte_offset",
                             "nbytes", "shape", "dtype"})
-#: The op index's field behind each hidden column (see ``_Compiler._select``).
-_HIDDEN_FIELDS = ("run_id", "step", "tensor", "array", "byte_offset", "nbytes", "shape",
-                  "dtype")
 
 
 @dataclass(frozen=True)
@@ -304,7 +302,7 @@ class _Compiler:
             else:
                 return None
         if self.tensors:
-            fields += _HIDDEN_FIELDS
+            fields += HIDDEN_COLUMNS.values()  # the index's fields are ops columns
         start = self._count(q.offset) or 0
         limit = self._count(q.limit)
         return PointLookup(self.runs.get(run, 0), label, tuple(fields), start,
@@ -353,11 +351,8 @@ class _Compiler:
                 parts.append(f"{sql} AS {ident(name)}")
                 names.append(name)
         if self.tensors:
-            a = self.alias
-            parts += [f'{a}."run_id" AS "__run_id"', f'{a}."step" AS "__step"',
-                      f'{a}."tensor" AS "__tensor"', f'{a}."array" AS "__array"',
-                      f'{a}."byte_offset" AS "__offset"', f'{a}."nbytes" AS "__nbytes"',
-                      f'{a}."shape" AS "__shape"', f'{a}."dtype" AS "__dtype"']
+            parts += [f"{self.alias}.{ident(column)} AS {ident(name)}"
+                      for name, column in HIDDEN_COLUMNS.items()]
         return ", ".join(parts), names
 
     def _from(self) -> tuple[str, list[Any]]:

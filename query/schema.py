@@ -15,7 +15,8 @@ from typing import Literal
 from tracelake.store.catalog import TABLES
 
 __all__ = [
-    "AGGREGATES", "COLUMNS", "FUNCTIONS", "HIDDEN", "REDUCTIONS", "STATS", "TABLE_NAMES",
+    "AGGREGATES", "COLUMNS", "FUNCTIONS", "HIDDEN", "HIDDEN_COLUMNS", "REDUCTIONS", "STATS",
+    "TABLE_NAMES",
     "Kind", "closest", "ident", "json_path", "star",
 ]
 
@@ -36,8 +37,11 @@ FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES)))
 
 #: Columns the SQL adds after the visible ones when a query selects tensors: what the
 #: executor needs to read them (the ``tensor`` slot is NULL for unsaved ops).
-HIDDEN = ("__run_id", "__step", "__tensor", "__array", "__offset", "__nbytes", "__shape",
-          "__dtype")
+#: Each hidden column's name and the ops column it holds.
+HIDDEN_COLUMNS = {"__run_id": "run_id", "__step": "step", "__tensor": "tensor",
+                  "__array": "array", "__offset": "byte_offset", "__nbytes": "nbytes",
+                  "__shape": "shape", "__dtype": "dtype"}
+HIDDEN = tuple(HIDDEN_COLUMNS)
 
 
 def _split(definition: str) -> Iterable[tuple[str, str]]:

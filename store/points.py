@@ -6,12 +6,12 @@ about 1 ms of fixed cost for a statement of that shape, even over a table of one
 plus a scan of the run's row group. This index answers it from memory in microseconds.
 
 It keeps, for every op row of the mirror's complete runs, only what locates its tensor
-(``FIELDS``), as numpy columns sorted by ``(run_id, label)``: 52 bytes a row, strings
+(``FIELDS``), as numpy columns sorted by ``(run_id, label)``: 48 bytes a row, strings
 and shapes as codes into lists of their distinct values. Runs are indexed when a lookup
 first needs them (one query of the mirror for all the runs not indexed yet, one segment
 per such batch); runs that left the catalog are dropped from their segments at the
 refresh that saw them go. A store never asked such a query twice pays nothing: on 1,000
-runs of 877 ops, the index took ~0.3 s to build and 44 MiB (the mirror: 51).
+runs of 877 ops, the index took ~0.3 s to build and 40 MiB (the mirror: 51).
 """
 
 from __future__ import annotations
@@ -68,25 +68,23 @@ class _Codes:
 class _Segment:
     """The rows of some runs, every column in ``(run_id, label code)`` order."""
 
-    __slots__ = ("columns", "keys", "run_ids")
+    __slots__ = ("columns", "keys")
 
-    def __init__(self, keys: np.ndarray, columns: dict[str, np.ndarray], run_ids: np.ndarray):
-        self.keys = keys
+    def __init__(self, keys: np.ndarray, columns: dict[str, np.ndarray]):
+        self.keys = keys  # run id << 32 | label code (-1: no label)
         self.columns = columns
-        self.run_ids = run_ids
 
     def find(self, key: int) -> range:
         lo, hi = self.keys.searchsorted([key, key + 1])
         return range(int(lo), int(hi))
 
     def without(self, gone: np.ndarray) -> _Segment | None:
-        keep = ~np.isin(self.run_ids, gone)
+        keep = ~np.isin(self.keys >> 32, gone)
         if keep.all():
             return self
         if not keep.any():
             return None
-        return _Segment(self.keys[keep], {k: v[keep] for k, v in self.columns.items()},
-                        self.run_ids[keep])
+        return _Segment(self.keys[keep], {k: v[keep] for k, v in self.columns.items()})
 
 
 class OpIndex:
@@ -165,4 +163,4 @@ class OpIndex:
             "shape": self._shapes.encode(rows.column("shape")).astype(np.int32)[order],
             "dtype": self._dtypes.encode(rows.column("dtype")).astype(np.int32)[order],
         }
-        self._segments.append(_Segment(keys[order], columns, run_of[order].astype(np.int32)))
+        self._segments.append(_Segment(keys[order], columns))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -183,7 +184,7 @@ def test_stats_combined_from_parts_match_the_whole(offset: float, scale: float, 
         values[int(where * n)] = bad
     x = torch.from_numpy(values)
     cuts = sorted({0, n, *rng.integers(1, n, parts - 1).tolist()})
-    got = combine_stats(x, [partial_stats(x[a:b]) for a, b in zip(cuts, cuts[1:])])
+    got = combine_stats(x, [partial_stats(x[a:b]) for a, b in itertools.pairwise(cuts)])
     want = reference(values)
     assert (got.nan_count, got.inf_count) == (want["nan_count"], want["inf_count"])
     if bad is not None:
