@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup demo test bench lint clean
 
-$(STAMP): pyproject.toml
+# recorder/_hot.c is compiled by the editable install: a change to it needs a reinstall.
+$(STAMP): pyproject.toml recorder/_hot.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel on this disk. Installed later, a bare `torch`

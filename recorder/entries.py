@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from . import compiled
 from .stats import Stats
 
 __all__ = [
@@ -78,16 +79,19 @@ class OpTable:
 
     def finish(self) -> None:
         """Write the final labels: a layer's label, with ``:pass`` if it ran several."""
+        hot = compiled.hot()
+        if hot is not None:
+            self.labels = hot.labels(self.rows, self.passes)
+            return
         passes = self.passes
         labels: list[str] = []
         append = labels.append
-        layer_label = _layer_label
         for index, (func, _, _, _, _, _, _, _, _, _, inplace, _, layer, pass_num, n_func,
                     n_layer) in enumerate(self.rows):
             if layer != index:
                 append(f"{labels[layer][:-2]}:{pass_num}")
                 continue
-            label = layer_label(func, inplace, n_func, n_layer)
+            label = _layer_label(func, inplace, n_func, n_layer)
             append(f"{label}:1" if layer in passes else label)
         self.labels = labels
 

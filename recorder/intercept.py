@@ -20,6 +20,9 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from tracelake.errors import NestedTraceError
 
+from . import compiled
+from .compiled import _hot
+
 __all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
 
 _Tensor = torch.Tensor
@@ -42,6 +45,10 @@ class Events(Protocol):
 
     def on_module_exit(self, module: torch.nn.Module, output: Any) -> None:
         """A module's forward returned (or raised: then ``output`` is ``None``)."""
+
+    # Optional: ``fused_state()`` returns what the compiled hot path needs to do
+    # ``on_call``'s work itself (see labels.Labeller.fused_state); without it, every
+    # call goes through ``on_call``.
 
 
 # Binary operators whose dunder spelling maps onto the torch function's name.
@@ -149,6 +156,13 @@ def _writes(name: str) -> bool:
     return name[-1] == "_" or name == "setitem"
 
 
+#: func -> (name, writes), decided once per function object and process: torch's
+#: functions live as long as torch, so the next recording starts warm. Bounded, in case a
+#: program makes new function objects on the fly.
+_FUNCS: dict[Any, tuple[str, bool]] = {}
+_FUNCS_MAX = 10_000
+
+
 class _Mode(TorchFunctionMode):
     """The private interception mode. torch disables it while its handler runs, so the
     recorder's own torch calls (copies, statistics) are never recorded."""
@@ -158,8 +172,9 @@ class _Mode(TorchFunctionMode):
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
-        #: func -> (name, writes), decided once per function object.
-        self._funcs: dict[Any, tuple[str, bool]] = {}
+        if len(_FUNCS) > _FUNCS_MAX:
+            _FUNCS.clear()
+        self._funcs = _FUNCS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Runs once per torch call of the user's forward pass: kept lean.
@@ -182,8 +197,18 @@ class _Mode(TorchFunctionMode):
                 self._before_write(name, args, kwargs)
             out = func(*args)
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
-            tensors: Any = (out,)
-        elif isinstance(out, (tuple, list)):
+            try:
+                self._on_call(name, args, kwargs, (out,), writes)
+            except Exception as exc:  # never break the user's forward pass
+                self._on_error(name, exc)
+            return out
+        return self._record_outputs(name, func, args, kwargs, out, writes)
+
+    def _record_outputs(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any,
+                        writes: bool) -> Any:
+        """A call that returned something other than one tensor (the compiled path
+        hands these here too): its tensors, if any, are recorded."""
+        if isinstance(out, (tuple, list)):
             tensors = tuple(flatten_tensors(out))
             if not tensors:
                 return out
@@ -204,6 +229,23 @@ class _Mode(TorchFunctionMode):
             self._on_error(name, exc)
 
 
+if _hot is not None:
+
+    class _FusedMode(_hot.Fused, _Mode):
+        """The mode whose ``__torch_function__`` is compiled (recorder/_hot.c). It
+        records the common call (a function named before, no in-place write, tensor and
+        scalar arguments, one tensor out, outside a repeated module call) and hands
+        every other call to ``_Mode.__torch_function__``."""
+
+        def bind(self, fused_state: tuple) -> None:  # type: ignore[override]
+            """Point the compiled path at the labeller's state (for one recording)."""
+            state, producers, refs, params, rows, shapes, counts, codes, classify, emit = (
+                fused_state)
+            super().bind(state, self._funcs, producers, refs, params, rows, shapes, counts,
+                         codes, classify, emit, _Mode.__torch_function__,
+                         _Mode._record_outputs, self._on_error, _Tensor)
+
+
 class Interceptor:
     """Context manager: push the mode and register global module hooks for one thread.
 
@@ -213,7 +255,9 @@ class Interceptor:
     def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
         self._events = events
         self._on_error = on_error
-        self._mode = _Mode(events, on_error)
+        self._fused_state = getattr(events, "fused_state", None) if compiled.ENABLED else None
+        self._mode: Any = (_FusedMode if self._fused_state is not None else _Mode)(events,
+                                                                                 on_error)
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._entered = False
@@ -255,6 +299,8 @@ class Interceptor:
             self._handles.append(
                 nn_module.register_module_forward_hook(self._post_hook, always_call=True)
             )
+            if self._fused_state is not None:
+                self._mode.bind(self._fused_state())
             self._mode.__enter__()
         except BaseException:
             self._remove_hooks()
@@ -265,6 +311,8 @@ class Interceptor:
         try:
             self._mode.__exit__(*exc_info)
         finally:
+            if self._fused_state is not None:
+                self._mode.unbind()
             self._remove_hooks()
 
     def _remove_hooks(self) -> None:

@@ -144,6 +144,14 @@ class Labeller:
 
     # -- events from the interceptor ---------------------------------------------------
 
+    def fused_state(self) -> tuple:
+        """What the compiled hot path (recorder/_hot.c) needs to do ``on_call``'s work for
+        the common call: this object's ``__dict__`` (it reads ``_root`` and
+        ``_stack_key`` and advances ``_n_layers`` there, so both paths share them) and the
+        containers it reads and appends to."""
+        return (self.__dict__, self._producers, self._refs, self._params, self._rows,
+                self._shapes, self._func_counts, self._codes, self._classify, self._emit)
+
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         written = kwargs.get("out") if kwargs else None
         if written is None and args:

@@ -1,0 +1,671 @@
+/* The recorder's hot path, compiled: one torch call of the user's forward pass.
+ *
+ * ``Fused.__torch_function__`` is the fusion of two Python functions, for the common
+ * call only: ``intercept._Mode.__torch_function__`` (name the function, call it) and
+ * ``labels.Labeller.on_call`` (parents, source site, shape, layer numbers, one row).
+ * The common call is: a function already named, that writes nothing in place, whose
+ * arguments are tensors and scalars (no tensors inside lists), outside any repeated
+ * module call, returning one tensor. Every other call goes to the Python code, which
+ * stays the reference: tests/test_fused.py checks that both give the same tables.
+ *
+ * Rows are built exactly as ``Labeller.on_call`` builds them (see entries.py for the
+ * fields). The labeller's changing state (``_root``, ``_stack_key``, ``_n_layers``) is
+ * read from and written to its ``__dict__``, so the Python code and this one share it.
+ * A failure after the call is reported to ``on_error`` and never reaches the forward
+ * pass, as in Python. Python 3.11+ C API only; no torch headers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define MAX_ITEMS 16 /* parents or parameters per call handled here; more go to Python */
+
+static PyObject *str_root, *str_stack_key, *str_n_layers, *str_shape, *str_dtype,
+    *str_device, *str_op, *str_out, *str_inplace;
+static PyObject *int_zero, *int_one, *int_minus_one, *empty_tuple;
+static PyObject *single_where[MAX_ITEMS]; /* (0,), (1,), ...: shared like labels._SINGLE */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *state;     /* the labeller's __dict__ */
+    PyObject *funcs;     /* func -> (name, writes) */
+    PyObject *producers; /* id(tensor) -> row index */
+    PyObject *refs;      /* row index -> weakref to its tensor */
+    PyObject *params;    /* id(parameter or buffer) -> name */
+    PyObject *rows;
+    PyObject *shapes;    /* torch.Size -> shared tuple */
+    PyObject *counts;    /* func name -> layers so far */
+    PyObject *codes;     /* id(code) -> False | {offset: (code, offset)} */
+    PyObject *classify;  /* code -> what codes[id(code)] becomes */
+    PyObject *emit;      /* (index, tensor, -1) or None */
+    PyObject *slow;      /* the Python __torch_function__, unbound */
+    PyObject *record;    /* the Python handling of non-tensor outputs, unbound */
+    PyObject *on_error;  /* (what, exception) */
+    PyObject *tensor_type;
+    /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
+     * exactly that type (they are data descriptors: nothing on the instance hides them) */
+    PyObject *get_shape, *get_dtype, *get_device;
+} Fused;
+
+#define FIELDS(X)                                                                        \
+    X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
+        X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
+            X(get_shape) X(get_dtype) X(get_device)
+
+static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int Fused_clear(Fused *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void Fused_dealloc(Fused *self) {
+    PyObject_GC_UnTrack(self);
+    Fused_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Fused_bind(Fused *self, PyObject *args) {
+    PyObject *v[15];
+    if (!PyArg_UnpackTuple(args, "bind", 15, 15, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                           &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
+                           &v[14]))
+        return NULL;
+    if (!PyDict_Check(v[0]) || !PyDict_Check(v[1]) || !PyDict_Check(v[2]) ||
+        !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5]) ||
+        !PyDict_Check(v[6]) || !PyDict_Check(v[7]) || !PyDict_Check(v[8]) ||
+        !PyType_Check(v[14])) {
+        PyErr_SetString(PyExc_TypeError, "Fused.bind: wrong container types");
+        return NULL;
+    }
+    PyObject *getters[3];
+    PyObject *names[3] = {str_shape, str_dtype, str_device};
+    for (int k = 0; k < 3; k++) {
+        getters[k] = PyObject_GetAttr(v[14], names[k]);
+        if (getters[k] && !Py_TYPE(getters[k])->tp_descr_get) Py_CLEAR(getters[k]);
+        if (!getters[k]) {
+            for (int j = 0; j < k; j++) Py_DECREF(getters[j]);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Fused.bind: tensor getters not found");
+            return NULL;
+        }
+    }
+    Fused_clear(self);
+    PyObject **slots[15] = {&self->state, &self->funcs, &self->producers, &self->refs,
+                            &self->params, &self->rows, &self->shapes, &self->counts,
+                            &self->codes, &self->classify, &self->emit, &self->slow,
+                            &self->record, &self->on_error, &self->tensor_type};
+    for (int k = 0; k < 15; k++) {
+        Py_INCREF(v[k]);
+        *slots[k] = v[k];
+    }
+    self->get_shape = getters[0];
+    self->get_dtype = getters[1];
+    self->get_device = getters[2];
+    Py_RETURN_NONE;
+}
+
+static PyObject *Fused_unbind(Fused *self, PyObject *Py_UNUSED(ignored)) {
+    Fused_clear(self);
+    Py_RETURN_NONE;
+}
+
+/* The whole call, in Python: slow(self, *a, **kw). */
+static PyObject *call_slow(Fused *self, PyObject *slow, PyObject *const *a, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *small[8];
+    PyObject **stack = small;
+    if (nargs + nkw + 1 > 8) {
+        stack = PyMem_Malloc((nargs + nkw + 1) * sizeof(PyObject *));
+        if (!stack) return PyErr_NoMemory();
+    }
+    stack[0] = (PyObject *)self;
+    for (Py_ssize_t k = 0; k < nargs + nkw; k++) stack[k + 1] = a[k];
+    PyObject *out = PyObject_Vectorcall(slow, stack, nargs + 1, kwnames);
+    if (stack != small) PyMem_Free(stack);
+    return out;
+}
+
+/* Report the pending exception to on_error(name, exc), as the Python code's
+ * ``except Exception``; anything else (KeyboardInterrupt) stays raised. 0 if reported. */
+static int report(Fused *self, PyObject *name) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value) PyException_SetTraceback(value, tb);
+    PyObject *r = self->on_error ? PyObject_CallFunctionObjArgs(self->on_error, name,
+                                                                 value ? value : Py_None, NULL)
+                                 : NULL;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The user's call site: (code, offset) of the first frame outside torch and tracelake,
+ * shared per site; None if there is none. New reference, NULL on error. */
+static PyObject *find_site(Fused *self) {
+    PyFrameObject *frame = PyEval_GetFrame();
+    Py_XINCREF(frame);
+    while (frame) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        PyObject *key = PyLong_FromVoidPtr(code);
+        if (!key) goto fail_code;
+        PyObject *sites = PyDict_GetItemWithError(self->codes, key);
+        Py_DECREF(key);
+        if (sites) {
+            Py_INCREF(sites);
+        } else {
+            if (PyErr_Occurred()) goto fail_code;
+            sites = PyObject_CallOneArg(self->classify, (PyObject *)code);
+            if (!sites) goto fail_code;
+        }
+        if (sites != Py_False) {
+            PyObject *site = NULL;
+            PyObject *offset = PyLong_FromLong(PyFrame_GetLasti(frame));
+            if (offset && PyDict_Check(sites)) {
+                site = PyDict_GetItemWithError(sites, offset);
+                if (site) {
+                    Py_INCREF(site);
+                } else if (!PyErr_Occurred()) {
+                    site = PyTuple_Pack(2, (PyObject *)code, offset);
+                    if (site && PyDict_SetItem(sites, offset, site) < 0) Py_CLEAR(site);
+                }
+            } else if (offset) {
+                PyErr_SetString(PyExc_TypeError, "SourceFinder: sites must be a dict");
+            }
+            Py_XDECREF(offset);
+            Py_DECREF(sites);
+            Py_DECREF(code);
+            Py_DECREF(frame);
+            return site;
+        }
+        Py_DECREF(sites);
+        Py_DECREF(code);
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+        continue;
+    fail_code:
+        Py_DECREF(code);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    PyObject *parents[MAX_ITEMS]; /* owned row indices */
+    PyObject *where[MAX_ITEMS];   /* owned positions (ints) or keyword names */
+    PyObject *params[MAX_ITEMS];  /* owned parameter names */
+    Py_ssize_t n_parents, n_params;
+    Py_ssize_t single_pos;        /* the one parent's position, if positional, else -1 */
+} Scan;
+
+static void scan_free(Scan *s) {
+    for (Py_ssize_t k = 0; k < s->n_parents; k++) {
+        Py_DECREF(s->parents[k]);
+        Py_DECREF(s->where[k]);
+    }
+    for (Py_ssize_t k = 0; k < s->n_params; k++) Py_DECREF(s->params[k]);
+    s->n_parents = s->n_params = 0;
+}
+
+/* One argument. 1: scanned, 0: the call needs the Python path, -1: error. */
+static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
+    if (value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
+        PyBool_Check(value) || PyUnicode_CheckExact(value))
+        return 1;
+    if (PyList_CheckExact(value) || PyTuple_CheckExact(value))
+        return Py_SIZE(value) == 0; /* tensors inside lists: the Python path */
+    if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type)) return 1;
+    if (s->n_parents >= MAX_ITEMS || s->n_params >= MAX_ITEMS) return 0;
+    PyObject *key = PyLong_FromVoidPtr(value);
+    if (!key) return -1;
+    PyObject *index = PyDict_GetItemWithError(self->producers, key);
+    if (index) {
+        Py_ssize_t i = PyLong_AsSsize_t(index);
+        if (i == -1 && PyErr_Occurred()) goto fail;
+        if (i >= 0 && i < PyList_GET_SIZE(self->refs)) {
+            PyObject *ref = PyList_GET_ITEM(self->refs, i);
+            if (PyWeakref_Check(ref) && PyWeakref_GET_OBJECT(ref) == value) {
+                Py_INCREF(index);
+                Py_INCREF(where);
+                s->parents[s->n_parents] = index;
+                s->where[s->n_parents++] = where;
+                Py_DECREF(key);
+                return 1;
+            }
+        }
+    } else if (PyErr_Occurred()) {
+        goto fail;
+    }
+    PyObject *param = PyDict_GetItemWithError(self->params, key);
+    if (param) {
+        Py_INCREF(param);
+        s->params[s->n_params++] = param;
+    } else if (PyErr_Occurred()) {
+        goto fail;
+    }
+    Py_DECREF(key);
+    return 1;
+fail:
+    Py_DECREF(key);
+    return -1;
+}
+
+/* All arguments; same results as Labeller.on_call's loop and _scan_more. */
+static int scan(Fused *self, Scan *s, PyObject *args, PyObject *kwargs) {
+    s->n_parents = s->n_params = 0;
+    s->single_pos = -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t pos = 0; pos < n; pos++) {
+        PyObject *where = PyLong_FromSsize_t(pos);
+        if (!where) return -1;
+        Py_ssize_t before = s->n_parents;
+        int r = scan_value(self, s, PyTuple_GET_ITEM(args, pos), where);
+        Py_DECREF(where);
+        if (r <= 0) return r;
+        if (before == 0 && s->n_parents == 1) s->single_pos = pos;
+    }
+    if (kwargs) {
+        Py_ssize_t it = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(kwargs, &it, &key, &value)) {
+            /* out= and inplace=True write in place: the Python path */
+            if (key == str_out || key == str_inplace ||
+                (PyUnicode_Check(key) && (PyUnicode_Compare(key, str_out) == 0 ||
+                                          PyUnicode_Compare(key, str_inplace) == 0)))
+                return 0;
+            int r = scan_value(self, s, value, key);
+            if (r <= 0) return r;
+        }
+    }
+    return 1;
+}
+
+static PyObject *tuple_of(PyObject **items, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_INCREF(items[k]);
+        PyTuple_SET_ITEM(t, k, items[k]);
+    }
+    return t;
+}
+
+/* An attribute of ``out`` read through torch.Tensor's own getter when ``out`` is exactly
+ * a torch.Tensor (no subclass can hide it then), else as Python reads it. */
+static PyObject *tensor_attr(Fused *self, PyObject *out, PyObject *getter, PyObject *name) {
+    if (Py_TYPE(out) == (PyTypeObject *)self->tensor_type)
+        return Py_TYPE(getter)->tp_descr_get(getter, out, self->tensor_type);
+    return PyObject_GetAttr(out, name);
+}
+
+/* Stop the GC from tracking a tuple (and tuples in it, two levels down) whose items are
+ * all untracked: what a collection would conclude about it anyway, without the
+ * collections having to look at every row first. Rows hold only such values. */
+static void settle(PyObject *t, int depth) {
+    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t)) return;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
+        PyObject *item = PyTuple_GET_ITEM(t, k);
+        if (depth > 0) settle(item, depth - 1);
+        if (PyObject_GC_IsTracked(item)) return;
+    }
+    PyObject_GC_UnTrack(t);
+}
+
+/* Shape as the shared tuple of its torch.Size. New reference. */
+static PyObject *shape_of(Fused *self, PyObject *size) {
+    PyObject *shape = PyDict_GetItemWithError(self->shapes, size);
+    if (shape) {
+        Py_INCREF(shape);
+        return shape;
+    }
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
+        PyErr_Clear(); /* symbolic sizes are not hashable */
+        return PySequence_Tuple(size);
+    }
+    shape = PySequence_Tuple(size);
+    if (shape && PyDict_SetItem(self->shapes, size, shape) < 0) Py_CLEAR(shape);
+    return shape;
+}
+
+/* Append the row of a new op producing ``out``. 0 on success. */
+static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
+    int ok = -1;
+    PyObject *site = NULL, *size = NULL, *shape = NULL, *dtype = NULL, *device = NULL,
+             *parents = NULL, *where = NULL, *params = NULL, *index = NULL, *n_func = NULL,
+             *n_layer = NULL, *row = NULL, *key = NULL, *ref = NULL;
+    site = find_site(self);
+    if (!site) goto done;
+    size = tensor_attr(self, out, self->get_shape, str_shape);
+    if (!size) goto done;
+    shape = shape_of(self, size);
+    if (!shape) goto done;
+    dtype = tensor_attr(self, out, self->get_dtype, str_dtype);
+    if (!dtype) goto done;
+    device = tensor_attr(self, out, self->get_device, str_device);
+    if (!device) goto done;
+    PyObject *stack_key = PyDict_GetItemWithError(self->state, str_stack_key);
+    PyObject *n_layers = PyDict_GetItemWithError(self->state, str_n_layers);
+    if (!stack_key || !n_layers) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "labeller state is missing");
+        goto done;
+    }
+    parents = tuple_of(s->parents, s->n_parents);
+    if (!parents) goto done;
+    if (s->n_parents == 1 && s->single_pos >= 0 && s->single_pos < MAX_ITEMS) {
+        where = single_where[s->single_pos];
+        Py_INCREF(where);
+    } else {
+        where = tuple_of(s->where, s->n_parents);
+    }
+    if (!where) goto done;
+    params = tuple_of(s->params, s->n_params);
+    if (!params) goto done;
+    index = PyLong_FromSsize_t(PyList_GET_SIZE(self->rows));
+    if (!index) goto done;
+    PyObject *count = PyDict_GetItemWithError(self->counts, name);
+    if (!count && PyErr_Occurred()) goto done;
+    n_func = count ? PyNumber_Add(count, int_one) : (Py_INCREF(int_one), int_one);
+    if (!n_func) goto done;
+    n_layer = PyNumber_Add(n_layers, int_one);
+    if (!n_layer) goto done;
+    row = PyTuple_Pack(16, name, str_op, stack_key, parents, where, site, shape, dtype, device,
+                       int_zero, Py_False, params, index, int_one, n_func, n_layer);
+    if (!row) goto done;
+    settle(row, 2);
+    key = PyLong_FromVoidPtr(out);
+    if (!key) goto done;
+    ref = PyWeakref_NewRef(out, NULL);
+    if (!ref) goto done;
+    /* Everything that can fail for want of memory or a weak reference is done: mutate. */
+    if (PyDict_SetItem(self->counts, name, n_func) < 0 ||
+        PyDict_SetItem(self->state, str_n_layers, n_layer) < 0 ||
+        PyList_Append(self->rows, row) < 0 || PyDict_SetItem(self->producers, key, index) < 0 ||
+        PyList_Append(self->refs, ref) < 0)
+        goto done;
+    if (self->emit && self->emit != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->emit, index, out, int_minus_one, NULL);
+        if (!r) goto done;
+        Py_DECREF(r);
+    }
+    ok = 0;
+done:
+    Py_XDECREF(site);
+    Py_XDECREF(size);
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_XDECREF(parents);
+    Py_XDECREF(where);
+    Py_XDECREF(params);
+    Py_XDECREF(index);
+    Py_XDECREF(n_func);
+    Py_XDECREF(n_layer);
+    Py_XDECREF(row);
+    Py_XDECREF(key);
+    Py_XDECREF(ref);
+    return ok;
+}
+
+/* __torch_function__(func, types, args=(), kwargs=None) */
+static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t nargsf,
+                                      PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (!self->slow) {
+        PyErr_SetString(PyExc_RuntimeError, "tracelake's fused mode is not bound");
+        return NULL;
+    }
+    if (kwnames || nargs < 2 || nargs > 4) return call_slow(self, self->slow, a, nargs, kwnames);
+    PyObject *func = a[0];
+    PyObject *args = nargs > 2 ? a[2] : empty_tuple;
+    PyObject *kwargs = nargs > 3 ? a[3] : NULL;
+    if (kwargs == Py_None) kwargs = NULL;
+    if (!PyTuple_CheckExact(args) || (kwargs && !PyDict_CheckExact(kwargs))) goto slow;
+    if (kwargs && PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;
+    PyObject *known = PyDict_GetItemWithError(self->funcs, func);
+    if (!known) {
+        PyErr_Clear(); /* unnamed yet, or unhashable: Python names it (or raises) */
+        goto slow;
+    }
+    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2 ||
+        PyTuple_GET_ITEM(known, 1) != Py_False)
+        goto slow; /* writes in place: Python warns the emitter first */
+    PyObject *root = PyDict_GetItemWithError(self->state, str_root);
+    if (root != Py_None) {
+        PyErr_Clear();
+        goto slow; /* inside a repeated module call: Python matches the first call */
+    }
+    Scan s;
+    int r = scan(self, &s, args, kwargs);
+    if (r <= 0) {
+        scan_free(&s);
+        if (r < 0) PyErr_Clear();
+        goto slow;
+    }
+    PyObject *name = PyTuple_GET_ITEM(known, 0);
+    Py_INCREF(name); /* the call may run code that changes funcs */
+    PyObject *out = PyObject_Call(func, args, kwargs);
+    if (!out) {
+        /* the user's call raised: it propagates unchanged */
+    } else if (PyObject_TypeCheck(out, (PyTypeObject *)self->tensor_type)) {
+        if (add_row(self, name, out, &s) < 0 && report(self, name) < 0) Py_CLEAR(out);
+    } else if (PyTuple_Check(out) || PyList_Check(out)) {
+        /* several outputs: the Python code flattens and labels them, or reports */
+        PyObject *no_kwargs = kwargs ? (Py_INCREF(kwargs), kwargs) : PyDict_New();
+        PyObject *res = NULL;
+        if (no_kwargs) {
+            PyObject *stack[7] = {(PyObject *)self, name, func, args, no_kwargs, out, Py_False};
+            res = PyObject_Vectorcall(self->record, stack, 7, NULL);
+            Py_DECREF(no_kwargs);
+        }
+        Py_DECREF(out);
+        out = res;
+    }
+    scan_free(&s);
+    Py_DECREF(name);
+    return out;
+slow:
+    return call_slow(self, self->slow, a, nargs, kwnames);
+}
+
+static PyMethodDef Fused_methods[] = {
+    {"__torch_function__", (PyCFunction)(void (*)(void))Fused_torch_function,
+     METH_FASTCALL | METH_KEYWORDS,
+     "The common torch call, recorded here; the rest goes to the Python mode."},
+    {"bind", (PyCFunction)Fused_bind, METH_VARARGS,
+     "bind(state, funcs, producers, refs, params, rows, shapes, counts, codes, classify, "
+     "emit, slow, record, on_error, tensor_type)"},
+    {"unbind", (PyCFunction)Fused_unbind, METH_NOARGS, "Drop every reference bind took."},
+    {NULL},
+};
+
+static PyObject *Fused_is_bound(Fused *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->slow != NULL);
+}
+
+static PyGetSetDef Fused_getset[] = {
+    {"bound", (getter)Fused_is_bound, NULL, "Whether bind() was called (and not unbind())."},
+    {NULL},
+};
+
+static PyTypeObject FusedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelake.recorder._hot.Fused",
+    .tp_basicsize = sizeof(Fused),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Base of the fused interception mode (see recorder/_hot.c).",
+    .tp_traverse = (traverseproc)Fused_traverse,
+    .tp_clear = (inquiry)Fused_clear,
+    .tp_dealloc = (destructor)Fused_dealloc,
+    .tp_methods = Fused_methods,
+    .tp_getset = Fused_getset,
+    .tp_new = PyType_GenericNew,
+};
+
+/* Decimal digits of a non-negative int into buf; the count, or -1 if ``v`` is not one. */
+static int put_int(char *buf, PyObject *v) {
+    if (!PyLong_CheckExact(v)) return -1;
+    long long x = PyLong_AsLongLong(v);
+    if (x < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    char tmp[24];
+    int n = 0;
+    do {
+        tmp[n++] = (char)('0' + x % 10);
+        x /= 10;
+    } while (x);
+    for (int k = 0; k < n; k++) buf[k] = tmp[n - 1 - k];
+    return n;
+}
+
+/* f"{func[:func_len]}_{a}" + (f"_{b}" if b) + suffix, built directly for an ASCII name
+ * and non-negative ints (every label the recorder makes); NULL without an error set when
+ * it does not apply. */
+static PyObject *quick_label(PyObject *func, Py_ssize_t func_len, PyObject *a, PyObject *b,
+                             const char *suffix) {
+    char buf[96];
+    if (!PyUnicode_IS_COMPACT_ASCII(func) || func_len > 40) return NULL;
+    memcpy(buf, PyUnicode_DATA(func), func_len);
+    Py_ssize_t n = func_len;
+    buf[n++] = '_';
+    int k = put_int(buf + n, a);
+    if (k < 0) return NULL;
+    n += k;
+    if (b) {
+        buf[n++] = '_';
+        k = put_int(buf + n, b);
+        if (k < 0) return NULL;
+        n += k;
+    }
+    size_t extra = strlen(suffix);
+    memcpy(buf + n, suffix, extra);
+    n += (Py_ssize_t)extra;
+    PyObject *label = PyUnicode_New(n, 127);
+    if (label) memcpy(PyUnicode_DATA(label), buf, n);
+    return label;
+}
+
+/* labels(rows, passes): OpTable.finish's labels, as its Python loop writes them. */
+static PyObject *labels(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(a[0]) || !PyDict_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "labels(rows: list, passes: dict)");
+        return NULL;
+    }
+    PyObject *rows = a[0], *passes = a[1];
+    Py_ssize_t n = PyList_GET_SIZE(rows);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t index = 0; index < n; index++) {
+        PyObject *row = PyList_GET_ITEM(rows, index), *label = NULL;
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 16) {
+            PyErr_Format(PyExc_TypeError, "row %zd is not a 16-field tuple", index);
+            goto fail;
+        }
+        PyObject *func = PyTuple_GET_ITEM(row, 0), *inplace = PyTuple_GET_ITEM(row, 10),
+                 *layer = PyTuple_GET_ITEM(row, 12), *pass_num = PyTuple_GET_ITEM(row, 13),
+                 *n_func = PyTuple_GET_ITEM(row, 14), *n_layer = PyTuple_GET_ITEM(row, 15);
+        Py_ssize_t first = PyLong_AsSsize_t(layer);
+        if (first == -1 && PyErr_Occurred()) goto fail;
+        if (first != index) { /* a later pass of the layer its first entry labels */
+            if (first < 0 || first >= index || !PyUnicode_Check(func)) {
+                PyErr_Format(PyExc_ValueError, "row %zd: bad layer %zd", index, first);
+                goto fail;
+            }
+            PyObject *base = PyList_GET_ITEM(out, first);
+            PyObject *bare = PyUnicode_Substring(base, 0, PyUnicode_GET_LENGTH(base) - 2);
+            if (!bare) goto fail;
+            label = PyUnicode_FromFormat("%U:%S", bare, pass_num);
+            Py_DECREF(bare);
+        } else {
+            int numbered = PyObject_IsTrue(n_layer), changed = 0;
+            if (numbered < 0 || !PyUnicode_Check(func)) goto fail;
+            if (!numbered) { /* input_1, output_1 */
+                label = quick_label(func, PyUnicode_GET_LENGTH(func), n_func, NULL, "");
+                if (!label && !PyErr_Occurred())
+                    label = PyUnicode_FromFormat("%U_%S", func, n_func);
+            } else {
+                int multi = PyDict_Contains(passes, layer), writes = PyObject_IsTrue(inplace);
+                if (multi < 0 || writes < 0) goto fail;
+                Py_ssize_t len = PyUnicode_GET_LENGTH(func);
+                Py_ssize_t used = len;
+                if (writes && len > 0 && PyUnicode_READ_CHAR(func, len - 1) == '_') used--;
+                label = quick_label(func, used, n_func, n_layer, multi ? ":1" : "");
+                if (label || PyErr_Occurred()) goto done;
+                if (used < len) {
+                    /* in-place variants count with their function */
+                    func = PyUnicode_Substring(func, 0, len - 1);
+                    if (!func) goto fail;
+                    changed = 1;
+                }
+                label = PyUnicode_FromFormat(multi ? "%U_%S_%S:1" : "%U_%S_%S", func, n_func,
+                                             n_layer);
+                if (changed) Py_DECREF(func);
+            }
+        }
+    done:
+        if (!label) goto fail;
+        PyList_SET_ITEM(out, index, label);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef hot_functions[] = {
+    {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
+     "labels(rows, passes): every entry's final label (OpTable.finish)."},
+    {NULL},
+};
+
+static struct PyModuleDef hot_module = {
+    PyModuleDef_HEAD_INIT, "_hot", "The recorder's compiled hot path.", -1, hot_functions,
+};
+
+PyMODINIT_FUNC PyInit__hot(void) {
+#define INTERN(var, text)                                                                  \
+    if (!(var = PyUnicode_InternFromString(text))) return NULL;
+    INTERN(str_root, "_root")
+    INTERN(str_stack_key, "_stack_key")
+    INTERN(str_n_layers, "_n_layers")
+    INTERN(str_shape, "shape")
+    INTERN(str_dtype, "dtype")
+    INTERN(str_device, "device")
+    INTERN(str_op, "op")
+    INTERN(str_out, "out")
+    INTERN(str_inplace, "inplace")
+#undef INTERN
+    if (!(int_zero = PyLong_FromLong(0)) || !(int_one = PyLong_FromLong(1)) ||
+        !(int_minus_one = PyLong_FromLong(-1)) || !(empty_tuple = PyTuple_New(0)))
+        return NULL;
+    for (int k = 0; k < MAX_ITEMS; k++) {
+        PyObject *pos = PyLong_FromLong(k);
+        if (!pos || !(single_where[k] = PyTuple_Pack(1, pos))) return NULL;
+        Py_DECREF(pos);
+    }
+    if (PyType_Ready(&FusedType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&hot_module);
+    if (!m) return NULL;
+    Py_INCREF(&FusedType);
+    if (PyModule_AddObject(m, "Fused", (PyObject *)&FusedType) < 0) {
+        Py_DECREF(&FusedType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

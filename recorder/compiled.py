@@ -1,0 +1,30 @@
+"""The switch for the recorder's compiled parts (``recorder/_hot.c``).
+
+The extension is optional: where it could not be built, or with
+``TRACELAKE_PURE_PYTHON=1`` in the environment, the recorder runs the same logic in
+Python, slower. Python stays the reference; tests/test_compiled.py checks that both
+give the same recordings. Read ``compiled.ENABLED`` at the moment of use (tests switch
+it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    from . import _hot  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - built wherever a C compiler is
+    _hot = None
+
+__all__ = ["AVAILABLE", "ENABLED", "hot"]
+
+#: Whether the extension was built and imports.
+AVAILABLE = _hot is not None
+#: Whether recordings use it.
+ENABLED = AVAILABLE and not os.environ.get("TRACELAKE_PURE_PYTHON")
+
+
+def hot() -> Any:
+    """The extension module when it is enabled, else ``None``."""
+    return _hot if ENABLED else None

@@ -1,0 +1,204 @@
+"""The compiled hot path (recorder/_hot.c) records exactly what the Python recorder does.
+
+Every model is recorded twice in one process, with ``compiled.ENABLED`` on and off, and
+the two traces must agree on every row field, label, edge, module entry, saved tensor
+(bitwise) and statistic. The models reach both paths: the common call the compiled code
+records itself, and the calls it hands to Python (in-place writes, ``out=``, tensors in
+lists, several outputs, non-tensor outputs, repeated module calls, errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_zoo import BUILDERS
+from torch import nn
+
+import tracelake as tl
+from tracelake.recorder import compiled, intercept
+from tracelake.recorder.entries import SITE
+
+pytestmark = pytest.mark.skipif(
+    bool(os.environ.get("TRACELAKE_PURE_PYTHON")), reason="the compiled path is turned off"
+)
+
+
+class Mixed(nn.Module):
+    """One of every kind of call the two paths split between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.fc(x)                                  # common call, inside a module
+        h = h @ self.w + self.scale                     # parameter and buffer arguments
+        h = torch.add(h, other=bias, alpha=2)           # a tensor keyword argument
+        h = F.layer_norm(h, (8,), weight=self.scale)    # keyword parameter
+        a, b = h.chunk(2, dim=-1)                       # several outputs
+        h = torch.cat([a, b, a], dim=-1)[:, :8]         # tensors inside a list
+        values, idx = torch.max(h, dim=0)               # a named tuple of outputs
+        n = h.size(0) + h.dim()                         # no tensor out: not ops
+        h = h * n
+        h.add_(1)                                       # in place
+        F.relu(h, inplace=True)                         # inplace=True
+        out = torch.zeros_like(h)
+        torch.mul(h, 2, out=out)                        # out=
+        out[0] = values                                 # setitem
+        for _ in range(3):                              # repeated module calls
+            out = self.block(out) + out
+        g = torch.where(out > 0, out, bias)             # three arguments, two parents
+        g = g.sum(-1, keepdim=True).expand(-1, 8).contiguous()
+        return g, idx, torch.stack([g, out])
+
+
+def _mixed() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Mixed().eval(), (torch.randn(4, 8), torch.randn(4, 8))
+
+
+class Chain(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(40):
+            x = torch.sin(torch.relu(x * 0.5 + 1))
+        return x
+
+
+def _chain() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Chain(), (torch.randn(3, 3),)
+
+
+MODELS = {**BUILDERS, "mixed": _mixed, "chain": _chain}
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, enabled: bool, build, **options) -> tl.Trace:
+    monkeypatch.setattr(compiled, "ENABLED", enabled)
+    model, args = build()
+    with torch.no_grad():
+        return tl.trace(model, *args, **options)
+
+
+def _same_stats(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True):
+        if not (x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))):
+            return False
+    return True
+
+
+def _assert_same(fast: tl.Trace, slow: tl.Trace) -> None:
+    assert fast.labels == slow.labels
+    rows_fast, rows_slow = fast._table.rows, slow._table.rows
+    assert len(rows_fast) == len(rows_slow)
+    for i, (r, s) in enumerate(zip(rows_fast, rows_slow, strict=True)):
+        assert r == s, f"row {i} ({fast.labels[i]}) differs:\n{r}\n{s}"
+        assert (r[SITE] is None) == (s[SITE] is None)
+    assert fast._table.passes == slow._table.passes
+    for e, f in zip(fast, slow, strict=True):
+        assert (e.label, e.parents, e.children, str(e.source), e.module, e.modules) == (
+            f.label, f.parents, f.children, str(f.source), f.module, f.modules)
+        if f.out is None:
+            assert e.out is None
+        else:
+            assert e.out is not None and e.out.dtype == f.out.dtype
+            assert torch.equal(e.out, f.out) or torch.equal(e.out.isnan(), f.out.isnan())
+        assert _same_stats(e.stats, f.stats), (e.label, e.stats, f.stats)
+    assert [(m.label, m.input_labels, m.output_labels, m.first_op, m.last_op)
+            for m in fast.modules] == [
+        (m.label, m.input_labels, m.output_labels, m.first_op, m.last_op)
+        for m in slow.modules]
+
+
+def test_extension_is_built() -> None:
+    """CI and `make setup` compile recorder/_hot.c; a silent fallback would hide it."""
+    assert compiled.AVAILABLE, "tracelake.recorder._hot did not build; see pip's output"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("options", [{"save": tl.none()}, {"save": tl.all(), "stats": "all"}],
+                         ids=["metadata", "save-all"])
+def test_same_trace_both_paths(monkeypatch: pytest.MonkeyPatch, name: str,
+                               options: dict) -> None:
+    # Python first: it names every function, so the compiled run takes its own path for
+    # every common call (a function's first call ever goes through Python).
+    slow = _record(monkeypatch, False, MODELS[name], **options)
+    fast = _record(monkeypatch, True, MODELS[name], **options)
+    _assert_same(fast, slow)
+
+
+def test_selective_save_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    save = tl.func("linear", "relu") | tl.in_module("block")
+    slow = _record(monkeypatch, False, _mixed, save=save)
+    fast = _record(monkeypatch, True, _mixed, save=save)
+    _assert_same(fast, slow)
+    assert any(e.out is not None for e in fast) and any(e.out is None for e in fast)
+
+
+def test_common_calls_do_not_reach_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled path is really taken: the Python mode sees only what it must."""
+    seen: list[str] = []
+    python_mode = intercept._Mode.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        seen.append(intercept.func_name(func))
+        return python_mode(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(intercept._Mode, "__torch_function__", counting)
+    log = _record(monkeypatch, True, MODELS["chain"], save=tl.none())
+    assert len(log) == 162
+    assert len(seen) < 10, seen  # at most the first call of each function
+    seen.clear()
+    _record(monkeypatch, False, MODELS["chain"], save=tl.none())
+    assert len(seen) == 160
+
+
+def test_forward_that_raises_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.relu(x + 1)
+            return x @ torch.ones(5, 5)  # shapes do not match
+
+    for enabled in (True, False):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            tl.trace(Fails(), torch.randn(2, 3))
+        assert not intercept._get_current_function_mode_stack()
+        y = torch.relu(torch.randn(2) + 1)  # nothing left recording
+        assert y.shape == (2,)
+
+
+def test_recording_error_is_a_warning_in_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure inside the recorder is reported, and the forward goes on unchanged."""
+
+    class Broken:
+        wants_ops = True
+
+        def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
+            raise ValueError("emitter broke")
+
+    for enabled in (True, False):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        from tracelake.recorder.entries import OpTable
+        from tracelake.recorder.labels import Labeller
+
+        model, (x,) = MODELS["chain"]()
+        labeller = Labeller(model, Broken(), OpTable())  # type: ignore[arg-type]
+        warnings_seen: list[str] = []
+
+        def on_error(what: str, exc: BaseException, seen: list[str] = warnings_seen) -> None:
+            seen.append(f"{what}: {exc}")
+
+        with intercept.Interceptor(labeller, on_error):
+            y = model(x)
+        assert torch.equal(y, model(x))
+        assert warnings_seen and all(w.endswith("emitter broke") for w in warnings_seen)
