@@ -349,6 +349,7 @@ def parse(text: str) -> ast.Query:
     try:
         query = _LEAN.parse(text)
         if query is None:  # refused: Lark's own run says why
+            _refuse_glued_keyword(text)
             return _LARK.parse(text)  # type: ignore[return-value]
         return query  # type: ignore[no-any-return]
     except _Misplaced as exc:
@@ -364,6 +365,39 @@ def parse(text: str) -> ast.Query:
         raise QuerySyntaxError(f"cannot parse the query: {exc}", 1, 1) from exc
     except RecursionError as exc:
         raise QuerySyntaxError("the query is nested too deeply", 1, 1) from exc
+
+
+#: Terminals spelled as words: the keywords.
+_KEYWORD_TERMINALS = frozenset(
+    t.name for t in _LARK.terminals
+    if isinstance(t.pattern, PatternStr) and t.pattern.value.isalpha())
+
+
+def _refuse_glued_keyword(text: str) -> None:
+    """Lark's contextual lexer reads a keyword off the front of a longer word where only
+    the keyword can stand (``select label fromops`` would read ``from ops``); words are
+    whole in this language, as the fast path reads them. Raise where that happens."""
+    try:
+        for tok in _LARK.parse_interactive(text).iter_parse():
+            end = tok.end_pos
+            if tok.type in _KEYWORD_TERMINALS and end is not None and end < len(text) and (
+                    text[end].isalnum() or text[end] == "_"):
+                stop = end
+                while stop < len(text) and (text[stop].isalnum() or text[stop] == "_"):
+                    stop += 1
+                word = text[tok.start_pos:stop]
+                line, column = tok.line or 1, tok.column or 1
+                span = ast.Span(line, column, line, column + len(word), 0, 0)
+                raise QuerySyntaxError(
+                    f"Unexpected {word!r} at line {line}, column {column}: a name cannot "
+                    f"stand here; if {str(tok)!r} is meant as the keyword, put a space after "
+                    "it", line, column, (_describe_keyword(tok.type),), span.excerpt(text))
+    except UnexpectedInput:
+        return  # Lark's parse below says why
+
+
+def _describe_keyword(terminal: str) -> str:
+    return terminal.lstrip("_").upper()
 
 
 def _misplaced(text: str, exc: _Misplaced) -> QuerySyntaxError:

@@ -176,7 +176,20 @@ SYNTAX = [
     ("update ops set label = 'x'", "other statement"),
     ("select label from ops where label = :", "bare colon"),
     ("select label from ops where label = 'a' 'b'", "two strings"),
+    ("select label fromops", "keyword glued to a name"),
+    ("select label from ops wherefunc = 'relu'", "where glued to a column"),
+    ("select label from ops limit10", "limit glued to its count"),
 ]
+
+
+def test_glued_keyword_says_where_and_how_to_fix() -> None:
+    with pytest.raises(QuerySyntaxError) as info:
+        compile_query("select label fromops")
+    assert (info.value.line, info.value.column) == (1, 14)
+    assert "'fromops'" in str(info.value) and "put a space after it" in str(info.value)
+    # names that merely begin like a keyword stay names
+    where = parse("select label from ops where order_id = 1 or fromage = 2").where
+    assert [c.left.name for c in where.items] == ["order_id", "fromage"]
 
 
 @pytest.mark.parametrize(("text", "why"), SYNTAX, ids=[w for _, w in SYNTAX])
