@@ -332,7 +332,11 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     lens = f"torchlens {torchlens.__version__}" if with_torchlens else "torchlens not used"
-    print(f"torch {torch.__version__}, tracelake {tl.__version__}, {lens}, "
+    from tracelake.recorder import compiled
+
+    hot = ("compiled hot path" if compiled.ENABLED else
+           "pure Python recorder" + ("" if compiled.AVAILABLE else " (extension not built)"))
+    print(f"torch {torch.__version__}, tracelake {tl.__version__} ({hot}), {lens}, "
           f"python {platform.python_version()}, threads 1, repeats {ns.repeats}"
           + (" (fewer than 7: medians are fragile)" if ns.repeats < 7 else ""))
     started = time.perf_counter()
