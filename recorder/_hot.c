@@ -18,9 +18,10 @@
 #include <Python.h>
 
 #define MAX_ITEMS 16 /* parents or parameters per call handled here; more go to Python */
+#define SITE_SLOTS 64 /* call sites remembered, direct-mapped */
 
 static PyObject *str_root, *str_stack_key, *str_n_layers, *str_shape, *str_dtype,
-    *str_device, *str_op, *str_out, *str_inplace;
+    *str_device, *str_is_cpu, *str_op, *str_out, *str_inplace;
 static PyObject *int_zero, *int_one, *int_minus_one, *empty_tuple;
 static PyObject *single_where[MAX_ITEMS]; /* (0,), (1,), ...: shared like labels._SINGLE */
 
@@ -43,18 +44,30 @@ typedef struct {
     PyObject *tensor_type;
     /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
      * exactly that type (they are data descriptors: nothing on the instance hides them) */
-    PyObject *get_shape, *get_dtype, *get_device;
+    PyObject *get_shape, *get_dtype, *get_device, *get_is_cpu;
+    PyObject *cpu; /* the device of the first CPU tensor seen: shared by every CPU row */
+    /* The last call sites met in user code: (code, bytecode offset) -> the shared site,
+     * so a loop's calls skip the dictionaries. Strong references, dropped by unbind. */
+    struct {
+        PyObject *code;
+        int lasti;
+        PyObject *site;
+    } sites[SITE_SLOTS];
 } Fused;
 
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(get_shape) X(get_dtype) X(get_device)
+            X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu)
 
 static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
     FIELDS(VISIT)
 #undef VISIT
+    for (int k = 0; k < SITE_SLOTS; k++) {
+        Py_VISIT(self->sites[k].code);
+        Py_VISIT(self->sites[k].site);
+    }
     return 0;
 }
 
@@ -62,6 +75,10 @@ static int Fused_clear(Fused *self) {
 #define CLEAR(f) Py_CLEAR(self->f);
     FIELDS(CLEAR)
 #undef CLEAR
+    for (int k = 0; k < SITE_SLOTS; k++) {
+        Py_CLEAR(self->sites[k].code);
+        Py_CLEAR(self->sites[k].site);
+    }
     return 0;
 }
 
@@ -84,9 +101,9 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Fused.bind: wrong container types");
         return NULL;
     }
-    PyObject *getters[3];
-    PyObject *names[3] = {str_shape, str_dtype, str_device};
-    for (int k = 0; k < 3; k++) {
+    PyObject *getters[4];
+    PyObject *names[4] = {str_shape, str_dtype, str_device, str_is_cpu};
+    for (int k = 0; k < 4; k++) {
         getters[k] = PyObject_GetAttr(v[14], names[k]);
         if (getters[k] && !Py_TYPE(getters[k])->tp_descr_get) Py_CLEAR(getters[k]);
         if (!getters[k]) {
@@ -108,6 +125,7 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
     self->get_shape = getters[0];
     self->get_dtype = getters[1];
     self->get_device = getters[2];
+    self->get_is_cpu = getters[3];
     Py_RETURN_NONE;
 }
 
@@ -156,9 +174,21 @@ static int report(Fused *self, PyObject *name) {
  * shared per site; None if there is none. New reference, NULL on error. */
 static PyObject *find_site(Fused *self) {
     PyFrameObject *frame = PyEval_GetFrame();
-    Py_XINCREF(frame);
+    if (!frame) Py_RETURN_NONE;
+    Py_INCREF(frame);
+    int first = 1;
     while (frame) {
         PyCodeObject *code = PyFrame_GetCode(frame);
+        int lasti = PyFrame_GetLasti(frame);
+        size_t slot = (((uintptr_t)code >> 4) ^ ((size_t)lasti * 40503u)) % SITE_SLOTS;
+        if (first && self->sites[slot].code == (PyObject *)code &&
+            self->sites[slot].lasti == lasti) { /* the innermost frame is this user site */
+            PyObject *site = self->sites[slot].site;
+            Py_INCREF(site);
+            Py_DECREF(code);
+            Py_DECREF(frame);
+            return site;
+        }
         PyObject *key = PyLong_FromVoidPtr(code);
         if (!key) goto fail_code;
         PyObject *sites = PyDict_GetItemWithError(self->codes, key);
@@ -172,7 +202,7 @@ static PyObject *find_site(Fused *self) {
         }
         if (sites != Py_False) {
             PyObject *site = NULL;
-            PyObject *offset = PyLong_FromLong(PyFrame_GetLasti(frame));
+            PyObject *offset = PyLong_FromLong(lasti);
             if (offset && PyDict_Check(sites)) {
                 site = PyDict_GetItemWithError(sites, offset);
                 if (site) {
@@ -183,6 +213,13 @@ static PyObject *find_site(Fused *self) {
                 }
             } else if (offset) {
                 PyErr_SetString(PyExc_TypeError, "SourceFinder: sites must be a dict");
+            }
+            if (site && first) { /* remember it: the site depends on this frame alone */
+                Py_INCREF(code);
+                Py_INCREF(site);
+                Py_XSETREF(self->sites[slot].code, (PyObject *)code);
+                Py_XSETREF(self->sites[slot].site, site);
+                self->sites[slot].lasti = lasti;
             }
             Py_XDECREF(offset);
             Py_DECREF(sites);
@@ -195,6 +232,7 @@ static PyObject *find_site(Fused *self) {
         PyFrameObject *back = PyFrame_GetBack(frame);
         Py_DECREF(frame);
         frame = back;
+        first = 0;
         continue;
     fail_code:
         Py_DECREF(code);
@@ -356,8 +394,27 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     if (!shape) goto done;
     dtype = tensor_attr(self, out, self->get_dtype, str_dtype);
     if (!dtype) goto done;
-    device = tensor_attr(self, out, self->get_device, str_device);
-    if (!device) goto done;
+    /* A CPU tensor's device: the one device object every CPU row shares (the getter
+     * would make a new one per call, and each row would keep its own). */
+    int exact = Py_TYPE(out) == (PyTypeObject *)self->tensor_type, on_cpu = 0;
+    if (exact) {
+        PyObject *is_cpu = Py_TYPE(self->get_is_cpu)->tp_descr_get(self->get_is_cpu, out,
+                                                                   self->tensor_type);
+        if (!is_cpu) goto done;
+        on_cpu = is_cpu == Py_True;
+        Py_DECREF(is_cpu);
+    }
+    if (on_cpu && self->cpu) {
+        device = self->cpu;
+        Py_INCREF(device);
+    } else {
+        device = tensor_attr(self, out, self->get_device, str_device);
+        if (!device) goto done;
+        if (on_cpu) {
+            Py_INCREF(device);
+            self->cpu = device;
+        }
+    }
     PyObject *stack_key = PyDict_GetItemWithError(self->state, str_stack_key);
     PyObject *n_layers = PyDict_GetItemWithError(self->state, str_n_layers);
     if (!stack_key || !n_layers) {
@@ -646,6 +703,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(str_shape, "shape")
     INTERN(str_dtype, "dtype")
     INTERN(str_device, "device")
+    INTERN(str_is_cpu, "is_cpu")
     INTERN(str_op, "op")
     INTERN(str_out, "out")
     INTERN(str_inplace, "inplace")
