@@ -9,8 +9,8 @@
  * stays the reference: tests/test_fused.py checks that both give the same tables.
  *
  * Rows are built exactly as ``Labeller.on_call`` builds them (see entries.py for the
- * fields). The labeller's changing state (``_root``, ``_stack_key``, ``_n_layers``) is
- * read from and written to its ``__dict__``, so the Python code and this one share it.
+ * fields). The labeller's changing state (``Labeller._live``: the stack top's root, the
+ * stack key, the layer count) is a list both read and advance, so they share it.
  * A failure after the call is reported to ``on_error`` and never reaches the forward
  * pass, as in Python. Python 3.11+ C API only; no torch headers.
  */
@@ -19,15 +19,18 @@
 
 #define MAX_ITEMS 16 /* parents or parameters per call handled here; more go to Python */
 #define SITE_SLOTS 64 /* call sites remembered, direct-mapped */
+#define LIVE_ROOT 0     /* Labeller._live's items (labels._ROOT, ...) */
+#define LIVE_STACK_KEY 1
+#define LIVE_N_LAYERS 2
 
-static PyObject *str_root, *str_stack_key, *str_n_layers, *str_shape, *str_dtype,
+static PyObject *str_shape, *str_dtype,
     *str_device, *str_is_cpu, *str_op, *str_out, *str_inplace;
 static PyObject *int_zero, *int_one, *int_minus_one, *empty_tuple;
 static PyObject *single_where[MAX_ITEMS]; /* (0,), (1,), ...: shared like labels._SINGLE */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *state;     /* the labeller's __dict__ */
+    PyObject *state;     /* Labeller._live: [root, stack key, layers so far] */
     PyObject *funcs;     /* func -> (name, writes) */
     PyObject *producers; /* id(tensor) -> row index */
     PyObject *refs;      /* row index -> weakref to its tensor */
@@ -94,7 +97,7 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
                            &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
                            &v[14]))
         return NULL;
-    if (!PyDict_Check(v[0]) || !PyDict_Check(v[1]) || !PyDict_Check(v[2]) ||
+    if (!PyList_CheckExact(v[0]) || PyList_GET_SIZE(v[0]) != 3 || !PyDict_Check(v[1]) || !PyDict_Check(v[2]) ||
         !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5]) ||
         !PyDict_Check(v[6]) || !PyDict_Check(v[7]) || !PyDict_Check(v[8]) ||
         !PyType_Check(v[14])) {
@@ -354,10 +357,13 @@ static PyObject *tensor_attr(Fused *self, PyObject *out, PyObject *getter, PyObj
  * all untracked: what a collection would conclude about it anyway, without the
  * collections having to look at every row first. Rows hold only such values. */
 static void settle(PyObject *t, int depth) {
-    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t)) return;
+    if (!PyObject_GC_IsTracked(t)) return;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
         PyObject *item = PyTuple_GET_ITEM(t, k);
-        if (depth > 0) settle(item, depth - 1);
+        if (!PyObject_IS_GC(item)) continue; /* str, int, dtype, device: never tracked */
+        if (!PyObject_GC_IsTracked(item)) continue;
+        if (depth == 0 || !PyTuple_CheckExact(item)) return;
+        settle(item, depth - 1);
         if (PyObject_GC_IsTracked(item)) return;
     }
     PyObject_GC_UnTrack(t);
@@ -415,12 +421,12 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
             self->cpu = device;
         }
     }
-    PyObject *stack_key = PyDict_GetItemWithError(self->state, str_stack_key);
-    PyObject *n_layers = PyDict_GetItemWithError(self->state, str_n_layers);
-    if (!stack_key || !n_layers) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "labeller state is missing");
+    if (PyList_GET_SIZE(self->state) != 3) {
+        PyErr_SetString(PyExc_ValueError, "labeller state has changed shape");
         goto done;
     }
+    PyObject *stack_key = PyList_GET_ITEM(self->state, LIVE_STACK_KEY);
+    PyObject *n_layers = PyList_GET_ITEM(self->state, LIVE_N_LAYERS);
     parents = tuple_of(s->parents, s->n_parents);
     if (!parents) goto done;
     if (s->n_parents == 1 && s->single_pos >= 0 && s->single_pos < MAX_ITEMS) {
@@ -450,7 +456,7 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     if (!ref) goto done;
     /* Everything that can fail for want of memory or a weak reference is done: mutate. */
     if (PyDict_SetItem(self->counts, name, n_func) < 0 ||
-        PyDict_SetItem(self->state, str_n_layers, n_layer) < 0 ||
+        (Py_INCREF(n_layer), PyList_SetItem(self->state, LIVE_N_LAYERS, n_layer)) < 0 ||
         PyList_Append(self->rows, row) < 0 || PyDict_SetItem(self->producers, key, index) < 0 ||
         PyList_Append(self->refs, ref) < 0)
         goto done;
@@ -501,11 +507,8 @@ static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t na
     if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2 ||
         PyTuple_GET_ITEM(known, 1) != Py_False)
         goto slow; /* writes in place: Python warns the emitter first */
-    PyObject *root = PyDict_GetItemWithError(self->state, str_root);
-    if (root != Py_None) {
-        PyErr_Clear();
+    if (PyList_GET_SIZE(self->state) != 3 || PyList_GET_ITEM(self->state, LIVE_ROOT) != Py_None)
         goto slow; /* inside a repeated module call: Python matches the first call */
-    }
     Scan s;
     int r = scan(self, &s, args, kwargs);
     if (r <= 0) {
@@ -697,9 +700,6 @@ static struct PyModuleDef hot_module = {
 PyMODINIT_FUNC PyInit__hot(void) {
 #define INTERN(var, text)                                                                  \
     if (!(var = PyUnicode_InternFromString(text))) return NULL;
-    INTERN(str_root, "_root")
-    INTERN(str_stack_key, "_stack_key")
-    INTERN(str_n_layers, "_n_layers")
     INTERN(str_shape, "shape")
     INTERN(str_dtype, "dtype")
     INTERN(str_device, "device")

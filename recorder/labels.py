@@ -33,6 +33,10 @@ _SCALARS = frozenset({int, float, bool, type(None), str})
 # Argument positions of a single parent, shared rather than a new tuple per op.
 _N_SINGLE = 16
 _SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
+# The labeller's changing state, in one list that the compiled path (recorder/_hot.c)
+# reads and advances too: the stack top's root (a repeated module call, or None), the
+# module stack's key, and the number of layers so far.
+_ROOT, _STACK_KEY, _N_LAYERS = range(3)
 
 
 class Emitter(Protocol):
@@ -101,12 +105,10 @@ class Labeller:
         # GC to look at, and less memory in long recordings.
         self._shapes: dict[torch.Size, tuple[int, ...]] = {}
         self._stack: list[_Frame] = []
-        self._stack_key: tuple[tuple[str, int], ...] = ()
-        self._root: _Frame | None = None  # the stack top's root, read once per op
+        self._live: list[Any] = [None, (), 0]  # _ROOT, _STACK_KEY, _N_LAYERS
         self._calls: dict[str, int] = {}
         self._first_call: dict[str, list[int]] = {}
         self._func_counts: dict[str, int] = {}
-        self._n_layers = 0
         self._n_inputs = 0
         self._n_outputs = 0
         self._codes = SourceFinder.codes
@@ -146,10 +148,10 @@ class Labeller:
 
     def fused_state(self) -> tuple:
         """What the compiled hot path (recorder/_hot.c) needs to do ``on_call``'s work for
-        the common call: this object's ``__dict__`` (it reads ``_root`` and
-        ``_stack_key`` and advances ``_n_layers`` there, so both paths share them) and the
+        the common call: the changing state (``_live``: it reads the root and the stack
+        key and advances the layer count there, so both paths share them) and the
         containers it reads and appends to."""
-        return (self.__dict__, self._producers, self._refs, self._params, self._rows,
+        return (self._live, self._producers, self._refs, self._params, self._rows,
                 self._shapes, self._func_counts, self._codes, self._classify, self._emit)
 
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
@@ -209,7 +211,8 @@ class Labeller:
         # Rows keep tuples of plain values only: Python's GC then stops tracking them, so a
         # long recording does not make every full collection of a large heap slower.
         rows = self._rows
-        root = self._root
+        live = self._live
+        root = live[_ROOT]
         shapes = self._shapes
         i = 0
         for tensor in tensors:
@@ -227,14 +230,14 @@ class Labeller:
                 base = name[:-1] if inplace and name[-1] == "_" else name
                 counts = self._func_counts
                 n_func = counts[base] = counts.get(base, 0) + 1
-                n_layer = self._n_layers = self._n_layers + 1
-                rows.append((name, "op", self._stack_key, parents, where, site,
+                n_layer = live[_N_LAYERS] = live[_N_LAYERS] + 1
+                rows.append((name, "op", live[_STACK_KEY], parents, where, site,
                              shape, tensor.dtype, tensor.device, i, inplace,
                              params, index, 1, n_func, n_layer))
             else:
                 first = rows[layer]
                 pass_num = self._passes[layer] = self._passes.get(layer, 1) + 1
-                rows.append((name, "op", self._stack_key, parents, where, site,
+                rows.append((name, "op", live[_STACK_KEY], parents, where, site,
                              shape, tensor.dtype, tensor.device, i, inplace,
                              params, layer, pass_num, first[N_FUNC], first[N_LAYER]))
             producers[id(tensor)] = index
@@ -280,8 +283,9 @@ class Labeller:
         elif calls > 1:
             frame.root = frame
         self._stack.append(frame)
-        self._stack_key = (*self._stack_key, (path, calls))
-        self._root = frame.root
+        live = self._live
+        live[_STACK_KEY] = (*live[_STACK_KEY], (path, calls))
+        live[_ROOT] = frame.root
         self.module_entries.append(entry)
         self._emitter.on_module_enter(entry, tensors, producers)
 
@@ -295,8 +299,9 @@ class Labeller:
             return
         frame = self._stack[depth]
         del self._stack[depth:]
-        self._stack_key = self._stack_key[:depth]
-        self._root = self._stack[-1].root if self._stack else None
+        live = self._live
+        live[_STACK_KEY] = live[_STACK_KEY][:depth]
+        live[_ROOT] = self._stack[-1].root if self._stack else None
         end = len(self._rows)
         if frame.pass_num == 1:
             self._first_call[frame.path][1] = end
