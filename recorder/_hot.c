@@ -19,6 +19,7 @@
 
 #define MAX_ITEMS 16 /* parents or parameters per call handled here; more go to Python */
 #define SITE_SLOTS 64 /* call sites remembered, direct-mapped */
+#define FUNC_SLOTS 32 /* functions' (name, writes) remembered, direct-mapped */
 #define LIVE_ROOT 0     /* Labeller._live's items (labels._ROOT, ...) */
 #define LIVE_STACK_KEY 1
 #define LIVE_N_LAYERS 2
@@ -56,12 +57,18 @@ typedef struct {
         int lasti;
         PyObject *site;
     } sites[SITE_SLOTS];
+    /* The last functions called: func -> funcs[func]. Strong references. */
+    struct {
+        PyObject *func;
+        PyObject *known;
+    } funcs_seen[FUNC_SLOTS];
+    PyObject *last_shape; /* the previous op's shape tuple: the next one is often equal */
 } Fused;
 
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu)
+            X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu) X(last_shape)
 
 static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -70,6 +77,10 @@ static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
     for (int k = 0; k < SITE_SLOTS; k++) {
         Py_VISIT(self->sites[k].code);
         Py_VISIT(self->sites[k].site);
+    }
+    for (int k = 0; k < FUNC_SLOTS; k++) {
+        Py_VISIT(self->funcs_seen[k].func);
+        Py_VISIT(self->funcs_seen[k].known);
     }
     return 0;
 }
@@ -81,6 +92,10 @@ static int Fused_clear(Fused *self) {
     for (int k = 0; k < SITE_SLOTS; k++) {
         Py_CLEAR(self->sites[k].code);
         Py_CLEAR(self->sites[k].site);
+    }
+    for (int k = 0; k < FUNC_SLOTS; k++) {
+        Py_CLEAR(self->funcs_seen[k].func);
+        Py_CLEAR(self->funcs_seen[k].known);
     }
     return 0;
 }
@@ -335,13 +350,18 @@ static int scan(Fused *self, Scan *s, PyObject *args, PyObject *kwargs) {
     return 1;
 }
 
+/* A tuple of ints and strs (parents, positions, parameter names): the GC never needs
+ * to look at it, so it is untracked at once. */
 static PyObject *tuple_of(PyObject **items, Py_ssize_t n) {
     PyObject *t = PyTuple_New(n);
     if (!t) return NULL;
+    int plain = 1;
     for (Py_ssize_t k = 0; k < n; k++) {
         Py_INCREF(items[k]);
         PyTuple_SET_ITEM(t, k, items[k]);
+        plain &= !PyObject_IS_GC(items[k]);
     }
+    if (n && plain) PyObject_GC_UnTrack(t);
     return t;
 }
 
@@ -369,8 +389,36 @@ static void settle(PyObject *t, int depth) {
     PyObject_GC_UnTrack(t);
 }
 
+static PyObject *shape_lookup(Fused *self, PyObject *size);
+
 /* Shape as the shared tuple of its torch.Size. New reference. */
 static PyObject *shape_of(Fused *self, PyObject *size) {
+    PyObject *last = self->last_shape;
+    if (last && PyTuple_Check(size) && PyTuple_GET_SIZE(size) == PyTuple_GET_SIZE(last)) {
+        Py_ssize_t k = 0, n = PyTuple_GET_SIZE(last);
+        for (; k < n; k++) {
+            PyObject *a = PyTuple_GET_ITEM(size, k), *b = PyTuple_GET_ITEM(last, k);
+            if (a == b) continue;
+            if (!PyLong_CheckExact(a) || !PyLong_CheckExact(b)) break;
+            Py_ssize_t x = PyLong_AsSsize_t(a), y = PyLong_AsSsize_t(b);
+            if (x != y || (x == -1 && PyErr_Occurred())) break;
+        }
+        if (PyErr_Occurred()) return NULL;
+        if (k == n) {
+            Py_INCREF(last);
+            return last;
+        }
+    }
+    PyObject *shape = shape_lookup(self, size);
+    if (shape) { /* one reference for the caller, one for last_shape */
+        Py_INCREF(shape);
+        Py_XSETREF(self->last_shape, shape);
+    }
+    return shape;
+}
+
+/* Shape from the shapes dict (made and remembered there if new). New reference. */
+static PyObject *shape_lookup(Fused *self, PyObject *size) {
     PyObject *shape = PyDict_GetItemWithError(self->shapes, size);
     if (shape) {
         Py_INCREF(shape);
@@ -499,10 +547,18 @@ static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t na
     if (kwargs == Py_None) kwargs = NULL;
     if (!PyTuple_CheckExact(args) || (kwargs && !PyDict_CheckExact(kwargs))) goto slow;
     if (kwargs && PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;
-    PyObject *known = PyDict_GetItemWithError(self->funcs, func);
-    if (!known) {
-        PyErr_Clear(); /* unnamed yet, or unhashable: Python names it (or raises) */
-        goto slow;
+    size_t slot = ((uintptr_t)func >> 4) % FUNC_SLOTS;
+    PyObject *known = self->funcs_seen[slot].known;
+    if (self->funcs_seen[slot].func != func) {
+        known = PyDict_GetItemWithError(self->funcs, func);
+        if (!known) {
+            PyErr_Clear(); /* unnamed yet, or unhashable: Python names it (or raises) */
+            goto slow;
+        }
+        Py_INCREF(func);
+        Py_INCREF(known);
+        Py_XSETREF(self->funcs_seen[slot].func, func);
+        Py_XSETREF(self->funcs_seen[slot].known, known);
     }
     if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2 ||
         PyTuple_GET_ITEM(known, 1) != Py_False)
