@@ -277,6 +277,21 @@ static void scan_free(Scan *s) {
     s->n_parents = s->n_params = 0;
 }
 
+/* Whether weak reference ``ref`` still points at ``value`` (an object alive here). */
+static int referent_is(PyObject *ref, PyObject *value) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(ref, &obj) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_XDECREF(obj); /* value is alive (an argument), so obj == value stays meaningful */
+    return obj == value;
+#else
+    return PyWeakref_GET_OBJECT(ref) == value;
+#endif
+}
+
 /* One argument. 1: scanned, 0: the call needs the Python path, -1: error. */
 static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
     if (value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
@@ -294,7 +309,7 @@ static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
         if (i == -1 && PyErr_Occurred()) goto fail;
         if (i >= 0 && i < PyList_GET_SIZE(self->refs)) {
             PyObject *ref = PyList_GET_ITEM(self->refs, i);
-            if (PyWeakref_Check(ref) && PyWeakref_GET_OBJECT(ref) == value) {
+            if (PyWeakref_Check(ref) && referent_is(ref, value)) {
                 Py_INCREF(index);
                 Py_INCREF(where);
                 s->parents[s->n_parents] = index;
