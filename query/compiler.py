@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from types import EllipsisType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tracelake.errors import QueryCompileError, QueryError
 from tracelake.store.catalog import COMPLETE
@@ -312,7 +312,8 @@ class _Compiler:
         """A limit's or offset's value (checked by ``_limit``)."""
         if node is None:
             return None
-        return node.value if isinstance(node, ast.Literal) else self.values[node.name]
+        value = node.value if isinstance(node, ast.Literal) else self.values[node.name]
+        return cast(int, value)  # _limit let only integers through
 
     def _clause(self, build: Callable[[], Any]) -> tuple[Any, list[Any], Any]:
         """Run ``build`` collecting the parameters it binds, in text order."""

@@ -150,7 +150,8 @@ def distinct_codes(values: Sequence[Any], identity: bool = False) -> tuple[list[
     if n and values.count(values[0]) == n:
         return [values[0]], np.zeros(n, dtype=np.int32)
     keys = map(id, values) if identity else values
-    first = np.fromiter(map({}.setdefault, keys, range(n)), np.int64, n)
+    seen: dict[Any, int] = {}
+    first = np.fromiter(map(seen.setdefault, keys, range(n)), np.int64, n)
     heads = np.flatnonzero(first == np.arange(n))
     rank = np.empty(n, dtype=np.int32)
     rank[heads] = np.arange(len(heads), dtype=np.int32)
