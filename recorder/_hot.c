@@ -70,33 +70,29 @@ typedef struct {
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
             X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu) X(last_shape)
 
+/* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
+#define EACH_REF(X)                                                                        \
+    do {                                                                                   \
+        FIELDS(X)                                                                          \
+        for (int k = 0; k < SITE_SLOTS; k++) {                                             \
+            X(sites[k].code) X(sites[k].site)                                              \
+        }                                                                                  \
+        for (int k = 0; k < FUNC_SLOTS; k++) {                                             \
+            X(funcs_seen[k].func) X(funcs_seen[k].known)                                   \
+        }                                                                                  \
+    } while (0)
+
 static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
-    FIELDS(VISIT)
+    EACH_REF(VISIT);
 #undef VISIT
-    for (int k = 0; k < SITE_SLOTS; k++) {
-        Py_VISIT(self->sites[k].code);
-        Py_VISIT(self->sites[k].site);
-    }
-    for (int k = 0; k < FUNC_SLOTS; k++) {
-        Py_VISIT(self->funcs_seen[k].func);
-        Py_VISIT(self->funcs_seen[k].known);
-    }
     return 0;
 }
 
 static int Fused_clear(Fused *self) {
 #define CLEAR(f) Py_CLEAR(self->f);
-    FIELDS(CLEAR)
+    EACH_REF(CLEAR);
 #undef CLEAR
-    for (int k = 0; k < SITE_SLOTS; k++) {
-        Py_CLEAR(self->sites[k].code);
-        Py_CLEAR(self->sites[k].site);
-    }
-    for (int k = 0; k < FUNC_SLOTS; k++) {
-        Py_CLEAR(self->funcs_seen[k].func);
-        Py_CLEAR(self->funcs_seen[k].known);
-    }
     return 0;
 }
 

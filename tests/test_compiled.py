@@ -21,7 +21,8 @@ from torch import nn
 
 import tracelake as tl
 from tracelake.recorder import compiled, intercept
-from tracelake.recorder.entries import SITE
+from tracelake.recorder.entries import SITE, OpTable
+from tracelake.recorder.labels import Labeller
 
 pytestmark = pytest.mark.skipif(
     bool(os.environ.get("TRACELAKE_PURE_PYTHON")), reason="the compiled path is turned off"
@@ -188,9 +189,6 @@ def test_recording_error_is_a_warning_in_both_paths(monkeypatch: pytest.MonkeyPa
 
     for enabled in (True, False):
         monkeypatch.setattr(compiled, "ENABLED", enabled)
-        from tracelake.recorder.entries import OpTable
-        from tracelake.recorder.labels import Labeller
-
         model, (x,) = MODELS["chain"]()
         labeller = Labeller(model, Broken(), OpTable())  # type: ignore[arg-type]
         warnings_seen: list[str] = []
