@@ -133,10 +133,15 @@ def fmt_mib(n: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=32.0, help="bytes to save, GiB (default 32)")
-    p.add_argument("--max-inflight-mib", type=int, default=256,
-                   help="the recording's max_inflight, MiB (default 256)")
-    p.add_argument("--dir", default=None,
-                   help="where to create the store (default: a new temp dir under /tmp)")
+    p.add_argument(
+        "--max-inflight-mib",
+        type=int,
+        default=256,
+        help="the recording's max_inflight, MiB (default 256)",
+    )
+    p.add_argument(
+        "--dir", default=None, help="where to create the store (default: a new temp dir under /tmp)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the store directory")
     p.add_argument("--markdown", action="store_true", help="print the results as markdown")
     args = p.parse_args()
@@ -152,9 +157,12 @@ def main() -> int:
         probe = os.path.dirname(probe)
     free = free_bytes(probe)
     if free < need:
-        print(f"refusing: {probe} has {free / GiB:.1f} GiB free; saving {args.gib:g} GiB "
-              f"needs {need / GiB:.1f} GiB (saved bytes + 10% + 1 GiB). Pass a smaller --gib "
-              f"or a --dir on a larger disk.", file=sys.stderr)
+        print(
+            f"refusing: {probe} has {free / GiB:.1f} GiB free; saving {args.gib:g} GiB "
+            f"needs {need / GiB:.1f} GiB (saved bytes + 10% + 1 GiB). Pass a smaller --gib "
+            f"or a --dir on a larger disk.",
+            file=sys.stderr,
+        )
         return 2
     if args.dir is not None:
         os.makedirs(parent, exist_ok=True)
@@ -170,8 +178,7 @@ def main() -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str,
-        free: int) -> int:
+def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str, free: int) -> int:
     torch.set_num_threads(1)
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rss_start = rss()
@@ -222,8 +229,9 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
     bytes_written = writer.bytes_written
     peak_inflight = writer.peak_inflight
     waits = writer.budget_waits
-    on_disk = sum(os.path.getsize(os.path.join(d, f))
-                  for d, _, files in os.walk(store_path) for f in files)
+    on_disk = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(store_path) for f in files
+    )
 
     wall = t1 - t0
     sampled_peak = max(sampler.peak.get("record", 0), sampler.peak.get("commit", 0))
@@ -233,40 +241,72 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
     ok = peak <= bound and run_steps == steps
 
     rows: list[tuple[str, str]] = [
-        ("machine", f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                    f"{mem_total / GiB:.1f} GiB RAM; torch {torch.__version__}"),
+        (
+            "machine",
+            f"{platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{mem_total / GiB:.1f} GiB RAM; torch {torch.__version__}",
+        ),
         ("store dir", f"{workdir} ({free / GiB:.0f} GiB free before)"),
-        ("model / input", f"5 elementwise ops on float32 {INPUT_SHAPE} "
-                          f"({x.numel() * x.element_size() / MiB:.0f} MiB)"),
+        (
+            "model / input",
+            f"5 elementwise ops on float32 {INPUT_SHAPE} "
+            f"({x.numel() * x.element_size() / MiB:.0f} MiB)",
+        ),
         ("max_inflight", fmt_mib(max_inflight)),
-        ("saved", f"{saved / GiB:.2f} GiB ({saved / mem_total:.2f}x RAM) in {steps} steps, "
-                  f"{len(writer.slots)} tensors; run.num_steps = {run_steps}"),
+        (
+            "saved",
+            f"{saved / GiB:.2f} GiB ({saved / mem_total:.2f}x RAM) in {steps} steps, "
+            f"{len(writer.slots)} tensors; run.num_steps = {run_steps}",
+        ),
         ("writer.bytes_written", f"{bytes_written / GiB:.2f} GiB; on disk {on_disk / GiB:.2f} GiB"),
-        ("wall time", f"{wall:.1f} s (streaming {t_stream - t0:.1f} s, "
-                      f"commit {t1 - t_stream:.1f} s)"),
+        (
+            "wall time",
+            f"{wall:.1f} s (streaming {t_stream - t0:.1f} s, commit {t1 - t_stream:.1f} s)",
+        ),
         ("effective rate", f"{saved / MiB / wall:,.0f} MiB/s"),
         ("RSS at start / after model+input+store", f"{fmt_mib(rss_start)} / {fmt_mib(rss_built)}"),
         ("RSS right before recording (baseline)", fmt_mib(baseline)),
-        ("forward alone, unrecorded: peak over its start",
-         fmt_mib(forward_peak) if forward_peak is not None else "n/a (VmHWM not resettable)"),
-        ("peak RSS sampled, recording", fmt_mib(sampler.peak.get("record", 0))
-         + _anon_file(sampler.at_peak.get("record"))),
-        ("peak RSS sampled, commit", fmt_mib(sampler.peak.get("commit", 0))
-         + _anon_file(sampler.at_peak.get("commit"))),
-        ("RSS end of streaming / after commit", f"{fmt_mib(rss_end_stream)} / "
-                                               f"{fmt_mib(status['VmRSS'])}"),
-        ("VmHWM / ru_maxrss", f"{fmt_mib(hwm)} / {fmt_mib(ru_maxrss)} "
-                              + ("(reset before recording)" if hwm_reset
-                                 else "(NOT reset: include pre-recording peak)")),
+        (
+            "forward alone, unrecorded: peak over its start",
+            fmt_mib(forward_peak) if forward_peak is not None else "n/a (VmHWM not resettable)",
+        ),
+        (
+            "peak RSS sampled, recording",
+            fmt_mib(sampler.peak.get("record", 0)) + _anon_file(sampler.at_peak.get("record")),
+        ),
+        (
+            "peak RSS sampled, commit",
+            fmt_mib(sampler.peak.get("commit", 0)) + _anon_file(sampler.at_peak.get("commit")),
+        ),
+        (
+            "RSS end of streaming / after commit",
+            f"{fmt_mib(rss_end_stream)} / {fmt_mib(status['VmRSS'])}",
+        ),
+        (
+            "VmHWM / ru_maxrss",
+            f"{fmt_mib(hwm)} / {fmt_mib(ru_maxrss)} "
+            + (
+                "(reset before recording)"
+                if hwm_reset
+                else "(NOT reset: include pre-recording peak)"
+            ),
+        ),
         ("RSS samples", f"{sampler.samples} (every {SAMPLE_S * 1000:.0f} ms)"),
         ("bound = baseline + max_inflight + 1 GiB", fmt_mib(bound)),
         ("peak RSS (max of the above)", f"{fmt_mib(peak)} = baseline + {fmt_mib(peak - baseline)}"),
-        ("result", ("PASS" if ok else "FAIL") + f": peak {'<=' if peak <= bound else '>'} bound"
-                   + ("" if run_steps == steps else f"; run has {run_steps} steps, not {steps}")),
+        (
+            "result",
+            ("PASS" if ok else "FAIL")
+            + f": peak {'<=' if peak <= bound else '>'} bound"
+            + ("" if run_steps == steps else f"; run has {run_steps} steps, not {steps}"),
+        ),
         ("writer.peak_inflight", f"{fmt_mib(peak_inflight)} ({waits} waits for the cap)"),
     ]
-    line = "RSS along the run: " + ", ".join(
-        f"step {s} ({g:.1f} GiB) {r / MiB:,.0f}" for s, g, r in timeline) + " MiB"
+    line = (
+        "RSS along the run: "
+        + ", ".join(f"step {s} ({g:.1f} GiB) {r / MiB:,.0f}" for s, g, r in timeline)
+        + " MiB"
+    )
     if args.markdown:
         print("| quantity | value |\n|---|---|")
         for key, value in rows:
@@ -283,8 +323,10 @@ def run(args: Any, target: int, max_inflight: int, store_path: str, workdir: str
 def _anon_file(status: dict[str, int] | None) -> str:
     if not status:
         return ""
-    return (f" (anon {fmt_mib(status.get('RssAnon', 0))}, file "
-            f"{fmt_mib(status.get('RssFile', 0))}, shmem {fmt_mib(status.get('RssShmem', 0))})")
+    return (
+        f" (anon {fmt_mib(status.get('RssAnon', 0))}, file "
+        f"{fmt_mib(status.get('RssFile', 0))}, shmem {fmt_mib(status.get('RssShmem', 0))})"
+    )
 
 
 if __name__ == "__main__":

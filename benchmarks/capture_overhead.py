@@ -96,9 +96,14 @@ def build_model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
-        settings: dict[str, Any] = {"n_layer": 4, "n_embd": 256, "n_head": 4,
-                                    "n_positions": 128, "use_cache": False,
-                                    "attn_implementation": "sdpa"}
+        settings: dict[str, Any] = {
+            "n_layer": 4,
+            "n_embd": 256,
+            "n_head": 4,
+            "n_positions": 128,
+            "use_cache": False,
+            "attn_implementation": "sdpa",
+        }
         config = GPT2Config(**settings)
         model: nn.Module = GPT2Model(config)
         args: tuple[Any, ...] = (torch.randint(0, config.vocab_size, (4, 128)),)
@@ -109,9 +114,14 @@ def build_model(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
         model, args = nn.Sequential(*layers), (torch.randn(32, 256),)
     elif name == "cnn":
         model = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 8 * 8, 10),
         )
         args = (torch.randn(8, 3, 32, 32),)
     elif name == "chain":
@@ -154,6 +164,7 @@ def _hooked_forward(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if isinstance(output, torch.Tensor):
                 saved[name] = output.detach()
+
         return hook
 
     handles = [m.register_forward_hook(make_hook(n)) for n, m in model.named_modules()]
@@ -172,18 +183,27 @@ def _torchlens_conditions(model: nn.Module, args: tuple[Any, ...]) -> list[Condi
         def run() -> Any:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return torchlens.trace(own, list(args),
-                                       capture=CaptureOptions(layers_to_save=layers))
+                return torchlens.trace(
+                    own, list(args), capture=CaptureOptions(layers_to_save=layers)
+                )
+
         return run
 
-    common: dict[str, Any] = {"dispose": lambda t: t.cleanup(), "count": len,
-                              "setup": wrap_torch, "teardown": unwrap_torch}
-    return [Condition("torchlens all", runner("all"), **common),
-            Condition("torchlens none", runner(None), **common)]
+    common: dict[str, Any] = {
+        "dispose": lambda t: t.cleanup(),
+        "count": len,
+        "setup": wrap_torch,
+        "teardown": unwrap_torch,
+    }
+    return [
+        Condition("torchlens all", runner("all"), **common),
+        Condition("torchlens none", runner(None), **common),
+    ]
 
 
-def build_conditions(model: nn.Module, args: tuple[Any, ...],
-                     with_torchlens: bool) -> list[Condition]:
+def build_conditions(
+    model: nn.Module, args: tuple[Any, ...], with_torchlens: bool
+) -> list[Condition]:
     def cleanup(log: Any) -> None:
         log.cleanup()
 
@@ -195,10 +215,13 @@ def build_conditions(model: nn.Module, args: tuple[Any, ...],
         Condition("plain", lambda: model(*args)),
         Condition("bare mode", bare_mode),
         Condition("hooks (detach)", lambda: _hooked_forward(model, args)),
-        Condition("tracelake none", lambda: tl.trace(model, *args, save=tl.none()),
-                  cleanup, len),
-        Condition("tracelake none+stats",
-                  lambda: tl.trace(model, *args, save=tl.none(), stats="all"), cleanup, len),
+        Condition("tracelake none", lambda: tl.trace(model, *args, save=tl.none()), cleanup, len),
+        Condition(
+            "tracelake none+stats",
+            lambda: tl.trace(model, *args, save=tl.none(), stats="all"),
+            cleanup,
+            len,
+        ),
         Condition("tracelake all", lambda: tl.trace(model, *args), cleanup, len),
     ]
     if with_torchlens:
@@ -253,26 +276,40 @@ def summarize(model: str, conditions: list[Condition]) -> list[Row]:
         per_op = None
         if cond.ops:
             per_op = statistics.median(
-                (c - p) / cond.ops * 1e6 for c, p in zip(cond.samples, plain, strict=True))
-        rows.append(Row(model, cond.name, statistics.median(cond.samples) * 1e3, ratio,
-                        cond.ops, per_op))
+                (c - p) / cond.ops * 1e6 for c, p in zip(cond.samples, plain, strict=True)
+            )
+        rows.append(
+            Row(model, cond.name, statistics.median(cond.samples) * 1e3, ratio, cond.ops, per_op)
+        )
     return rows
 
 
 def render(rows: list[Row], markdown: bool) -> str:
     header = ["model", "condition", "median ms", "x plain", "ops", "µs/op"]
-    body = [[r.model, r.condition, f"{r.median_ms:.3f}", f"{r.ratio:.2f}x",
-             "" if r.ops is None else str(r.ops),
-             "" if r.us_per_op is None else f"{r.us_per_op:.1f}"] for r in rows]
+    body = [
+        [
+            r.model,
+            r.condition,
+            f"{r.median_ms:.3f}",
+            f"{r.ratio:.2f}x",
+            "" if r.ops is None else str(r.ops),
+            "" if r.us_per_op is None else f"{r.us_per_op:.1f}",
+        ]
+        for r in rows
+    ]
     if markdown:
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join(["---", "---", "---:", "---:", "---:", "---:"]) + "|"]
+        lines = [
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---", "---", "---:", "---:", "---:", "---:"]) + "|",
+        ]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
 
@@ -294,15 +331,35 @@ def render_targets(rows: list[Row], markdown: bool) -> str:
         return next((r for r in rows if r.model == model and r.condition == condition), None)
 
     checks: list[tuple[str, Row | None, Callable[[Row], float], float, str]] = [
-        ("metadata-only (tracelake none) <= 1.2x plain, GPT-2", find("gpt2", "tracelake none"),
-         lambda r: r.ratio, 1.2, "x"),
-        ("metadata-only <= 10 µs per op, chain", find("chain", "tracelake none"),
-         lambda r: r.us_per_op if r.us_per_op is not None else math.inf, 10.0, " µs/op"),
-        ("metadata-only <= 4x the bare mode's per-op cost, chain (10 µs / 2.5 µs: the "
-         "target's ratio, independent of this machine's speed)",
-         find("chain", "tracelake none"), lambda r: _per_op_vs_bare(rows, r), 4.0, "x"),
-        ("save-all (tracelake all) <= 2x plain, GPT-2", find("gpt2", "tracelake all"),
-         lambda r: r.ratio, 2.0, "x"),
+        (
+            "metadata-only (tracelake none) <= 1.2x plain, GPT-2",
+            find("gpt2", "tracelake none"),
+            lambda r: r.ratio,
+            1.2,
+            "x",
+        ),
+        (
+            "metadata-only <= 10 µs per op, chain",
+            find("chain", "tracelake none"),
+            lambda r: r.us_per_op if r.us_per_op is not None else math.inf,
+            10.0,
+            " µs/op",
+        ),
+        (
+            "metadata-only <= 4x the bare mode's per-op cost, chain (10 µs / 2.5 µs: the "
+            "target's ratio, independent of this machine's speed)",
+            find("chain", "tracelake none"),
+            lambda r: _per_op_vs_bare(rows, r),
+            4.0,
+            "x",
+        ),
+        (
+            "save-all (tracelake all) <= 2x plain, GPT-2",
+            find("gpt2", "tracelake all"),
+            lambda r: r.ratio,
+            2.0,
+            "x",
+        ),
     ]
     lines = ["## Targets" if markdown else "Targets"]
     for text, row, value, limit, unit in checks:
@@ -318,8 +375,11 @@ def render_targets(rows: list[Row], markdown: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
-    parser.add_argument("--models", default=",".join(ALL_MODELS),
-                        help="comma-separated subset of gpt2,mlp,cnn,chain")
+    parser.add_argument(
+        "--models",
+        default=",".join(ALL_MODELS),
+        help="comma-separated subset of gpt2,mlp,cnn,chain",
+    )
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--no-torchlens", action="store_true", help="skip TorchLens")
     ns = parser.parse_args(argv)
@@ -334,11 +394,16 @@ def main(argv: list[str] | None = None) -> None:
     lens = f"torchlens {torchlens.__version__}" if with_torchlens else "torchlens not used"
     from tracelake.recorder import compiled
 
-    hot = ("compiled hot path" if compiled.ENABLED else
-           "pure Python recorder" + ("" if compiled.AVAILABLE else " (extension not built)"))
-    print(f"torch {torch.__version__}, tracelake {tl.__version__} ({hot}), {lens}, "
-          f"python {platform.python_version()}, threads 1, repeats {ns.repeats}"
-          + (" (fewer than 7: medians are fragile)" if ns.repeats < 7 else ""))
+    hot = (
+        "compiled hot path"
+        if compiled.ENABLED
+        else "pure Python recorder" + ("" if compiled.AVAILABLE else " (extension not built)")
+    )
+    print(
+        f"torch {torch.__version__}, tracelake {tl.__version__} ({hot}), {lens}, "
+        f"python {platform.python_version()}, threads 1, repeats {ns.repeats}"
+        + (" (fewer than 7: medians are fragile)" if ns.repeats < 7 else "")
+    )
     started = time.perf_counter()
     rows: list[Row] = []
     with torch.no_grad():

@@ -82,8 +82,12 @@ def build(root: Path, runs: int, ops: int) -> tl.Store:
         for i in range(runs):
             torch.manual_seed(i)
             x = torch.randn(32, 32)
-            store.record(model, x, name=f"run{i:04d}",
-                         meta={"prompt": "Paris" if i % 3 == 0 else "Rome", "lr": i / runs})
+            store.record(
+                model,
+                x,
+                name=f"run{i:04d}",
+                meta={"prompt": "Paris" if i % 3 == 0 else "Rome", "lr": i / runs},
+            )
             if (i + 1) % 100 == 0:
                 rate = (i + 1) / (time.perf_counter() - start)
                 print(f"  built {i + 1}/{runs} runs ({rate:.1f} runs/s)", flush=True)
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     first = tl.open(root, create=False).query(
-        "select out from ops where run = 'run0000' and label = 'relu_1_2'")
+        "select out from ops where run = 'run0000' and label = 'relu_1_2'"
+    )
     first_s = time.perf_counter() - start
     assert first.tensors()[0] is not None
     start = time.perf_counter()
@@ -127,19 +132,27 @@ def main(argv: list[str] | None = None) -> None:
     names = store.runs()["name"].tolist()
     rng = random.Random(0)
 
-    rows = [("open (new Store + a query over every run)", open_s, open_s, None),
-            ("open (new Store + fetch one of one run)", first_s, first_s, None)]
-    predicate = ("select run, label, absmax from ops where func = 'relu' and absmax > 2.5 "
-                 "order by absmax desc limit 10")
-    rows.append(("catalog predicate", *timed(lambda: len(store.query(predicate)),
-                                             args.repeats), 0.020))
+    rows = [
+        ("open (new Store + a query over every run)", open_s, open_s, None),
+        ("open (new Store + fetch one of one run)", first_s, first_s, None),
+    ]
+    predicate = (
+        "select run, label, absmax from ops where func = 'relu' and absmax > 2.5 "
+        "order by absmax desc limit 10"
+    )
+    rows.append(
+        ("catalog predicate", *timed(lambda: len(store.query(predicate)), args.repeats), 0.020)
+    )
 
     # "Hot": every run's relu_1_2 chunk read once before (as the stack below reads them).
     store.query("select out from ops where label = 'relu_1_2'")
 
     def fetch_one() -> None:
-        res = store.query("select out from ops where run = :run and label = :label",
-                          run=rng.choice(names), label="relu_1_2")
+        res = store.query(
+            "select out from ops where run = :run and label = :label",
+            run=rng.choice(names),
+            label="relu_1_2",
+        )
         assert res.tensors()[0].nbytes == 4096
 
     rows.append(("fetch one 4 KiB activation", *timed(fetch_one, args.repeats), 0.002))
@@ -150,31 +163,44 @@ def main(argv: list[str] | None = None) -> None:
         mirror._prepared.clear()
         fetch_one()
 
-    rows.append(("  the same, nothing kept from the last", *timed(fetch_one_afresh,
-                                                                  args.repeats), None))
+    rows.append(
+        ("  the same, nothing kept from the last", *timed(fetch_one_afresh, args.repeats), None)
+    )
 
     def stack() -> None:
-        assert store.query("select out from ops where label = 'relu_1_2'").stack().shape[0] \
-            == len(names)
+        assert store.query("select out from ops where label = 'relu_1_2'").stack().shape[0] == len(
+            names
+        )
 
-    rows.append((f"stack one label across {len(names)} runs",
-                 *timed(stack, max(5, args.repeats // 5)), 0.150))
+    rows.append(
+        (
+            f"stack one label across {len(names)} runs",
+            *timed(stack, max(5, args.repeats // 5)),
+            0.150,
+        )
+    )
 
     def compile_all() -> None:
         for text in EXAMPLES:
             compile_query(text)
 
     med, p90 = timed(compile_all, args.repeats * 4)
-    rows.append(("parse + compile (per query)", med / len(EXAMPLES), p90 / len(EXAMPLES),
-                 0.0005))
+    rows.append(("parse + compile (per query)", med / len(EXAMPLES), p90 / len(EXAMPLES), 0.0005))
 
     print(f"store: {len(names)} runs, {n_ops:,} ops, load {os.getloadavg()[0]:.2f}")
     header = ("measure", "median ms", "p90 ms", "target ms", "")
     lines = []
     for name, med, p90, target in rows:
         verdict = "" if target is None else ("met" if med <= target else "MISSED")
-        lines.append((name, f"{med * 1e3:.2f}", f"{p90 * 1e3:.2f}",
-                      "" if target is None else f"{target * 1e3:g}", verdict))
+        lines.append(
+            (
+                name,
+                f"{med * 1e3:.2f}",
+                f"{p90 * 1e3:.2f}",
+                "" if target is None else f"{target * 1e3:g}",
+                verdict,
+            )
+        )
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|---|---:|---:|---:|---|")

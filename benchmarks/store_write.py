@@ -115,6 +115,7 @@ def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tenso
                 for k, item in enumerate(out):
                     if isinstance(item, torch.Tensor):
                         saved[f"{name}.{k}"] = item.detach().clone()
+
         return hook
 
     handles = [m.register_forward_hook(make(n)) for n, m in model.named_modules()]
@@ -126,8 +127,9 @@ def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tenso
     return saved
 
 
-def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
-                     raw_bytes: list[int]) -> list[Condition]:
+def build_conditions(
+    name: str, model: nn.Module, args: tuple[Any, ...], raw_bytes: list[int]
+) -> list[Condition]:
     def plain(_: Path) -> int:
         model(*args)
         return 0
@@ -156,7 +158,7 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
         try:
             left = total
             while left > 0:
-                left -= os.write(fd, block[:min(left, len(block))])
+                left -= os.write(fd, block[: min(left, len(block))])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -177,8 +179,12 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
         fsync_file(path)
         return path.stat().st_size
 
-    conds = [Condition("plain", plain), Condition("tracelake", record, after=sized),
-             Condition("raw write", raw), Condition("hooks+torch.save", hooks_torch_save)]
+    conds = [
+        Condition("plain", plain),
+        Condition("tracelake", record, after=sized),
+        Condition("raw write", raw),
+        Condition("hooks+torch.save", hooks_torch_save),
+    ]
     if HAVE_SAFETENSORS:
         conds.append(Condition("hooks+safetensors", hooks_safetensors))
     if HAVE_TORCHLENS and name != "chain":
@@ -191,9 +197,12 @@ def build_conditions(name: str, model: nn.Module, args: tuple[Any, ...],
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    out = torchlens.trace(own, list(args),
-                                          capture=CaptureOptions(layers_to_save="all"),
-                                          storage=torchlens.to_disk(where / "tl"))
+                    out = torchlens.trace(
+                        own,
+                        list(args),
+                        capture=CaptureOptions(layers_to_save="all"),
+                        storage=torchlens.to_disk(where / "tl"),
+                    )
                 conds[-1].ops = len(out)
             finally:
                 unwrap_torch()
@@ -228,7 +237,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
             sample(cond, root)
         ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         for r in range(repeats):
-            order = conds[r % len(conds):] + conds[:r % len(conds)]
+            order = conds[r % len(conds) :] + conds[: r % len(conds)]
             for cond in order:
                 seconds, nbytes = sample(cond, root)
                 cond.seconds.append(seconds)
@@ -242,12 +251,17 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
     for cond in conds:
         secs = statistics.median(cond.seconds)
         mib = statistics.median(cond.nbytes) / MiB
-        rows.append({
-            "model": name, "condition": cond.name, "seconds": secs, "MiB": mib,
-            "MiB/s": mib / secs if mib else None,
-            "x raw": statistics.median(ratios[cond.name]) if ratios[cond.name] else None,
-            "ops/s": cond.ops / secs if cond.ops else None,
-        })
+        rows.append(
+            {
+                "model": name,
+                "condition": cond.name,
+                "seconds": secs,
+                "MiB": mib,
+                "MiB/s": mib / secs if mib else None,
+                "x raw": statistics.median(ratios[cond.name]) if ratios[cond.name] else None,
+                "ops/s": cond.ops / secs if cond.ops else None,
+            }
+        )
     return rows
 
 
@@ -279,12 +293,16 @@ def targets(rows: list[dict[str, Any]]) -> str:
             continue
         if row["model"] == "wide":
             ok = row["x raw"] >= 0.7
-            out.append(f"wide: tracelake {row['x raw']:.2f}x raw write (target >= 0.70): "
-                       f"{'met' if ok else 'MISSED'}")
+            out.append(
+                f"wide: tracelake {row['x raw']:.2f}x raw write (target >= 0.70): "
+                f"{'met' if ok else 'MISSED'}"
+            )
         if row["model"] == "chain":
             ok = row["ops/s"] >= 20_000
-            out.append(f"chain: {row['ops/s']:,.0f} small ops/s end to end (target >= 20,000):"
-                       f" {'met' if ok else 'MISSED'}")
+            out.append(
+                f"chain: {row['ops/s']:,.0f} small ops/s end to end (target >= 20,000):"
+                f" {'met' if ok else 'MISSED'}"
+            )
     return "\n".join(out)
 
 

@@ -86,8 +86,9 @@ ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
 class Writer(Protocol):
     name: str
 
-    def create(self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
-               dtype: str, zstd: bool) -> Any: ...
+    def create(
+        self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, zstd: bool
+    ) -> Any: ...
     def write(self, arr: Any, sel: tuple[slice, ...], data: np.ndarray) -> None: ...
     def open(self, path: Path) -> Any: ...
     def read(self, arr: Any, sel: tuple[slice, ...]) -> np.ndarray: ...
@@ -109,17 +110,32 @@ class ZarrPython:
     def _check(self, arr: zarr.Array) -> zarr.Array:
         got = type(arr._async_array.codec_pipeline)
         if f"{got.__module__}.{got.__qualname__}" != self.pipeline and not (
-                self.pipeline == ZARRS_PIPELINE and got.__module__.startswith("zarrs")):
+            self.pipeline == ZARRS_PIPELINE and got.__module__.startswith("zarrs")
+        ):
             raise RuntimeError(f"{self.name}: array built with {got}, wanted {self.pipeline}")
         return arr
 
-    def create(self, path: Path | Any, shape: tuple[int, ...], chunks: tuple[int, ...],
-               dtype: str, zstd: bool) -> zarr.Array:
+    def create(
+        self,
+        path: Path | Any,
+        shape: tuple[int, ...],
+        chunks: tuple[int, ...],
+        dtype: str,
+        zstd: bool,
+    ) -> zarr.Array:
         store = LocalStore(path) if isinstance(path, Path) else path
         with self._cfg():
-            return self._check(zarr.create_array(
-                store=store, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
-                filters=None, compressors=codecs(zstd)))
+            return self._check(
+                zarr.create_array(
+                    store=store,
+                    shape=shape,
+                    chunks=chunks,
+                    dtype=dtype,
+                    fill_value=0,
+                    filters=None,
+                    compressors=codecs(zstd),
+                )
+            )
 
     def write(self, arr: zarr.Array, sel: tuple[slice, ...], data: np.ndarray) -> None:
         with self._cfg():
@@ -148,19 +164,28 @@ class TensorStore:
         assert ts is not None
         self.context = ts.Context()
 
-    def create(self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
-               dtype: str, zstd: bool) -> Any:
+    def create(
+        self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, zstd: bool
+    ) -> Any:
         codec_list: list[dict[str, Any]] = [
-            {"name": "bytes", "configuration": {"endian": "little"}}]
+            {"name": "bytes", "configuration": {"endian": "little"}}
+        ]
         if zstd:
             codec_list.append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
         codec_list.append({"name": "crc32c"})
-        metadata = {"shape": list(shape), "data_type": dtype, "fill_value": 0,
-                    "chunk_grid": {"name": "regular",
-                                   "configuration": {"chunk_shape": list(chunks)}},
-                    "chunk_key_encoding": {"name": "default"}, "codecs": codec_list}
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
-                "metadata": metadata}
+        metadata = {
+            "shape": list(shape),
+            "data_type": dtype,
+            "fill_value": 0,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": codec_list,
+        }
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": metadata,
+        }
         return ts.open(spec, create=True, context=self.context).result()
 
     def write(self, arr: Any, sel: tuple[slice, ...], data: np.ndarray) -> None:
@@ -193,6 +218,7 @@ def writers() -> tuple[list[Writer], dict[str, str]]:
 
 def dist_version(name: str) -> str:
     from importlib.metadata import version
+
     return version(name)
 
 
@@ -327,8 +353,12 @@ def sample(cond: Condition, base: Path, data: np.ndarray) -> None:
     cond.stored.append(stored / data.nbytes)
 
 
-def run_rounds(conds: list[Any], repeats: int, step: Callable[[Any], None],
-               on_round: Callable[[int], None] | None = None) -> None:
+def run_rounds(
+    conds: list[Any],
+    repeats: int,
+    step: Callable[[Any], None],
+    on_round: Callable[[int], None] | None = None,
+) -> None:
     """One warm-up round (results dropped by the caller's ``step``) then ``repeats``
     rounds, each visiting every condition once in an order rotated by the round."""
     for r in range(repeats + 1):
@@ -360,11 +390,19 @@ def summarize_throughput(conds: list[Condition], size_mib: int) -> list[list[str
     for c in conds:
         w_ratio = statistics.median(r / s for r, s in zip(raw.write_s, c.write_s, strict=True))
         r_ratio = statistics.median(r / s for r, s in zip(raw.read_s, c.read_s, strict=True))
-        rows.append([c.layout, c.data if c.layout != "raw" else "-",
-                     "zstd 1" if c.zstd else "none", c.writer.name if c.writer else "raw + fsync",
-                     f"{size_mib / statistics.median(c.write_s):.0f}", f"{w_ratio:.2f}",
-                     f"{size_mib / statistics.median(c.read_s):.0f}", f"{r_ratio:.2f}",
-                     f"{statistics.median(c.stored):.3f}"])
+        rows.append(
+            [
+                c.layout,
+                c.data if c.layout != "raw" else "-",
+                "zstd 1" if c.zstd else "none",
+                c.writer.name if c.writer else "raw + fsync",
+                f"{size_mib / statistics.median(c.write_s):.0f}",
+                f"{w_ratio:.2f}",
+                f"{size_mib / statistics.median(c.read_s):.0f}",
+                f"{r_ratio:.2f}",
+                f"{statistics.median(c.stored):.3f}",
+            ]
+        )
     return rows
 
 
@@ -414,7 +452,7 @@ def thread_sample(case: ThreadCase, base: Path, data: np.ndarray) -> None:
         arr = writer.create(store, data.shape, (CHUNK,), "uint8", case.zstd)
 
         def part(k: int) -> None:
-            for sel in sels[k::case.threads]:
+            for sel in sels[k :: case.threads]:
                 writer.write(arr, sel, data[sel])
 
         with ThreadPoolExecutor(case.threads) as pool:
@@ -431,8 +469,10 @@ def codec_scaling(data: np.ndarray) -> list[list[str]]:
 
     bufs = [data[s].tobytes() for s in chunk_slices(min(data.size, 16 * CHUNK))]
     zstd = Zstd(level=1)
-    funcs: dict[str, Callable[[bytes], object]] = {"crc32c (google_crc32c)": google_crc32c.value,
-                                                   "zstd 1 (numcodecs)": zstd.encode}
+    funcs: dict[str, Callable[[bytes], object]] = {
+        "crc32c (google_crc32c)": google_crc32c.value,
+        "zstd 1 (numcodecs)": zstd.encode,
+    }
     rows = []
     for name, fn in funcs.items():
         rates = {}
@@ -493,9 +533,15 @@ def interop(avail: list[Writer], base: Path) -> list[list[str]]:
                         outcome = "no error (corruption NOT detected)"
                     except Exception as exc:
                         outcome = describe(exc)
-                    rows.append([w.name, "zstd 1" if zstd else "none",
-                                 f"{'yes' if same else 'NO'} (crc32c in metadata: {has_crc})",
-                                 reader.name, outcome])
+                    rows.append(
+                        [
+                            w.name,
+                            "zstd 1" if zstd else "none",
+                            f"{'yes' if same else 'NO'} (crc32c in metadata: {has_crc})",
+                            reader.name,
+                            outcome,
+                        ]
+                    )
     return rows
 
 
@@ -504,8 +550,12 @@ def interop(avail: list[Writer], base: Path) -> list[list[str]]:
 
 def render(title: str, header: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
-        lines = [f"### {title}", "", "| " + " | ".join(header) + " |",
-                 "|" + "|".join("---" for _ in header) + "|"]
+        lines = [
+            f"### {title}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         return "\n".join(lines) + "\n"
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
@@ -513,70 +563,124 @@ def render(title: str, header: list[str], rows: list[list[str]], markdown: bool)
     return "\n".join([title, fmt.format(*header), *(fmt.format(*r) for r in rows)]) + "\n"
 
 
-def section_throughput(avail: list[Writer], args: argparse.Namespace,
-                       data: dict[str, np.ndarray]) -> str:
+def section_throughput(
+    avail: list[Writer], args: argparse.Namespace, data: dict[str, np.ndarray]
+) -> str:
     conds = throughput_conditions(avail)
-    run_rounds(conds, args.repeats, lambda c: sample(c, args.dir, data[c.data]),
-               lambda r: print(f"  throughput round {r}/{args.repeats} done", flush=True))
-    return render(f"Durable write / cold read, {args.size_mib} MiB (MiB/s of logical bytes)",
-                  ["layout", "data", "codec", "writer", "write MiB/s", "write x raw",
-                   "read MiB/s", "read x raw", "stored"],
-                  summarize_throughput(conds, args.size_mib), args.markdown)
+    run_rounds(
+        conds,
+        args.repeats,
+        lambda c: sample(c, args.dir, data[c.data]),
+        lambda r: print(f"  throughput round {r}/{args.repeats} done", flush=True),
+    )
+    return render(
+        f"Durable write / cold read, {args.size_mib} MiB (MiB/s of logical bytes)",
+        [
+            "layout",
+            "data",
+            "codec",
+            "writer",
+            "write MiB/s",
+            "write x raw",
+            "read MiB/s",
+            "read x raw",
+            "stored",
+        ],
+        summarize_throughput(conds, args.size_mib),
+        args.markdown,
+    )
 
 
 def section_creation(avail: list[Writer], args: argparse.Namespace) -> str:
     creations = [Creation(None, args.arrays)] + [Creation(w, args.arrays) for w in avail]
     run_rounds(creations, args.repeats, lambda c: creation_sample(c, args.dir))
-    rows = [[c.writer.name if c.writer else "raw: one file each",
-             f"{c.n / statistics.median(c.seconds):.0f}"] for c in creations]
-    return render(f"Array creation (+1 KiB chunk, crc32c, fsync), {args.arrays} per sample",
-                  ["writer", "arrays/s"], rows, args.markdown)
+    rows = [
+        [
+            c.writer.name if c.writer else "raw: one file each",
+            f"{c.n / statistics.median(c.seconds):.0f}",
+        ]
+        for c in creations
+    ]
+    return render(
+        f"Array creation (+1 KiB chunk, crc32c, fsync), {args.arrays} per sample",
+        ["writer", "arrays/s"],
+        rows,
+        args.markdown,
+    )
 
 
 def section_threads(args: argparse.Namespace, packed: np.ndarray) -> str:
     mib = min(args.size_mib, 32)  # enough chunks to share out; keeps the run short
     data = packed[: mib * MIB]
-    cases = [ThreadCase(s, z, t) for s in ("memory", "disk") for z in (False, True)
-             for t in (1, 2)]
+    cases = [ThreadCase(s, z, t) for s in ("memory", "disk") for z in (False, True) for t in (1, 2)]
     run_rounds(cases, args.repeats, lambda c: thread_sample(c, args.dir, data))
     rows = []
     for one, two in zip(cases[::2], cases[1::2], strict=True):
         speedup = statistics.median(a / b for a, b in zip(one.seconds, two.seconds, strict=True))
-        rows.append([one.store, "zstd 1" if one.zstd else "none",
-                     f"{mib / statistics.median(one.seconds):.0f}",
-                     f"{mib / statistics.median(two.seconds):.0f}", f"{speedup:.2f}"])
-    return (render(f"Default pipeline, {mib} MiB packed, chunks from 1 vs 2 Python threads "
-                   "(MiB/s; 'speedup' = paired median 1-thread time / 2-thread time)",
-                   ["store", "codec", "1 thread", "2 threads", "speedup"], rows, args.markdown)
-            + "\n" + render("Codec alone on 4 MiB buffers, 1 vs 2 threads (MiB/s, total)",
-                            ["codec", "1 thread", "2 threads", "speedup"],
-                            codec_scaling(data), args.markdown))
+        rows.append(
+            [
+                one.store,
+                "zstd 1" if one.zstd else "none",
+                f"{mib / statistics.median(one.seconds):.0f}",
+                f"{mib / statistics.median(two.seconds):.0f}",
+                f"{speedup:.2f}",
+            ]
+        )
+    return (
+        render(
+            f"Default pipeline, {mib} MiB packed, chunks from 1 vs 2 Python threads "
+            "(MiB/s; 'speedup' = paired median 1-thread time / 2-thread time)",
+            ["store", "codec", "1 thread", "2 threads", "speedup"],
+            rows,
+            args.markdown,
+        )
+        + "\n"
+        + render(
+            "Codec alone on 4 MiB buffers, 1 vs 2 threads (MiB/s, total)",
+            ["codec", "1 thread", "2 threads", "speedup"],
+            codec_scaling(data),
+            args.markdown,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=64,
-                        help="logical MiB per array (multiple of 4; default 64)")
+    parser.add_argument(
+        "--size-mib", type=int, default=64, help="logical MiB per array (multiple of 4; default 64)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--arrays", type=int, default=50,
-                        help="arrays per creation-rate sample (default 50)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="where temp dirs go (the disk under test)")
+    parser.add_argument(
+        "--arrays", type=int, default=50, help="arrays per creation-rate sample (default 50)"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where temp dirs go (the disk under test)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     args = parser.parse_args(argv)
     if args.size_mib % 4 or args.size_mib <= 0:
         parser.error("--size-mib must be a positive multiple of 4")
     avail, versions = writers()
-    print(f"{platform.platform()}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}, python {platform.python_version()}; "
-          + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print(
+        f"{platform.platform()}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}, python {platform.python_version()}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+    )
     print(f"size {args.size_mib} MiB, {args.repeats} rounds after 1 warm-up, dir {args.dir}\n")
     data = make_data(args.size_mib)
     sections: list[tuple[str, Callable[[], str]]] = [
-        ("interop", lambda: render(
-            "Read-back by plain zarr-python, and a flipped byte in a chunk",
-            ["writer", "codec", "plain zarr reads bitwise", "reader", "on corrupt chunk"],
-            interop(avail, args.dir), args.markdown)),
+        (
+            "interop",
+            lambda: render(
+                "Read-back by plain zarr-python, and a flipped byte in a chunk",
+                ["writer", "codec", "plain zarr reads bitwise", "reader", "on corrupt chunk"],
+                interop(avail, args.dir),
+                args.markdown,
+            ),
+        ),
         ("throughput", lambda: section_throughput(avail, args, data)),
         ("creation", lambda: section_creation(avail, args)),
         ("threads", lambda: section_threads(args, data["packed"])),
@@ -584,8 +688,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, run in sections:
         t0 = time.perf_counter()
         text = run()
-        print(f"\n{text}({name}: {time.perf_counter() - t0:.0f} s, load average "
-              f"{os.getloadavg()[0]:.1f})\n", flush=True)
+        print(
+            f"\n{text}({name}: {time.perf_counter() - t0:.0f} s, load average "
+            f"{os.getloadavg()[0]:.1f})\n",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

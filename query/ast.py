@@ -15,10 +15,34 @@ from typing import Literal as Lit
 from typing import NamedTuple
 
 __all__ = [
-    "And", "Between", "BoolTest", "Call", "Column", "Compare", "Condition", "Expr",
-    "GraphRef", "In", "Index", "IsNull", "Like", "Literal", "MetaRef", "Node", "Not", "Or",
-    "OrderItem", "Out", "OutSlice", "Param", "Query", "SelectItem", "SliceSpec", "Span",
-    "Star", "Value",
+    "And",
+    "Between",
+    "BoolTest",
+    "Call",
+    "Column",
+    "Compare",
+    "Condition",
+    "Expr",
+    "GraphRef",
+    "In",
+    "Index",
+    "IsNull",
+    "Like",
+    "Literal",
+    "MetaRef",
+    "Node",
+    "Not",
+    "Or",
+    "OrderItem",
+    "Out",
+    "OutSlice",
+    "Param",
+    "Query",
+    "SelectItem",
+    "SliceSpec",
+    "Span",
+    "Star",
+    "Value",
 ]
 
 Value = str | int | float | bool | None
@@ -62,6 +86,7 @@ class Node:
 
 
 # Operands -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Column(Node):
@@ -141,6 +166,7 @@ Expr = Column | GraphRef | MetaRef | Literal | Param | Star | Out | OutSlice | C
 
 # Conditions ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Compare(Node):
     op: Lit["=", "<>", "<", "<=", ">", ">="]
@@ -205,6 +231,7 @@ Condition = Compare | Like | In | Between | IsNull | BoolTest | Not | And | Or
 
 
 # Clauses ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class SelectItem(Node):

@@ -85,8 +85,9 @@ class PointLookup:
 
 
 #: Columns of ops a point lookup can select: the op index's fields (``run``: by its id).
-_POINT_COLUMNS = frozenset({"run", "step", "idx", "label", "tensor", "array", "byte_offset",
-                            "nbytes", "shape", "dtype"})
+_POINT_COLUMNS = frozenset(
+    {"run", "step", "idx", "label", "tensor", "array", "byte_offset", "nbytes", "shape", "dtype"}
+)
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,13 @@ class CompiledQuery:
     runs: frozenset[int] | None = None
 
 
-def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = None,
-                  runs: Mapping[str, int] | None = None, *, source: str = ""
-                  ) -> CompiledQuery:
+def compile_query(
+    query: str | ast.Query,
+    params: Mapping[str, Any] | None = None,
+    runs: Mapping[str, int] | None = None,
+    *,
+    source: str = "",
+) -> CompiledQuery:
     """Compile query text (or a parsed :class:`~tracelake.query.ast.Query`) to SQL.
 
     ``params`` binds the query's ``:name`` parameters: ``None``, ``bool``, ``int``,
@@ -131,8 +136,12 @@ def compile_query(query: str | ast.Query, params: Mapping[str, Any] | None = Non
     try:
         return _Compiler(node, values, text, runs).compile()
     except _Refused as exc:
-        raise QueryCompileError(exc.message, line=exc.span.line, column=exc.span.column,
-                                excerpt=exc.span.excerpt(text) if text else "") from None
+        raise QueryCompileError(
+            exc.message,
+            line=exc.span.line,
+            column=exc.span.column,
+            excerpt=exc.span.excerpt(text) if text else "",
+        ) from None
     except QueryError:
         raise
     except RecursionError as exc:
@@ -173,15 +182,21 @@ def _index_text(index: ast.Index) -> str:
 
 
 def _is_aggregate(expr: ast.Expr) -> bool:
-    return (isinstance(expr, ast.Call) and expr.name in AGGREGATES
-            and not isinstance(expr.args[0] if expr.args else None, ast.Out | ast.OutSlice))
+    return (
+        isinstance(expr, ast.Call)
+        and expr.name in AGGREGATES
+        and not isinstance(expr.args[0] if expr.args else None, ast.Out | ast.OutSlice)
+    )
 
 
 def _is_tensor(expr: ast.Expr) -> bool:
     if isinstance(expr, ast.Out | ast.OutSlice):
         return True
-    return (isinstance(expr, ast.Call) and len(expr.args) == 1
-            and isinstance(expr.args[0], ast.OutSlice))
+    return (
+        isinstance(expr, ast.Call)
+        and len(expr.args) == 1
+        and isinstance(expr.args[0], ast.OutSlice)
+    )
 
 
 def _graph_directions(node: Any) -> set[str]:
@@ -204,8 +219,13 @@ def _fields(node: Any) -> tuple[Any, ...]:
 
 
 class _Compiler:
-    def __init__(self, query: ast.Query, values: dict[str, Any], text: str,
-                 runs: Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        query: ast.Query,
+        values: dict[str, Any],
+        text: str,
+        runs: Mapping[str, int] | None = None,
+    ):
         self.query = query
         self.values = values
         self.text = text
@@ -225,11 +245,17 @@ class _Compiler:
     def compile(self) -> CompiledQuery:
         q = self.query
         if self.table not in TABLE_NAMES:
-            raise _Refused(f"unknown table {self.table!r}{closest(self.table, TABLE_NAMES)}"
-                           f" (tables: {', '.join(TABLE_NAMES)})", q.table_span)
+            raise _Refused(
+                f"unknown table {self.table!r}{closest(self.table, TABLE_NAMES)}"
+                f" (tables: {', '.join(TABLE_NAMES)})",
+                q.table_span,
+            )
         self.columns = COLUMNS[self.table]
-        grouped = bool(q.group_by) or any(_is_aggregate(i.expr) for i in q.items) or any(
-            _is_aggregate(o.expr) for o in q.order_by)
+        grouped = (
+            bool(q.group_by)
+            or any(_is_aggregate(i.expr) for i in q.items)
+            or any(_is_aggregate(o.expr) for o in q.order_by)
+        )
         select, select_params, names = self._clause(lambda: self._select(grouped))
         where, where_params, _ = self._clause(lambda: self._where())
         group, group_params, _ = self._clause(lambda: self._group())
@@ -237,15 +263,30 @@ class _Compiler:
         limit, limit_params, _ = self._clause(lambda: self._limit())
         unused = sorted(set(self.values) - self.used)
         if unused:
-            raise QueryCompileError(f"parameter {unused[0]!r} is not used in the query"
-                                    f"{closest(unused[0], self.used)}")
+            raise QueryCompileError(
+                f"parameter {unused[0]!r} is not used in the query{closest(unused[0], self.used)}"
+            )
         source, from_params = self._from()
         sql = f"SELECT {select} FROM {source}{where}{group}{order}{limit}"
-        params = [*select_params, *from_params, *where_params, *group_params,
-                  *order_params, *limit_params]
-        return CompiledQuery(sql, params, tuple(names), tuple(self.tensors),
-                             HIDDEN if self.tensors else (), self.table, frozenset(self.used),
-                             None if grouped else self._point(), self._scope())
+        params = [
+            *select_params,
+            *from_params,
+            *where_params,
+            *group_params,
+            *order_params,
+            *limit_params,
+        ]
+        return CompiledQuery(
+            sql,
+            params,
+            tuple(names),
+            tuple(self.tensors),
+            HIDDEN if self.tensors else (),
+            self.table,
+            frozenset(self.used),
+            None if grouped else self._point(),
+            self._scope(),
+        )
 
     def _scope(self) -> frozenset[int] | None:
         """The runs the query can read rows of (see ``CompiledQuery.runs``)."""
@@ -259,7 +300,8 @@ class _Compiler:
             ids = None
             if isinstance(cond, ast.Compare) and cond.op == "=":
                 ids = self._run_ids(cond.left, (cond.right,)) or self._run_ids(
-                    cond.right, (cond.left,))
+                    cond.right, (cond.left,)
+                )
             elif isinstance(cond, ast.In) and not cond.negated:
                 values = cond.values
                 if isinstance(values, ast.Param):
@@ -276,8 +318,13 @@ class _Compiler:
         """The query as a lookup in the op index, if it is one (after the clauses
         compiled, so every value in it has been checked)."""
         q = self.query
-        if self.table != "ops" or self.runs is None or q.order_by or q.group_by or not (
-                isinstance(q.where, ast.And) and len(q.where.items) == 2):
+        if (
+            self.table != "ops"
+            or self.runs is None
+            or q.order_by
+            or q.group_by
+            or not (isinstance(q.where, ast.And) and len(q.where.items) == 2)
+        ):
             return None
         keys: dict[str, Any] = {}
         for cond in q.where.items:
@@ -305,8 +352,13 @@ class _Compiler:
             fields += HIDDEN_COLUMNS.values()  # the index's fields are ops columns
         start = self._count(q.offset) or 0
         limit = self._count(q.limit)
-        return PointLookup(self.runs.get(run, 0), label, tuple(fields), start,
-                           None if limit is None else start + limit)
+        return PointLookup(
+            self.runs.get(run, 0),
+            label,
+            tuple(fields),
+            start,
+            None if limit is None else start + limit,
+        )
 
     def _count(self, node: ast.Literal | ast.Param | None) -> int | None:
         """A limit's or offset's value (checked by ``_limit``)."""
@@ -347,13 +399,16 @@ class _Compiler:
         for item in self.query.items:
             for sql, name in self.visit_SelectItem(item, grouped):
                 if name in names:
-                    raise self._refuse(f"two result columns are named {name!r}; rename one "
-                                       "with 'as'", item)
+                    raise self._refuse(
+                        f"two result columns are named {name!r}; rename one with 'as'", item
+                    )
                 parts.append(f"{sql} AS {ident(name)}")
                 names.append(name)
         if self.tensors:
-            parts += [f"{self.alias}.{ident(column)} AS {ident(name)}"
-                      for name, column in HIDDEN_COLUMNS.items()]
+            parts += [
+                f"{self.alias}.{ident(column)} AS {ident(name)}"
+                for name, column in HIDDEN_COLUMNS.items()
+            ]
         return ", ".join(parts), names
 
     def _from(self) -> tuple[str, list[Any]]:
@@ -362,8 +417,7 @@ class _Compiler:
         source = f"{ident(self.table)} AS t"
         if not self.needs_runs:
             return source, []
-        return (f'{source} JOIN "runs" AS r ON r."id" = t."run_id" AND r."status" = ?',
-                [COMPLETE])
+        return (f'{source} JOIN "runs" AS r ON r."id" = t."run_id" AND r."status" = ?', [COMPLETE])
 
     def _where(self) -> str:
         self.ctx = "where"
@@ -385,13 +439,19 @@ class _Compiler:
         terms: list[str] = []
         for item in self.query.order_by:
             expr = item.expr
-            if isinstance(expr, ast.Column) and expr.name not in self.columns and any(
-                    n.lower() == expr.name for n in names):
+            if (
+                isinstance(expr, ast.Column)
+                and expr.name not in self.columns
+                and any(n.lower() == expr.name for n in names)
+            ):
                 keys = [ident(next(n for n in names if n.lower() == expr.name))]
             else:
                 if grouped and not _is_aggregate(expr) and expr not in self.query.group_by:
-                    raise self._refuse(f"{_display(expr)!r} is neither grouped nor aggregated;"
-                                       " add it to 'group by' or order by an aggregate", item)
+                    raise self._refuse(
+                        f"{_display(expr)!r} is neither grouped nor aggregated;"
+                        " add it to 'group by' or order by an aggregate",
+                        item,
+                    )
                 keys = self.visit_OrderItem(item)
             direction = " DESC" if item.descending else ""
             terms += [k + direction for k in keys]
@@ -404,36 +464,42 @@ class _Compiler:
                 continue
             value = node.value if isinstance(node, ast.Literal) else self._param(node)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64:
-                raise self._refuse(f"{word.lower()} takes a non-negative integer, not "
-                                   f"{value!r}", node)
+                raise self._refuse(
+                    f"{word.lower()} takes a non-negative integer, not {value!r}", node
+                )
             text += f" {word} {self.bind(value)}"
         return text
 
     # select items -----------------------------------------------------------------------
 
-    def visit_SelectItem(self, item: ast.SelectItem, grouped: bool = False
-                         ) -> list[tuple[str, str]]:
+    def visit_SelectItem(
+        self, item: ast.SelectItem, grouped: bool = False
+    ) -> list[tuple[str, str]]:
         expr = item.expr
         if item.alias is not None and item.alias.startswith("__"):
             raise self._refuse(f"names starting with '__' are reserved: {item.alias!r}", item)
         if isinstance(expr, ast.Star):
             if grouped:
-                raise self._refuse("'*' cannot be selected with 'group by' or aggregates",
-                                   item)
+                raise self._refuse("'*' cannot be selected with 'group by' or aggregates", item)
             return [(self.visit(ast.Column(c, span=expr.span)), c) for c in star(self.table)]
         name = item.alias or _display(expr)
         if _is_tensor(expr):
             if grouped:
-                raise self._refuse(f"{_display(expr)!r} cannot be selected with 'group by' "
-                                   "or aggregates", expr)
+                raise self._refuse(
+                    f"{_display(expr)!r} cannot be selected with 'group by' or aggregates", expr
+                )
             self.tensors.append(self._tensor_item(expr, name))
             return [(f'{self.alias}."tensor"', name)]
         if grouped and not _is_aggregate(expr) and expr not in self.query.group_by:
-            raise self._refuse(f"{_display(expr)!r} is neither grouped nor aggregated; add it"
-                               " to 'group by' or wrap it in an aggregate", expr)
+            raise self._refuse(
+                f"{_display(expr)!r} is neither grouped nor aggregated; add it"
+                " to 'group by' or wrap it in an aggregate",
+                expr,
+            )
         if isinstance(expr, ast.Literal | ast.Param):
-            raise self._refuse(f"select a column, out, a reduction or an aggregate, not "
-                               f"{_display(expr)}", expr)
+            raise self._refuse(
+                f"select a column, out, a reduction or an aggregate, not {_display(expr)}", expr
+            )
         return [(self.visit(expr), name)]
 
     def _tensor_item(self, expr: ast.Expr, name: str) -> TensorItem:
@@ -445,16 +511,18 @@ class _Compiler:
         assert isinstance(expr, ast.Call)
         self._call_shape(expr)
         if expr.name not in REDUCTIONS:
-            raise self._refuse(f"{expr.name}() does not reduce a tensor; reductions: "
-                               f"{', '.join(REDUCTIONS)}", expr)
+            raise self._refuse(
+                f"{expr.name}() does not reduce a tensor; reductions: {', '.join(REDUCTIONS)}", expr
+            )
         assert isinstance(expr.args[0], ast.OutSlice)
         return TensorItem(name, "reduce", self._index(expr.args[0]), expr.name)
 
     def _index(self, expr: ast.OutSlice) -> tuple[int | slice | EllipsisType, ...]:
         if sum(i is ... for i in expr.index) > 1:
             raise self._refuse("an index can have only one '...'", expr)
-        return tuple(self.visit_SliceSpec(i) if isinstance(i, ast.SliceSpec) else i
-                     for i in expr.index)
+        return tuple(
+            self.visit_SliceSpec(i) if isinstance(i, ast.SliceSpec) else i for i in expr.index
+        )
 
     def visit_SliceSpec(self, node: ast.SliceSpec) -> slice:
         return slice(node.start, node.stop, node.step)
@@ -466,11 +534,17 @@ class _Compiler:
         return [self._scalar(expr, "order by")]
 
     def _scalar(self, expr: ast.Expr, clause: str) -> str:
-        if isinstance(expr, ast.Literal | ast.Param | ast.Star | ast.GraphRef) or (
-                _is_tensor(expr)) or (clause == "group by" and _is_aggregate(expr)):
-            raise self._refuse(f"{clause} takes columns, meta keys, reductions of out"
-                               f"{'' if clause == 'group by' else ', aggregates, aliases'}; "
-                               f"not {_display(expr)}", expr)
+        if (
+            isinstance(expr, ast.Literal | ast.Param | ast.Star | ast.GraphRef)
+            or (_is_tensor(expr))
+            or (clause == "group by" and _is_aggregate(expr))
+        ):
+            raise self._refuse(
+                f"{clause} takes columns, meta keys, reductions of out"
+                f"{'' if clause == 'group by' else ', aggregates, aliases'}; "
+                f"not {_display(expr)}",
+                expr,
+            )
         return str(self.visit(expr))
 
     # operands ---------------------------------------------------------------------------
@@ -479,9 +553,13 @@ class _Compiler:
         if node.name not in self.columns:
             extra = ", out" if self.table == "ops" else ""
             hint = closest(node.name, [*self.columns, *(["out"] if extra else [])])
-            raise self._refuse(f"unknown column {node.name!r}{hint}" if hint else
-                               f"unknown column {node.name!r}; {self.table} has: "
-                               f"{', '.join(self.columns)}{extra}", node)
+            raise self._refuse(
+                f"unknown column {node.name!r}{hint}"
+                if hint
+                else f"unknown column {node.name!r}; {self.table} has: "
+                f"{', '.join(self.columns)}{extra}",
+                node,
+            )
         if node.name == "run":
             self.needs_runs = self.needs_runs or self.table != "runs"
             return 'r."name"'
@@ -490,11 +568,15 @@ class _Compiler:
     def visit_GraphRef(self, node: ast.GraphRef) -> str:
         if self.graph is None:
             where = "ops conditions" if self.table == "ops" else "queries over ops"
-            raise self._refuse(f"{node.direction}.<column> can only be used in {where} "
-                               f"(where {node.direction}.func = 'relu')", node)
+            raise self._refuse(
+                f"{node.direction}.<column> can only be used in {where} "
+                f"(where {node.direction}.func = 'relu')",
+                node,
+            )
         if node.name not in COLUMNS["ops"]:
-            raise self._refuse(f"unknown column {node.name!r}"
-                               f"{closest(node.name, COLUMNS['ops'])}", node)
+            raise self._refuse(
+                f"unknown column {node.name!r}{closest(node.name, COLUMNS['ops'])}", node
+            )
         if node.name == "run":  # an edge never leaves its run
             return self.visit(ast.Column("run", span=node.span))
         return f"g.{ident(node.name)}"
@@ -524,24 +606,30 @@ class _Compiler:
 
     def _param(self, node: ast.Param) -> Any:
         if node.name not in self.values:
-            raise self._refuse(f"no value for parameter :{node.name}"
-                               f"{closest(node.name, self.values)}", node)
+            raise self._refuse(
+                f"no value for parameter :{node.name}{closest(node.name, self.values)}", node
+            )
         self.used.add(node.name)
         value = self.values[node.name]
         items = value if isinstance(value, list | tuple) else (value,)
         for item in items:
             if not isinstance(item, _SCALARS):
-                raise TypeError(f"parameter :{node.name} is a {type(item).__name__}; "
-                                "parameters are str, int, float, bool, None, datetime, or "
-                                "lists of these after 'in'")
+                raise TypeError(
+                    f"parameter :{node.name} is a {type(item).__name__}; "
+                    "parameters are str, int, float, bool, None, datetime, or "
+                    "lists of these after 'in'"
+                )
         return value
 
     def visit_Star(self, node: ast.Star) -> str:
         raise self._refuse("'*' stands only in a select list and in count(*)", node)
 
     def visit_Out(self, node: ast.Out | ast.OutSlice) -> str:
-        raise self._refuse(f"{_display(node)} is a tensor: select it, or use a whole-tensor "
-                           "reduction such as absmax(out) here", node)
+        raise self._refuse(
+            f"{_display(node)} is a tensor: select it, or use a whole-tensor "
+            "reduction such as absmax(out) here",
+            node,
+        )
 
     visit_OutSlice = visit_Out
 
@@ -551,8 +639,9 @@ class _Compiler:
 
     def _call_shape(self, node: ast.Call) -> None:
         if node.name not in FUNCTIONS:
-            raise self._refuse(f"unknown function {node.name!r}"
-                               f"{closest(node.name, FUNCTIONS)}", node)
+            raise self._refuse(
+                f"unknown function {node.name!r}{closest(node.name, FUNCTIONS)}", node
+            )
         if len(node.args) != 1:
             raise self._refuse(f"{node.name}() takes one argument, not {len(node.args)}", node)
 
@@ -565,25 +654,35 @@ class _Compiler:
                 return 'coalesce(t."mean" * list_product(t."shape"), t."mean")'
             return f"t.{ident(STATS[node.name])}"
         if isinstance(arg, ast.OutSlice):
-            raise self._refuse(f"{_display(node)} reads the tensor, so it can only be "
-                               "selected; whole-tensor reductions (mean(out)) come from "
-                               "statistics and can stand anywhere", node)
+            raise self._refuse(
+                f"{_display(node)} reads the tensor, so it can only be "
+                "selected; whole-tensor reductions (mean(out)) come from "
+                "statistics and can stand anywhere",
+                node,
+            )
         if node.name not in AGGREGATES:
-            raise self._refuse(f"{node.name}() reduces out or a slice of it ({node.name}"
-                               "(out)); over a column use avg, sum, min, max or count", node)
+            raise self._refuse(
+                f"{node.name}() reduces out or a slice of it ({node.name}"
+                "(out)); over a column use avg, sum, min, max or count",
+                node,
+            )
         return self._aggregate(node, arg)
 
     def _aggregate(self, node: ast.Call, arg: ast.Expr) -> str:
         if self.ctx not in ("select", "order"):
-            raise self._refuse(f"aggregates such as {_display(node)} cannot stand in "
-                               f"{'where' if self.ctx == 'where' else 'group by'}", node)
+            raise self._refuse(
+                f"aggregates such as {_display(node)} cannot stand in "
+                f"{'where' if self.ctx == 'where' else 'group by'}",
+                node,
+            )
         if isinstance(arg, ast.Star):
             if node.name != "count":
                 raise self._refuse(f"{node.name}(*) is not a thing; count(*) is", node)
             return "count(*)"
         if not isinstance(arg, ast.Column | ast.MetaRef):
-            raise self._refuse(f"{node.name}() aggregates a column or a meta key, not "
-                               f"{_display(arg)}", node)
+            raise self._refuse(
+                f"{node.name}() aggregates a column or a meta key, not {_display(arg)}", node
+            )
         saved, self.ctx = self.ctx, "aggregate"
         try:
             if isinstance(arg, ast.MetaRef) and node.name in ("avg", "sum"):
@@ -635,42 +734,52 @@ class _Compiler:
         if not directions:
             return build()
         if len(directions) > 1:
-            raise self._refuse("one condition cannot name both parent. and child.; "
-                               "write one for each, joined with 'and'", node)
+            raise self._refuse(
+                "one condition cannot name both parent. and child.; "
+                "write one for each, joined with 'and'",
+                node,
+            )
         if self.table != "ops":
-            raise self._refuse("parent. and child. name ops, so they work in queries over ops",
-                               node)
+            raise self._refuse(
+                "parent. and child. name ops, so they work in queries over ops", node
+            )
         self.graph = direction = directions.pop()
         try:
             cond = build()
         finally:
             self.graph = None
         near, far = ("child", "parent") if direction == "parent" else ("parent", "child")
-        return (f'EXISTS (SELECT * FROM "edges" AS e JOIN "ops" AS g ON g."run_id" = e."run_id"'
-                f' AND g."step" = e."step" AND g."idx" = e.{ident(far)} WHERE e."run_id" = '
-                f't."run_id" AND e."step" = t."step" AND e.{ident(near)} = t."idx" AND {cond})')
+        return (
+            f'EXISTS (SELECT * FROM "edges" AS e JOIN "ops" AS g ON g."run_id" = e."run_id"'
+            f' AND g."step" = e."step" AND g."idx" = e.{ident(far)} WHERE e."run_id" = '
+            f't."run_id" AND e."step" = t."step" AND e.{ident(near)} = t."idx" AND {cond})'
+        )
 
     def visit_Compare(self, node: ast.Compare) -> str:
         for side in (node.left, node.right):
             if isinstance(side, ast.Literal) and side.value is None:
-                raise self._refuse("nothing equals null: write 'is null' or 'is not null'",
-                                   node)
+                raise self._refuse("nothing equals null: write 'is null' or 'is not null'", node)
         if node.op in ("=", "<>"):
             for run, other in ((node.left, node.right), (node.right, node.left)):
                 ids = self._run_ids(run, (other,))
                 if ids is not None:
                     return f'{self.alias}."run_id" {node.op} {self.bind(ids[0])}'
-        return self._predicate(node, lambda: (
-            f"{self._operand(node.left, node.right)} {node.op} "
-            f"{self._operand(node.right, node.left)}"))
+        return self._predicate(
+            node,
+            lambda: (
+                f"{self._operand(node.left, node.right)} {node.op} "
+                f"{self._operand(node.right, node.left)}"
+            ),
+        )
 
     def visit_Like(self, node: ast.Like) -> str:
         for side in (node.expr, node.pattern):
             if self._kind(side) not in (None, "string"):
                 raise self._refuse(f"like compares text; {_display(side)} is not text", side)
         op = ("NOT " if node.negated else "") + ("ILIKE" if node.case_insensitive else "LIKE")
-        return self._predicate(node, lambda: (
-            f"{self._operand(node.expr)} {op} {self._operand(node.pattern)}"))
+        return self._predicate(
+            node, lambda: f"{self._operand(node.expr)} {op} {self._operand(node.pattern)}"
+        )
 
     def visit_In(self, node: ast.In) -> str:
         op = "NOT IN" if node.negated else "IN"
@@ -690,6 +799,7 @@ class _Compiler:
         def build() -> str:
             left = self._operand(node.expr, *values)
             return f"{left} {op} ({', '.join(self._operand(v, node.expr) for v in values)})"
+
         return self._predicate(node, build)
 
     def _run_ids(self, expr: ast.Expr, values: tuple[ast.Expr, ...]) -> list[int | None] | None:
@@ -713,9 +823,13 @@ class _Compiler:
 
     def visit_Between(self, node: ast.Between) -> str:
         op = "NOT BETWEEN" if node.negated else "BETWEEN"
-        return self._predicate(node, lambda: (
-            f"{self._operand(node.expr, node.low, node.high)} {op} "
-            f"{self._operand(node.low, node.expr)} AND {self._operand(node.high, node.expr)}"))
+        return self._predicate(
+            node,
+            lambda: (
+                f"{self._operand(node.expr, node.low, node.high)} {op} "
+                f"{self._operand(node.low, node.expr)} AND {self._operand(node.high, node.expr)}"
+            ),
+        )
 
     def visit_IsNull(self, node: ast.IsNull) -> str:
         op = "IS NOT NULL" if node.negated else "IS NULL"
@@ -726,8 +840,9 @@ class _Compiler:
         if isinstance(expr, ast.MetaRef):
             return self._meta(expr, "BOOLEAN")
         if self._kind(expr) != "bool":
-            raise self._refuse(f"{_display(expr)} is not true or false; compare it "
-                               f"({_display(expr)} = ...)", node)
+            raise self._refuse(
+                f"{_display(expr)} is not true or false; compare it ({_display(expr)} = ...)", node
+            )
         return self._predicate(node, lambda: str(self.visit(expr)))
 
     def visit_Not(self, node: ast.Not) -> str:

@@ -140,8 +140,10 @@ def _lexer(lark: Lark) -> tuple[re.Pattern[str], dict[str, dict[str, str]]]:
     terminal -> lower-cased spelling -> the keyword)."""
     if lark.options.g_regex_flags or lark.options.lexer_callbacks or lark.options.postlex:
         raise ValueError("LeanLALR does not follow lexer flags, callbacks or post-lexers")
-    terminals = sorted(lark.terminals, key=lambda t: (
-        -t.priority, -t.pattern.max_width, -len(t.pattern.value), t.name))
+    terminals = sorted(
+        lark.terminals,
+        key=lambda t: (-t.priority, -t.pattern.max_width, -len(t.pattern.value), t.name),
+    )
     ignore = [t.pattern.to_regexp() for t in terminals if t.name in lark.ignore_tokens]
     patterns = {t.name: re.compile(t.pattern.to_regexp()) for t in terminals}
     keywords: dict[str, dict[str, str]] = {}
@@ -150,11 +152,17 @@ def _lexer(lark: Lark) -> tuple[re.Pattern[str], dict[str, dict[str, str]]]:
         if t.name in lark.ignore_tokens:
             continue
         if t.pattern.type == "str":
-            words = [r for r in terminals if r.pattern.type == "re"
-                     and patterns[r.name].fullmatch(t.pattern.value)]
+            words = [
+                r
+                for r in terminals
+                if r.pattern.type == "re" and patterns[r.name].fullmatch(t.pattern.value)
+            ]
             if words:
-                if len(words) > 1 or words[0].pattern.flags != t.pattern.flags or \
-                        "i" not in t.pattern.flags:
+                if (
+                    len(words) > 1
+                    or words[0].pattern.flags != t.pattern.flags
+                    or "i" not in t.pattern.flags
+                ):
                     raise ValueError(f"LeanLALR cannot lex keyword {t.name} of this grammar")
                 keywords.setdefault(words[0].name, {})[t.pattern.value.lower()] = t.name
                 continue
@@ -186,10 +194,10 @@ def _reducer(rule: Any, builder: object) -> _Reduce:
     if method is not None:
         build = method
     elif name.startswith("_"):  # Lark's own repetition rules: spliced into the parent
+
         def build(*items: Any) -> list[Any]:
             return list(items)
-    elif options.expand1 and len(rule.expansion) == 1 and plan == [(0, False, 0)] \
-            and not nones:
+    elif options.expand1 and len(rule.expansion) == 1 and plan == [(0, False, 0)] and not nones:
         return 1, str(rule.origin.name), None  # an inlined ?rule's one child
     else:
         raise ValueError(f"the builder has no method for rule {name!r}")
@@ -198,17 +206,20 @@ def _reducer(rule: Any, builder: object) -> _Reduce:
     picks = tuple(i for i, _, _ in plan)
 
     if simple and picks == tuple(range(len(rule.expansion))):
+
         def reduce(children: list[Any]) -> Any:
             if expand1 and len(children) == 1:
                 return children[0]
             return build(*children)
     elif simple:
+
         def reduce(children: list[Any]) -> Any:
             args = [children[i] for i in picks]
             if expand1 and len(args) == 1:
                 return args[0]
             return build(*args)
     else:
+
         def reduce(children: list[Any]) -> Any:
             args: list[Any] = []
             for i, splice, before in plan:
@@ -221,4 +232,5 @@ def _reducer(rule: Any, builder: object) -> _Reduce:
             if expand1 and len(args) == 1:
                 return args[0]
             return build(*args)
+
     return len(rule.expansion), str(rule.origin.name), reduce

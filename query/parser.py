@@ -26,11 +26,33 @@ from .lalr import LeanLALR
 __all__ = ["parse"]
 
 INT64 = 2**63 - 1
-KEYWORDS = frozenset({
-    "select", "from", "where", "group", "order", "by", "asc", "desc", "limit", "offset",
-    "as", "and", "or", "not", "like", "ilike", "in", "between", "is", "null", "true",
-    "false", "out",
-})
+KEYWORDS = frozenset(
+    {
+        "select",
+        "from",
+        "where",
+        "group",
+        "order",
+        "by",
+        "asc",
+        "desc",
+        "limit",
+        "offset",
+        "as",
+        "and",
+        "or",
+        "not",
+        "like",
+        "ilike",
+        "in",
+        "between",
+        "is",
+        "null",
+        "true",
+        "false",
+        "out",
+    }
+)
 
 
 class _Misplaced(Exception):
@@ -84,8 +106,9 @@ def _span(part: Token | ast.Node) -> ast.Span:
     """The span of one token or node (the common case of :func:`_cover`, made cheap)."""
     if part.__class__ is Token:
         tok: Any = part
-        return ast.Span(tok.line, tok.column, tok.end_line, tok.end_column, tok.start_pos,
-                        tok.end_pos)
+        return ast.Span(
+            tok.line, tok.column, tok.end_line, tok.end_column, tok.start_pos, tok.end_pos
+        )
     return part.span  # type: ignore[union-attr]
 
 
@@ -98,8 +121,7 @@ def _join(first: Token | ast.Node, last: Token | ast.Node) -> ast.Span:
 def _integer(node: ast.Literal, what: str) -> int:
     value = node.value
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _Misplaced(f"{what} must be an integer, not {value!r}", node.span,
-                         ("an integer",))
+        raise _Misplaced(f"{what} must be an integer, not {value!r}", node.span, ("an integer",))
     if abs(value) > INT64:
         raise _Misplaced(f"{what} {value} is out of range", node.span, ("an integer",))
     return value
@@ -110,8 +132,11 @@ def _name(tok: Token) -> str:
     contextual lexer reads a keyword as a name wherever the keyword could not stand;
     only meta keys may be spelled like keywords)."""
     if str(tok).lower() in KEYWORDS:
-        raise _Misplaced(f"Unexpected keyword {str(tok)!r} at line {tok.line}, column "
-                         f"{tok.column}", _cover(tok), ("a name",))
+        raise _Misplaced(
+            f"Unexpected keyword {str(tok)!r} at line {tok.line}, column {tok.column}",
+            _cover(tok),
+            ("a name",),
+        )
     return str(tok)
 
 
@@ -119,15 +144,22 @@ class _Build:
     """Reduction callbacks that build AST nodes, nothing else: one method per rule (or
     alias), called with the rule's children as arguments."""
 
-    def start(self, items: tuple[ast.SelectItem, ...], table: Token,
-              *clauses: tuple[Any, ...]) -> ast.Query:
+    def start(
+        self, items: tuple[ast.SelectItem, ...], table: Token, *clauses: tuple[Any, ...]
+    ) -> ast.Query:
         parts: dict[str, Any] = {kind: rest for kind, *rest in clauses}
         limit, offset = parts.get("limit", (None, None))
         return ast.Query(
-            items, _name(table).lower(), where=parts.get("where", (None,))[0],
-            group_by=parts.get("group_by", ((),))[0], order_by=parts.get("order_by", ((),))[0],
-            limit=limit, offset=offset, span=_cover(items, table, *clauses),
-            table_span=_cover(table))
+            items,
+            _name(table).lower(),
+            where=parts.get("where", (None,))[0],
+            group_by=parts.get("group_by", ((),))[0],
+            order_by=parts.get("order_by", ((),))[0],
+            limit=limit,
+            offset=offset,
+            span=_cover(items, table, *clauses),
+            table_span=_cover(table),
+        )
 
     def select_list(self, *items: ast.SelectItem) -> tuple[ast.SelectItem, ...]:
         return items
@@ -188,10 +220,10 @@ class _Build:
         symbol = "<>" if op == "!=" else str(op)
         return ast.Compare(symbol, left, right, span=_join(left, right))  # type: ignore[arg-type]
 
-    def like(self, expr: ast.Expr, neg: Token | None, kind: Token,
-             pattern: ast.Expr) -> ast.Like:
-        return ast.Like(expr, pattern, neg is not None, kind.type == "ILIKE",
-                        span=_join(expr, pattern))
+    def like(self, expr: ast.Expr, neg: Token | None, kind: Token, pattern: ast.Expr) -> ast.Like:
+        return ast.Like(
+            expr, pattern, neg is not None, kind.type == "ILIKE", span=_join(expr, pattern)
+        )
 
     def in_list(self, expr: ast.Expr, neg: Token | None, *values: Any) -> ast.In:
         return ast.In(expr, values[:-1], neg is not None, span=_join(expr, values[-1]))
@@ -199,8 +231,9 @@ class _Build:
     def in_param(self, expr: ast.Expr, neg: Token | None, name: Token) -> ast.In:
         return ast.In(expr, self.param(name), neg is not None, span=_join(expr, name))
 
-    def between(self, expr: ast.Expr, neg: Token | None, low: ast.Expr,
-                high: ast.Expr) -> ast.Between:
+    def between(
+        self, expr: ast.Expr, neg: Token | None, low: ast.Expr, high: ast.Expr
+    ) -> ast.Between:
         return ast.Between(expr, low, high, neg is not None, span=_join(expr, high))
 
     def is_null(self, expr: ast.Expr, neg: Token | None, null: Token) -> ast.IsNull:
@@ -224,8 +257,12 @@ class _Build:
             return ast.GraphRef(direction, _name(names[0]).lower(), span=span)
         if qualifier in ("parent", "child"):
             raise _Misplaced(f"{qualifier}.<column> takes one column name", _cover(names[1]))
-        raise _Misplaced(f"unknown qualifier {str(head)!r}: names are qualified only by "
-                         "parent., child. or meta.", _cover(head), ("parent", "child", "meta"))
+        raise _Misplaced(
+            f"unknown qualifier {str(head)!r}: names are qualified only by "
+            "parent., child. or meta.",
+            _cover(head),
+            ("parent", "child", "meta"),
+        )
 
     def call(self, name: Token, args: tuple[ast.Expr, ...], rpar: Token) -> ast.Call:
         return ast.Call(_name(name).lower(), args, span=_join(name, rpar))
@@ -293,17 +330,31 @@ class _Inline:
 
 # The builder runs inline, at each reduction: no parse tree is built (a tree and a second
 # pass cost about a third more).
-_LARK = Lark.open("grammar.lark", rel_to=__file__, parser="lalr", maybe_placeholders=True,
-                  transformer=_Inline(_Build()))
+_LARK = Lark.open(
+    "grammar.lark",
+    rel_to=__file__,
+    parser="lalr",
+    maybe_placeholders=True,
+    transformer=_Inline(_Build()),
+)
 _LEAN = LeanLALR(_LARK, _Build())
 
 _DESCRIBE = {
-    "NAME": "a name", "PARAM": "a :parameter", "STRING": "a 'string'", "NUMBER": "a number",
-    "COMPARE": "a comparison (= != <> < <= > >=)", "$END": "the end of the query",
+    "NAME": "a name",
+    "PARAM": "a :parameter",
+    "STRING": "a 'string'",
+    "NUMBER": "a number",
+    "COMPARE": "a comparison (= != <> < <= > >=)",
+    "$END": "the end of the query",
 }
-_TERMINALS = {t.name: (repr(t.pattern.value) if isinstance(t.pattern, PatternStr)
-                       else _DESCRIBE.get(t.name, t.name))
-              for t in _LARK.terminals}
+_TERMINALS = {
+    t.name: (
+        repr(t.pattern.value)
+        if isinstance(t.pattern, PatternStr)
+        else _DESCRIBE.get(t.name, t.name)
+    )
+    for t in _LARK.terminals
+}
 
 
 def _expected(names: Any) -> tuple[str, ...]:
@@ -369,8 +420,10 @@ def parse(text: str) -> ast.Query:
 
 #: Terminals spelled as words: the keywords.
 _KEYWORD_TERMINALS = frozenset(
-    t.name for t in _LARK.terminals
-    if isinstance(t.pattern, PatternStr) and t.pattern.value.isalpha())
+    t.name
+    for t in _LARK.terminals
+    if isinstance(t.pattern, PatternStr) and t.pattern.value.isalpha()
+)
 
 
 def _refuse_glued_keyword(text: str) -> None:
@@ -380,18 +433,27 @@ def _refuse_glued_keyword(text: str) -> None:
     try:
         for tok in _LARK.parse_interactive(text).iter_parse():
             end = tok.end_pos
-            if tok.type in _KEYWORD_TERMINALS and end is not None and end < len(text) and (
-                    text[end].isalnum() or text[end] == "_"):
+            if (
+                tok.type in _KEYWORD_TERMINALS
+                and end is not None
+                and end < len(text)
+                and (text[end].isalnum() or text[end] == "_")
+            ):
                 stop = end
                 while stop < len(text) and (text[stop].isalnum() or text[stop] == "_"):
                     stop += 1
-                word = text[tok.start_pos:stop]
+                word = text[tok.start_pos : stop]
                 line, column = tok.line or 1, tok.column or 1
                 span = ast.Span(line, column, line, column + len(word), 0, 0)
                 raise QuerySyntaxError(
                     f"Unexpected {word!r} at line {line}, column {column}: a name cannot "
                     f"stand here; if {str(tok)!r} is meant as the keyword, put a space after "
-                    "it", line, column, (_describe_keyword(tok.type),), span.excerpt(text))
+                    "it",
+                    line,
+                    column,
+                    (_describe_keyword(tok.type),),
+                    span.excerpt(text),
+                )
     except UnexpectedInput:
         return  # Lark's parse below says why
 
@@ -402,5 +464,10 @@ def _describe_keyword(terminal: str) -> str:
 
 def _misplaced(text: str, exc: _Misplaced) -> QuerySyntaxError:
     span = exc.span
-    return QuerySyntaxError(f"{exc.message} (line {span.line}, column {span.column})",
-                            span.line, span.column, exc.expected, span.excerpt(text))
+    return QuerySyntaxError(
+        f"{exc.message} (line {span.line}, column {span.column})",
+        span.line,
+        span.column,
+        exc.expected,
+        span.excerpt(text),
+    )

@@ -62,8 +62,9 @@ class Result:
     ``df()`` (pandas), ``arrow()``, ``tensors(column)``, ``stack(column)``, iteration
     (one dict per row), ``len()``; ``sql`` and ``params`` are what ran."""
 
-    def __init__(self, compiled: CompiledQuery, table: pa.Table,
-                 tensor_values: dict[str, list[Any]]):
+    def __init__(
+        self, compiled: CompiledQuery, table: pa.Table, tensor_values: dict[str, list[Any]]
+    ):
         self.sql = compiled.sql
         self.params = list(compiled.params)
         self.columns = list(compiled.columns)
@@ -93,8 +94,11 @@ class Result:
             return "out"
         if len(self._tensor_columns) == 1:
             return self._tensor_columns[0]
-        raise QueryError(f"name the tensor column: one of {self._tensor_columns}"
-                         if self._tensor_columns else "this result has no tensor column")
+        raise QueryError(
+            f"name the tensor column: one of {self._tensor_columns}"
+            if self._tensor_columns
+            else "this result has no tensor column"
+        )
 
     def tensors(self, column: str | None = None) -> list[torch.Tensor | None]:
         """The tensors of one column (default ``out``), one per row."""
@@ -106,13 +110,17 @@ class Result:
         values = self._column(name)
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
-            raise QueryError(f"cannot stack {name!r}: rows {missing[:10]} have no saved "
-                             "tensor (filter with `saved = true`)")
+            raise QueryError(
+                f"cannot stack {name!r}: rows {missing[:10]} have no saved "
+                "tensor (filter with `saved = true`)"
+            )
         shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
         if len(shapes) > 1:
             listed = ", ".join(str(list(s)) for s in sorted(shapes)[:10])
-            raise QueryError(f"cannot stack {name!r}: the tensors have different shapes "
-                             f"({listed}); slice them to one shape in the query first")
+            raise QueryError(
+                f"cannot stack {name!r}: the tensors have different shapes "
+                f"({listed}); slice them to one shape in the query first"
+            )
         if not values:
             raise QueryError(f"cannot stack {name!r}: the result has no rows")
         if not isinstance(values[0], torch.Tensor):
@@ -138,8 +146,9 @@ class Result:
             flat = [None if v is None else v.detach().reshape(-1).tolist() for v in values]
             shapes = [None if v is None else list(v.shape) for v in values]
             table = table.set_column(index, name, pa.array(flat))
-            table = table.add_column(index + 1, f"{name}.shape",
-                                     pa.array(shapes, type=pa.list_(pa.int64())))
+            table = table.add_column(
+                index + 1, f"{name}.shape", pa.array(shapes, type=pa.list_(pa.int64()))
+            )
         return table
 
     def _repr_html_(self) -> str:
@@ -147,13 +156,19 @@ class Result:
         body = []
         for i, row in enumerate(self):
             if i == 50:
-                body.append(f"<tr><td colspan={len(self.columns)}>… {len(self) - 50} more "
-                            "rows</td></tr>")
+                body.append(
+                    f"<tr><td colspan={len(self.columns)}>… {len(self) - 50} more rows</td></tr>"
+                )
                 break
-            body.append("<tr>" + "".join(f"<td>{html.escape(describe(row[c]))}</td>"
-                                         for c in self.columns) + "</tr>")
-        return (f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-                f"</table><p>{len(self)} rows</p>")
+            body.append(
+                "<tr>"
+                + "".join(f"<td>{html.escape(describe(row[c]))}</td>" for c in self.columns)
+                + "</tr>"
+            )
+        return (
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
+            f"</table><p>{len(self)} rows</p>"
+        )
 
     def __repr__(self) -> str:
         return f"<Result: {len(self)} rows, columns {self.columns}>"
@@ -183,12 +198,21 @@ class _Fetcher:
         self.store = store
         self.names = names
         self.run_ids = table.column("__run_id").to_pylist()
-        self.locations = list(zip(
-            table.column("__array").to_pylist(), table.column("__offset").to_pylist(),
-            table.column("__nbytes").to_pylist(), table.column("__shape").to_pylist(),
-            table.column("__dtype").to_pylist(), strict=True))
-        self.labels = (table.column("label").to_pylist() if "label" in table.column_names
-                       else [f"row {i}" for i in range(table.num_rows)])
+        self.locations = list(
+            zip(
+                table.column("__array").to_pylist(),
+                table.column("__offset").to_pylist(),
+                table.column("__nbytes").to_pylist(),
+                table.column("__shape").to_pylist(),
+                table.column("__dtype").to_pylist(),
+                strict=True,
+            )
+        )
+        self.labels = (
+            table.column("label").to_pylist()
+            if "label" in table.column_names
+            else [f"row {i}" for i in range(table.num_rows)]
+        )
 
     def fetch(self, key: Any) -> list[torch.Tensor | None]:
         """Every row's tensor (``key``: a selection to apply), ``None`` where unsaved."""
@@ -203,13 +227,15 @@ class _Fetcher:
                 arrays = self.store._arrays(run_id, self.names.get(run_id))
                 for row in rows:
                     _, offset, nbytes, shape, dtype = self.locations[row]
-                    lazy = LazyTensor(arrays, _Slot(name, offset, nbytes, shape, dtype),
-                                      self.labels[row])
+                    lazy = LazyTensor(
+                        arrays, _Slot(name, offset, nbytes, shape, dtype), self.labels[row]
+                    )
                     out[row] = lazy.read() if key is None else lazy[key]
 
         items = list(groups.items())
-        if len(items) <= 1 or all(self.locations[rows[0]][1] is not None
-                                  for _, rows in items):  # packed, so small
+        if len(items) <= 1 or all(
+            self.locations[rows[0]][1] is not None for _, rows in items
+        ):  # packed, so small
             read(items)
         else:  # a few batches of groups: file reads, checksums and zstd release the GIL
             batches = [items[i::_READERS] for i in range(min(_READERS, len(items)))]
@@ -225,18 +251,24 @@ def _parsed(text: str) -> ast.Query:
     return parse(text)
 
 
-def _looked_up(mirror: CatalogMirror, compiled: CompiledQuery, point: PointLookup
-               ) -> pa.Table | None:
+def _looked_up(
+    mirror: CatalogMirror, compiled: CompiledQuery, point: PointLookup
+) -> pa.Table | None:
     """The rows the SQL of a point lookup would return, from the mirror's op index; None
     before DuckDB ran that SQL once (the index has the values, DuckDB's result the
     types: so a query asked once never builds the index)."""
     if not mirror.knows(compiled.sql, compiled.params):
         return None
-    rows = mirror.points.lookup(point.run_id, point.label)[point.start:point.stop]
+    rows = mirror.points.lookup(point.run_id, point.label)[point.start : point.stop]
     names = mirror.run_names
-    return mirror.typed(compiled.sql, compiled.params, [
-        tuple(names.get(row["run_id"]) if f == "run" else row[f] for f in point.fields)
-        for row in rows])
+    return mirror.typed(
+        compiled.sql,
+        compiled.params,
+        [
+            tuple(names.get(row["run_id"]) if f == "run" else row[f] for f in point.fields)
+            for row in rows
+        ],
+    )
 
 
 def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
@@ -246,8 +278,7 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
     compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
     mirror.refresh(runs=compiled.runs)  # the rows the query reads
     try:
-        table = None if compiled.point is None else _looked_up(mirror, compiled,
-                                                                compiled.point)
+        table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
         if table is None:
             table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
     except duckdb.Error as exc:
@@ -259,8 +290,9 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             key = item.index if item.kind in ("slice", "reduce") else None
             got = fetcher.fetch(key)
             if item.kind == "reduce":
-                values[item.column] = [None if t is None else _reduce(t, item.reduction or "mean")
-                                       for t in got]
+                values[item.column] = [
+                    None if t is None else _reduce(t, item.reduction or "mean") for t in got
+                ]
             else:
                 values[item.column] = got
     return Result(compiled, table, values)
@@ -281,4 +313,3 @@ def run_sql(store: Store, text: str) -> pandas.DataFrame:
         return store._query(text).df()
     except duckdb.Error as exc:
         raise QueryError(f"the SQL could not run: {exc}") from exc
-

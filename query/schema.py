@@ -15,9 +15,19 @@ from typing import Literal
 from tracelake.store.catalog import TABLES
 
 __all__ = [
-    "AGGREGATES", "COLUMNS", "FUNCTIONS", "HIDDEN", "HIDDEN_COLUMNS", "REDUCTIONS", "STATS",
+    "AGGREGATES",
+    "COLUMNS",
+    "FUNCTIONS",
+    "HIDDEN",
+    "HIDDEN_COLUMNS",
+    "REDUCTIONS",
+    "STATS",
     "TABLE_NAMES",
-    "Kind", "closest", "ident", "json_path", "star",
+    "Kind",
+    "closest",
+    "ident",
+    "json_path",
+    "star",
 ]
 
 Kind = Literal["number", "bool", "string", "other"]
@@ -27,8 +37,7 @@ TABLE_NAMES = ("ops", "runs", "modules", "edges")
 
 #: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``.
 #: ``sum`` has no column of its own: it is ``mean`` times the element count.
-STATS = {"mean": "mean", "std": "std", "min": "min", "max": "max", "absmax": "absmax",
-         "norm": "l2"}
+STATS = {"mean": "mean", "std": "std", "min": "min", "max": "max", "absmax": "absmax", "norm": "l2"}
 REDUCTIONS = (*STATS, "sum")
 
 #: Aggregates over columns (``count(*)`` too), for ``group by`` queries.
@@ -38,9 +47,16 @@ FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES)))
 #: Columns the SQL adds after the visible ones when a query selects tensors: what the
 #: executor needs to read them (the ``tensor`` slot is NULL for unsaved ops).
 #: Each hidden column's name and the ops column it holds.
-HIDDEN_COLUMNS = {"__run_id": "run_id", "__step": "step", "__tensor": "tensor",
-                  "__array": "array", "__offset": "byte_offset", "__nbytes": "nbytes",
-                  "__shape": "shape", "__dtype": "dtype"}
+HIDDEN_COLUMNS = {
+    "__run_id": "run_id",
+    "__step": "step",
+    "__tensor": "tensor",
+    "__array": "array",
+    "__offset": "byte_offset",
+    "__nbytes": "nbytes",
+    "__shape": "shape",
+    "__dtype": "dtype",
+}
 HIDDEN = tuple(HIDDEN_COLUMNS)
 
 
@@ -78,8 +94,10 @@ def _columns(table: str) -> dict[str, Kind]:
 #: Visible columns of each table and their kinds. ``run`` is the run's name everywhere
 #: (``runs.name``); ``*`` expands to these, in this order (``run`` first except in runs).
 COLUMNS: dict[str, dict[str, Kind]] = {table: _columns(table) for table in TABLE_NAMES}
-_STAR = {table: tuple(c for c in cols if not (table == "runs" and c == "run"))
-         for table, cols in COLUMNS.items()}
+_STAR = {
+    table: tuple(c for c in cols if not (table == "runs" and c == "run"))
+    for table, cols in COLUMNS.items()
+}
 
 
 def star(table: str) -> tuple[str, ...]:

@@ -81,8 +81,9 @@ class ForwardRecording:
         self.labeller.finish()
 
 
-def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter,
-                   table: OpTable) -> tuple[Labeller, Any]:
+def record_forward(
+    model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter, table: OpTable
+) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
@@ -97,8 +98,9 @@ def record_forward(model: torch.nn.Module, args: tuple, kwargs: dict, emitter: E
     return recording.labeller, output
 
 
-def trace(model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved",
-          **kwargs: Any) -> Trace:
+def trace(
+    model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved", **kwargs: Any
+) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
 
     Every torch call that returns a tensor is recorded as an op, with its label, module

@@ -58,7 +58,8 @@ def copy_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 storage = tensors[0].untyped_storage().clone()
                 return [
                     torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                        storage, t.storage_offset(), t.size(), t.stride())
+                        storage, t.storage_offset(), t.size(), t.stride()
+                    )
                     for t in tensors
                 ]
         except (RuntimeError, TypeError):
@@ -250,14 +251,16 @@ class SelectingEmitter:
     def before_write(self, tensor: torch.Tensor) -> None:
         pass
 
-    def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
-                        producers: list[int]) -> None:
+    def on_module_enter(
+        self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[int]
+    ) -> None:
         if self._selector.matches_module(entry):
             entry._input_slots = tuple(map(self._slot_for, tensors, producers))
             entry._tensors = self  # type: ignore[assignment]
 
-    def on_module_exit(self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor],
-                       producers: list[int]) -> None:
+    def on_module_exit(
+        self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor], producers: list[int]
+    ) -> None:
         if self._selector.matches_module(entry):
             slots = list(map(self._slot_for, tensors, producers))
             entry._output_slots = tuple(slots)

@@ -43,8 +43,24 @@ class SourceLocation(NamedTuple):
 # LAYER is the index of the layer's first entry;
 # N_FUNC / N_LAYER number the layer (for inputs and outputs: N_FUNC is their number and
 # N_LAYER is 0). Every field is a plain value or a tuple of plain values.
-(FUNC, KIND, MODULES, PARENTS, PARENT_ARGS, SITE, SHAPE, DTYPE, DEVICE, OUT_INDEX, INPLACE,
- PARAMS, LAYER, PASS, N_FUNC, N_LAYER) = range(16)
+(
+    FUNC,
+    KIND,
+    MODULES,
+    PARENTS,
+    PARENT_ARGS,
+    SITE,
+    SHAPE,
+    DTYPE,
+    DEVICE,
+    OUT_INDEX,
+    INPLACE,
+    PARAMS,
+    LAYER,
+    PASS,
+    N_FUNC,
+    N_LAYER,
+) = range(16)
 
 
 def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
@@ -86,8 +102,24 @@ class OpTable:
         passes = self.passes
         labels: list[str] = []
         append = labels.append
-        for index, (func, _, _, _, _, _, _, _, _, _, inplace, _, layer, pass_num, n_func,
-                    n_layer) in enumerate(self.rows):
+        for index, (
+            func,
+            _,
+            _,
+            _,
+            _,
+            _,
+            _,
+            _,
+            _,
+            _,
+            inplace,
+            _,
+            layer,
+            pass_num,
+            n_func,
+            n_layer,
+        ) in enumerate(self.rows):
             if layer != index:
                 append(f"{labels[layer][:-2]}:{pass_num}")
                 continue
@@ -112,8 +144,14 @@ class OpTable:
         loc = self._sources.get(site)
         if loc is None:
             code, offset = site
-            line = next((line for start, end, line in code.co_lines()
-                         if start <= offset < end and line is not None), code.co_firstlineno)
+            line = next(
+                (
+                    line
+                    for start, end, line in code.co_lines()
+                    if start <= offset < end and line is not None
+                ),
+                code.co_firstlineno,
+            )
             loc = self._sources[site] = SourceLocation(code.co_filename, line, code.co_name)
         return loc
 
@@ -240,8 +278,7 @@ class OpEntry:
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, OpEntry) and other._table is self._table
-            and other.index == self.index
+            isinstance(other, OpEntry) and other._table is self._table and other.index == self.index
         )
 
     def __hash__(self) -> int:

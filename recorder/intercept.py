@@ -35,8 +35,7 @@ class Events(Protocol):
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         """An in-place call is about to run: it writes into ``args[0]`` or ``out=``."""
 
-    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple,
-                inplace: bool) -> None:
+    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple, inplace: bool) -> None:
         """A torch call returned ``tensors`` (its tensor outputs, flattened); ``inplace``
         says whether it wrote into an argument."""
 
@@ -64,8 +63,22 @@ _DUNDER_NAMES = {
     "invert": "bitwise_not",
     "pos": "positive",
 }
-_BINARY = {"add", "sub", "mul", "matmul", "pow", "div", "truediv", "floordiv", "mod",
-           "and", "or", "xor", "lshift", "rshift"}
+_BINARY = {
+    "add",
+    "sub",
+    "mul",
+    "matmul",
+    "pow",
+    "div",
+    "truediv",
+    "floordiv",
+    "mod",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+}
 _COMMUTATIVE = {"add", "mul", "and", "or", "xor"}
 
 
@@ -110,11 +123,13 @@ def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
 
     here = os.path.dirname(os.path.abspath(__file__))
     top = os.path.dirname(here)
-    roots = [os.path.dirname(torch.__file__)] + [os.path.join(top, sub) for sub in
-                                                ("recorder", "store", "query")]
+    roots = [os.path.dirname(torch.__file__)] + [
+        os.path.join(top, sub) for sub in ("recorder", "store", "query")
+    ]
     facade = os.path.dirname(os.path.abspath(tracelake.__file__))
     files = frozenset(
-        os.path.join(facade, name) for name in os.listdir(facade)
+        os.path.join(facade, name)
+        for name in os.listdir(facade)
         if name.endswith(".py") and name != "demo.py"
     )
     return tuple(r.rstrip(os.sep) + os.sep for r in roots), files
@@ -204,8 +219,9 @@ class _Mode(TorchFunctionMode):
             return out
         return self._record_outputs(name, func, args, kwargs, out, writes)
 
-    def _record_outputs(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any,
-                        writes: bool) -> Any:
+    def _record_outputs(
+        self, name: str, func: Any, args: tuple, kwargs: dict, out: Any, writes: bool
+    ) -> Any:
         """A call that returned something other than one tensor (the compiled path
         hands these here too): its tensors, if any, are recorded."""
         if isinstance(out, (tuple, list)):
@@ -240,10 +256,25 @@ if _hot is not None:
         def bind(self, fused_state: tuple) -> None:  # type: ignore[override]
             """Point the compiled path at the labeller's state (for one recording)."""
             state, producers, refs, params, rows, shapes, counts, codes, classify, emit = (
-                fused_state)
-            super().bind(state, self._funcs, producers, refs, params, rows, shapes, counts,
-                         codes, classify, emit, _Mode.__torch_function__,
-                         _Mode._record_outputs, self._on_error, _Tensor)
+                fused_state
+            )
+            super().bind(
+                state,
+                self._funcs,
+                producers,
+                refs,
+                params,
+                rows,
+                shapes,
+                counts,
+                codes,
+                classify,
+                emit,
+                _Mode.__torch_function__,
+                _Mode._record_outputs,
+                self._on_error,
+                _Tensor,
+            )
 
 
 class Interceptor:
@@ -256,8 +287,7 @@ class Interceptor:
         self._events = events
         self._on_error = on_error
         self._fused_state = getattr(events, "fused_state", None) if compiled.ENABLED else None
-        self._mode: Any = (_FusedMode if self._fused_state is not None else _Mode)(events,
-                                                                                 on_error)
+        self._mode: Any = (_FusedMode if self._fused_state is not None else _Mode)(events, on_error)
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._entered = False
@@ -318,4 +348,3 @@ class Interceptor:
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-

@@ -55,12 +55,14 @@ class Emitter(Protocol):
     def finish_ops(self) -> None:
         """The forward pass is over: no more entries."""
 
-    def on_module_enter(self, entry: ModuleEntry, tensors: list[torch.Tensor],
-                        producers: list[int]) -> None:
+    def on_module_enter(
+        self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[int]
+    ) -> None:
         """A module call began with these input tensors (producer entries, -1 if none)."""
 
-    def on_module_exit(self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor],
-                       producers: list[int]) -> None:
+    def on_module_exit(
+        self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor], producers: list[int]
+    ) -> None:
         """A module call returned ``output`` (its tensors flattened in ``tensors``)."""
 
 
@@ -69,8 +71,9 @@ class _Frame:
 
     __slots__ = ("entry", "module", "pass_num", "path", "root", "start")
 
-    def __init__(self, module: torch.nn.Module, path: str, pass_num: int, start: int,
-                 entry: ModuleEntry):
+    def __init__(
+        self, module: torch.nn.Module, path: str, pass_num: int, start: int, entry: ModuleEntry
+    ):
         self.module = module
         self.path = path
         self.pass_num = pass_num
@@ -122,9 +125,9 @@ class Labeller:
             return index
         return -1
 
-    def _scan_more(self, items: Any, parents: tuple[int, ...], where: tuple[Any, ...],
-                   params: tuple[str, ...]
-                   ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[str, ...]]:
+    def _scan_more(
+        self, items: Any, parents: tuple[int, ...], where: tuple[Any, ...], params: tuple[str, ...]
+    ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[str, ...]]:
         """The uncommon arguments: keyword tensors and tensors inside lists / tuples."""
         for pos, value in items:
             if isinstance(value, _Tensor):
@@ -151,8 +154,18 @@ class Labeller:
         the common call: the changing state (``_live``: it reads the root and the stack
         key and advances the layer count there, so both paths share them) and the
         containers it reads and appends to."""
-        return (self._live, self._producers, self._refs, self._params, self._rows,
-                self._shapes, self._func_counts, self._codes, self._classify, self._emit)
+        return (
+            self._live,
+            self._producers,
+            self._refs,
+            self._params,
+            self._rows,
+            self._shapes,
+            self._func_counts,
+            self._codes,
+            self._classify,
+            self._emit,
+        )
 
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         written = kwargs.get("out") if kwargs else None
@@ -161,8 +174,7 @@ class Labeller:
         for tensor in flatten_tensors(written):
             self._emitter.before_write(tensor)
 
-    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple,
-                inplace: bool) -> None:
+    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple, inplace: bool) -> None:
         # Hot path, once per torch call: everything inline, locals only, and no per-op
         # objects beyond the row and the tensor's weak reference.
         producers = self._producers
@@ -183,8 +195,7 @@ class Labeller:
                 if id(value) in self._params:
                     params = (*params, self._params[id(value)])
             elif (value.__class__ is list or value.__class__ is tuple) and value:
-                parents, where, params = self._scan_more(((pos, value),), parents, where,
-                                                         params)
+                parents, where, params = self._scan_more(((pos, value),), parents, where, params)
         if kwargs:
             parents, where, params = self._scan_more(kwargs.items(), parents, where, params)
             if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
@@ -231,15 +242,49 @@ class Labeller:
                 counts = self._func_counts
                 n_func = counts[base] = counts.get(base, 0) + 1
                 n_layer = live[_N_LAYERS] = live[_N_LAYERS] + 1
-                rows.append((name, "op", live[_STACK_KEY], parents, where, site,
-                             shape, tensor.dtype, tensor.device, i, inplace,
-                             params, index, 1, n_func, n_layer))
+                rows.append(
+                    (
+                        name,
+                        "op",
+                        live[_STACK_KEY],
+                        parents,
+                        where,
+                        site,
+                        shape,
+                        tensor.dtype,
+                        tensor.device,
+                        i,
+                        inplace,
+                        params,
+                        index,
+                        1,
+                        n_func,
+                        n_layer,
+                    )
+                )
             else:
                 first = rows[layer]
                 pass_num = self._passes[layer] = self._passes.get(layer, 1) + 1
-                rows.append((name, "op", live[_STACK_KEY], parents, where, site,
-                             shape, tensor.dtype, tensor.device, i, inplace,
-                             params, layer, pass_num, first[N_FUNC], first[N_LAYER]))
+                rows.append(
+                    (
+                        name,
+                        "op",
+                        live[_STACK_KEY],
+                        parents,
+                        where,
+                        site,
+                        shape,
+                        tensor.dtype,
+                        tensor.device,
+                        i,
+                        inplace,
+                        params,
+                        layer,
+                        pass_num,
+                        first[N_FUNC],
+                        first[N_LAYER],
+                    )
+                )
             producers[id(tensor)] = index
             refs.append(_ref(tensor))
             if self._emit is not None:
@@ -324,8 +369,26 @@ class Labeller:
         rows = self._rows
         index = len(rows)
         parents = (parent,) if parent >= 0 else ()
-        rows.append((kind, kind, (), parents, (0,) * len(parents), None, tuple(tensor.shape),
-                     tensor.dtype, tensor.device, 0, False, _NO_PARAMS, index, 1, number, 0))
+        rows.append(
+            (
+                kind,
+                kind,
+                (),
+                parents,
+                (0,) * len(parents),
+                None,
+                tuple(tensor.shape),
+                tensor.dtype,
+                tensor.device,
+                0,
+                False,
+                _NO_PARAMS,
+                index,
+                1,
+                number,
+                0,
+            )
+        )
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:

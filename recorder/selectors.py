@@ -56,9 +56,7 @@ def _names(kind: str, values: tuple[object, ...]) -> tuple[str, ...]:
         raise TypeError(f"tl.{kind}() needs at least one name, e.g. tl.{kind}('relu')")
     for value in values:
         if not isinstance(value, str):
-            raise TypeError(
-                f"tl.{kind}() takes strings, got {type(value).__name__} {value!r}"
-            )
+            raise TypeError(f"tl.{kind}() takes strings, got {type(value).__name__} {value!r}")
     return tuple(values)  # type: ignore[arg-type]
 
 

@@ -19,9 +19,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["GATHER_MAX", "UNSIGNED", "Stats", "StatsGatherer", "combine_stats",
-           "compute_stats", "gatherable", "gathered_values", "partial_stats",
-           "segment_moments", "segment_stats"]
+__all__ = [
+    "GATHER_MAX",
+    "UNSIGNED",
+    "Stats",
+    "StatsGatherer",
+    "combine_stats",
+    "compute_stats",
+    "gatherable",
+    "gathered_values",
+    "partial_stats",
+    "segment_moments",
+    "segment_stats",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +61,16 @@ GATHER_MAX = 16 << 10
 #: Unsigned integers of each element width: how gathered bytes are viewed.
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: dtypes numpy converts to float64 itself (the rest go through torch).
-_NATIVE = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-           torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-           torch.int8: np.int8, torch.uint8: np.uint8}
+_NATIVE = {
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+}
 _memmove = ctypes.memmove
 
 
@@ -96,10 +113,12 @@ def combine_stats(tensor: torch.Tensor, partials: list[tuple[float, ...]]) -> St
         # Chan et al.'s pairwise update: the parts' squared deviations about their own
         # means, plus what their means' distances from the whole's add.
         m2 = math.fsum(spreads) + math.fsum(
-            n * (t / n - mean) ** 2 for t, n in zip(totals, counts, strict=True))
+            n * (t / n - mean) ** 2 for t, n in zip(totals, counts, strict=True)
+        )
         l2 = math.sqrt(math.fsum(n * n for n in norms))
-        return _finish(x, numel, total, l2, _nan_or(min, lows), _nan_or(max, highs),
-                       sum(nonzeros), m2)
+        return _finish(
+            x, numel, total, l2, _nan_or(min, lows), _nan_or(max, highs), sum(nonzeros), m2
+        )
 
 
 def _nan_or(pick: Any, values: tuple[float, ...]) -> float:
@@ -149,8 +168,16 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _finish(x: torch.Tensor, numel: int, total: float, l2: float, min_: float, max_: float,
-            nonzero: float, m2: float) -> Stats:
+def _finish(
+    x: torch.Tensor,
+    numel: int,
+    total: float,
+    l2: float,
+    min_: float,
+    max_: float,
+    nonzero: float,
+    m2: float,
+) -> Stats:
     """Stats from the reductions of (all of) ``x`` (``m2``: the squared deviations from
     its mean); ``x`` itself only to count NaN and Inf, when min or max shows some."""
     nans = infs = 0
@@ -234,9 +261,13 @@ def _std(x: torch.Tensor, numel: int, mean: float, l2: float) -> float:
     shift = torch.tensor(mean, dtype=_real(flat[:1]).dtype).item()
     squares = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, numel, _SLICE):
-        real = _real(flat[start:start + _SLICE])
-        if real.dtype is torch.float32 and real.device.type == "cpu" and \
-                type(real) is torch.Tensor and not real.is_neg():
+        real = _real(flat[start : start + _SLICE])
+        if (
+            real.dtype is torch.float32
+            and real.device.type == "cpu"
+            and type(real) is torch.Tensor
+            and not real.is_neg()
+        ):
             # shifted and squared in float32 in a scratch buffer of this thread's (fresh
             # memory for each temporary cost a store's worker more than the arithmetic),
             # summed in float64 by numpy: where torch's float64 norm converts element by
@@ -326,8 +357,9 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
         out[:, 0] = shift + offset
         # Cancellation is bounded by how far the first element lies from the mean
         # (at most a factor n); past a millionth, the careful path.
-        good = np.isfinite(low) & np.isfinite(high) & np.isfinite(squares) & \
-            (spread >= 1e-6 * moment)
+        good = (
+            np.isfinite(low) & np.isfinite(high) & np.isfinite(squares) & (spread >= 1e-6 * moment)
+        )
         out[:, 1] = np.sqrt(np.where(good, spread, 0.0))
     out[:, 4] = np.maximum(np.abs(low), np.abs(high))
     out[:, 5] = np.sqrt(squares)
@@ -338,8 +370,10 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
 def segment_stats(values: np.ndarray, counts: np.ndarray) -> list[Stats | None]:
     """:func:`segment_moments` as :class:`Stats` objects, ``None`` where not good."""
     moments, good = segment_moments(values, counts)
-    return [Stats(*row, 0, 0) if g else None  # type: ignore[call-arg]
-            for row, g in zip(moments.tolist(), good.tolist(), strict=True)]
+    return [
+        Stats(*row, 0, 0) if g else None  # type: ignore[call-arg]
+        for row, g in zip(moments.tolist(), good.tolist(), strict=True)
+    ]
 
 
 def gathered_values(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
@@ -388,9 +422,14 @@ class StatsGatherer:
         """Take ``tensor``'s statistics under ``key``; False (nothing taken) for what is
         not a small, contiguous, real CPU tensor: compute those with compute_stats."""
         nbytes = tensor.nbytes
-        if not (0 < nbytes <= GATHER_MAX and type(tensor) is torch.Tensor and tensor.is_cpu
-                and tensor.layout is torch.strided and tensor.is_contiguous()
-                and not tensor.is_neg()):
+        if not (
+            0 < nbytes <= GATHER_MAX
+            and type(tensor) is torch.Tensor
+            and tensor.is_cpu
+            and tensor.layout is torch.strided
+            and tensor.is_contiguous()
+            and not tensor.is_neg()
+        ):
             return False
         dtype = tensor.dtype
         stage = self._stages.get(dtype)
@@ -417,16 +456,17 @@ class StatsGatherer:
             return
         item = dtype.itemsize
         counts = np.array(stage.sizes, dtype=np.int64) // item
-        bits = stage.buffer[:stage.used].view(UNSIGNED[item])
+        bits = stage.buffer[: stage.used].view(UNSIGNED[item])
         moments, good = segment_moments(gathered_values(bits, dtype), counts)
         starts = (np.cumsum(counts) - counts).tolist()
         done = self._done
-        for key, row, ok, start, count in zip(stage.keys, moments.tolist(), good.tolist(),
-                                              starts, counts.tolist(), strict=True):
+        for key, row, ok, start, count in zip(
+            stage.keys, moments.tolist(), good.tolist(), starts, counts.tolist(), strict=True
+        ):
             if ok:
                 done[key] = Stats(*row, 0, 0)  # type: ignore[call-arg]
             else:
-                part = torch.from_numpy(bits[start:start + count].copy()).view(dtype)
+                part = torch.from_numpy(bits[start : start + count].copy()).view(dtype)
                 done[key] = compute_stats(part)
         stage.used = 0
         stage.keys = []

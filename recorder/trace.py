@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Trace", "TraceView"]
 
-_STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
-                "inf_count")
+_STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
 
 
 class TraceView:
@@ -33,8 +32,7 @@ class TraceView:
     ``"encoder:2"``); an ``int`` indexes ops in execution order.
     """
 
-    def __init__(self, table: OpTable, tensors: TensorSource | None,
-                 modules: list[ModuleEntry]):
+    def __init__(self, table: OpTable, tensors: TensorSource | None, modules: list[ModuleEntry]):
         self._table = table
         self._tensors = tensors
         self._modules = modules
@@ -171,8 +169,14 @@ class Trace(TraceView):
     tensor; the trace can also be used as a context manager that cleans up on exit.
     """
 
-    def __init__(self, table: OpTable, emitter: MemoryEmitter, modules: list[ModuleEntry],
-                 output: Any, model_class: str):
+    def __init__(
+        self,
+        table: OpTable,
+        emitter: MemoryEmitter,
+        modules: list[ModuleEntry],
+        output: Any,
+        model_class: str,
+    ):
         super().__init__(table, emitter, modules)
         self._emitter = emitter
         self.output = output

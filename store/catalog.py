@@ -47,8 +47,10 @@ DELETED = "deleted"
 INTERRUPTED = "interrupted"  # shown for 'recording' runs whose writer is gone
 COLLECTED = "collected"  # gc() removed its data; the row stays so that ids never repeat
 
-_STATS = ("mean DOUBLE, std DOUBLE, min DOUBLE, max DOUBLE, absmax DOUBLE, l2 DOUBLE, "
-          "frac_zero DOUBLE, nan_count BIGINT, inf_count BIGINT")
+_STATS = (
+    "mean DOUBLE, std DOUBLE, min DOUBLE, max DOUBLE, absmax DOUBLE, l2 DOUBLE, "
+    "frac_zero DOUBLE, nan_count BIGINT, inf_count BIGINT"
+)
 
 #: Column definitions of every table, in the order writers build their Arrow tables.
 TABLES: dict[str, str] = {
@@ -69,14 +71,13 @@ TABLES: dict[str, str] = {
         f"source_func VARCHAR, {_STATS}"
     ),
     "tensors": (
-        "run_id INTEGER, step INTEGER, slot INTEGER, \"array\" VARCHAR, byte_offset BIGINT, "
+        'run_id INTEGER, step INTEGER, slot INTEGER, "array" VARCHAR, byte_offset BIGINT, '
         "nbytes BIGINT, shape BIGINT[], dtype VARCHAR, codec VARCHAR"
     ),
     # arg: where the parent came in ("0", "1", "weight", "0.2" for a list item); edge:
     # the order of the child's parents.
     "edges": (
-        "run_id INTEGER, step INTEGER, parent INTEGER, child INTEGER, arg VARCHAR, "
-        "edge INTEGER"
+        "run_id INTEGER, step INTEGER, parent INTEGER, child INTEGER, arg VARCHAR, edge INTEGER"
     ),
     "modules": (
         "run_id INTEGER, step INTEGER, idx INTEGER, label VARCHAR, path VARCHAR, "
@@ -221,9 +222,17 @@ class CatalogWriter:
                 "model_class, torch_version, device, meta, host, pid) "
                 "SELECT coalesce(max(id), 0) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, ?, ? "
                 "FROM runs RETURNING id",
-                [name, RECORDING, _now(), info.get("model_class"), info.get("torch_version"),
-                 info.get("device"), json.dumps(info.get("meta")), socket.gethostname(),
-                 os.getpid()],
+                [
+                    name,
+                    RECORDING,
+                    _now(),
+                    info.get("model_class"),
+                    info.get("torch_version"),
+                    info.get("device"),
+                    json.dumps(info.get("meta")),
+                    socket.gethostname(),
+                    os.getpid(),
+                ],
             ).fetchone()
             assert row is not None  # one row inserted, always
             run_id = int(row[0])
@@ -236,8 +245,14 @@ class CatalogWriter:
                 raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
         return run_id, fd
 
-    def commit(self, run_id: int, name: str, overwrite: bool, tables: dict[str, Any],
-               summary: dict[str, Any]) -> dict[str, Any]:
+    def commit(
+        self,
+        run_id: int,
+        name: str,
+        overwrite: bool,
+        tables: dict[str, Any],
+        summary: dict[str, Any],
+    ) -> dict[str, Any]:
         """Make run ``run_id`` visible, with all its rows, in one transaction; return its
         ``runs`` row."""
         with self._transaction() as con:
@@ -254,15 +269,24 @@ class CatalogWriter:
             if clash:
                 con.execute(
                     f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
-                    f"({', '.join('?' * len(clash))})", clash,
+                    f"({', '.join('?' * len(clash))})",
+                    clash,
                 )
             cursor = con.execute(
                 "UPDATE runs SET status = ?, finished = ?, steps = ?, op_count = ?, bytes = ?, "
                 "param_fingerprint = ?, input_fingerprint = ?, device = coalesce(?, device), "
                 "seq = (SELECT coalesce(max(seq), 0) + 1 FROM runs) WHERE id = ? RETURNING *",
-                [COMPLETE, _now(), summary["steps"], summary["op_count"], summary["bytes"],
-                 summary.get("param_fingerprint"), summary.get("input_fingerprint"),
-                 summary.get("device"), run_id],
+                [
+                    COMPLETE,
+                    _now(),
+                    summary["steps"],
+                    summary["op_count"],
+                    summary["bytes"],
+                    summary.get("param_fingerprint"),
+                    summary.get("input_fingerprint"),
+                    summary.get("device"),
+                    run_id,
+                ],
             )
             values = cursor.fetchone()
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
@@ -270,33 +294,37 @@ class CatalogWriter:
 
     def set_status(self, run_id: int, status: str) -> None:
         with self._transaction() as con:
-            con.execute("UPDATE runs SET status = ?, finished = ? WHERE id = ?",
-                        [status, _now(), run_id])
+            con.execute(
+                "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
+            )
 
     def delete(self, name: str) -> int:
         """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
         with self._transaction() as con:
-            row = con.execute("SELECT id FROM runs WHERE name = ? AND status = ?",
-                              [name, COMPLETE]).fetchone()
+            row = con.execute(
+                "SELECT id FROM runs WHERE name = ? AND status = ?", [name, COMPLETE]
+            ).fetchone()
             if row is None:
                 return -1
-            con.execute("UPDATE runs SET status = ?, seq = (SELECT max(seq) + 1 FROM runs) "
-                        "WHERE id = ?", [DELETED, row[0]])
+            con.execute(
+                "UPDATE runs SET status = ?, seq = (SELECT max(seq) + 1 FROM runs) WHERE id = ?",
+                [DELETED, row[0]],
+            )
             return int(row[0])
 
     def collect(self) -> list[int]:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
         with self._transaction() as con:
-            rows = con.execute("SELECT id, status FROM runs WHERE status NOT IN (?, ?)",
-                               [COMPLETE, COLLECTED]).fetchall()
+            rows = con.execute(
+                "SELECT id, status FROM runs WHERE status NOT IN (?, ?)", [COMPLETE, COLLECTED]
+            ).fetchall()
             dead = [i for i, s in rows if s != RECORDING or not _alive(self.paths, i)]
             if dead:
                 marks = ", ".join("?" * len(dead))
                 for table in _RUN_TABLES:
                     con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", dead)
-                con.execute(f"UPDATE runs SET status = '{COLLECTED}' WHERE id IN ({marks})",
-                            dead)
+                con.execute(f"UPDATE runs SET status = '{COLLECTED}' WHERE id IN ({marks})", dead)
             return dead
 
 
@@ -371,14 +399,17 @@ class CatalogMirror:
                 raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
             try:
                 table = src.sql("SELECT * FROM runs").to_arrow_table()
-                ids, names, statuses = (table.column(c).to_pylist()
-                                        for c in ("id", "name", "status"))
+                ids, names, statuses = (
+                    table.column(c).to_pylist() for c in ("id", "name", "status")
+                )
                 complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
-                run_ids = {name: i for i, name, st in zip(ids, names, statuses, strict=True)
-                           if st == COMPLETE}
+                run_ids = {
+                    name: i
+                    for i, name, st in zip(ids, names, statuses, strict=True)
+                    if st == COMPLETE
+                }
                 kept = self._loaded & complete
-                wanted = complete if self._everything else kept | complete.intersection(
-                    runs or ())
+                wanted = complete if self._everything else kept | complete.intersection(runs or ())
                 gone = sorted(self._loaded - complete)
                 new = sorted(wanted - kept)
                 incoming = {}
@@ -397,8 +428,9 @@ class CatalogMirror:
             _insert(con, "runs", table)
             for name in _RUN_TABLES:
                 if gone:
-                    con.execute(f"DELETE FROM {name} WHERE run_id IN "
-                                f"({', '.join('?' * len(gone))})", gone)
+                    con.execute(
+                        f"DELETE FROM {name} WHERE run_id IN ({', '.join('?' * len(gone))})", gone
+                    )
                 if name in incoming:
                     _insert(con, name, incoming[name])
             con.execute("COMMIT")
@@ -416,8 +448,9 @@ class CatalogMirror:
         self.run_names = {i: name for name, i in run_ids.items()}
         self._gen = gen
 
-    def query(self, sql: str, params: list[Any] | None = None,
-              runs: Collection[int] | None = None) -> duckdb.DuckDBPyConnection:
+    def query(
+        self, sql: str, params: list[Any] | None = None, runs: Collection[int] | None = None
+    ) -> duckdb.DuckDBPyConnection:
         """Run ``sql`` on the refreshed mirror, in a cursor of its own (DuckDB lets one
         connection have one unfinished result at a time). ``runs``: the only runs whose
         rows ``sql`` reads (``()``: the ``runs`` table alone); ``None``: any."""
@@ -490,10 +523,12 @@ class CatalogMirror:
         where, params = "", []
         if set(run_ids) != self._loaded:  # (the first time: every run, no filter)
             where, params = f" WHERE run_id IN ({', '.join('?' * len(run_ids))})", run_ids
-        columns = ", ".join('CAST(shape AS VARCHAR) AS shape' if f == "shape" else f'"{f}"'
-                            for f in POINT_FIELDS)
-        return self._reader().sql(f"SELECT {columns} FROM ops{where}",
-                                  params=params).to_arrow_table()
+        columns = ", ".join(
+            "CAST(shape AS VARCHAR) AS shape" if f == "shape" else f'"{f}"' for f in POINT_FIELDS
+        )
+        return (
+            self._reader().sql(f"SELECT {columns} FROM ops{where}", params=params).to_arrow_table()
+        )
 
     def knows(self, sql: str, params: list[Any]) -> bool:
         """Whether DuckDB ran ``sql`` with parameters of these types (see ``typed``)."""

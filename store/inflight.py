@@ -23,10 +23,14 @@ _TENSOR = torch.Tensor
 
 # madvise() advice for fresh buffers: huge pages, then populate them for writing in one
 # call (MADV_POPULATE_WRITE, 23 on Linux >= 5.14; Python 3.11's mmap does not name it).
-_ADVICE = tuple(a for a in (
-    getattr(mmap, "MADV_HUGEPAGE", None),
-    getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None),
-) if a is not None)
+_ADVICE = tuple(
+    a
+    for a in (
+        getattr(mmap, "MADV_HUGEPAGE", None),
+        getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None),
+    )
+    if a is not None
+)
 
 
 class Buffers:
@@ -135,8 +139,11 @@ def alias_version(tensor: torch.Tensor, nbytes: int) -> int | None:
     """The version of a tensor the workers may read in place (a plain contiguous CPU
     tensor with a version counter, not a small view keeping a larger storage alive),
     else ``None``: copy it."""
-    if not (tensor.is_cpu and type(tensor) is _TENSOR and tensor.is_contiguous()) or \
-            tensor.is_neg() or tensor.is_conj():
+    if (
+        not (tensor.is_cpu and type(tensor) is _TENSOR and tensor.is_contiguous())
+        or tensor.is_neg()
+        or tensor.is_conj()
+    ):
         return None
     try:
         version = int(tensor._version)

@@ -28,8 +28,18 @@ import pyarrow.compute as pc
 __all__ = ["FIELDS", "OpIndex"]
 
 #: The columns of ``ops`` the index answers with (``shape`` comes in as its text).
-FIELDS = ("run_id", "step", "idx", "label", "tensor", "array", "byte_offset", "nbytes",
-          "shape", "dtype")
+FIELDS = (
+    "run_id",
+    "step",
+    "idx",
+    "label",
+    "tensor",
+    "array",
+    "byte_offset",
+    "nbytes",
+    "shape",
+    "dtype",
+)
 #: What a loader returns: ``FIELDS`` of the given runs' ops, ``shape`` as VARCHAR.
 Loader = Callable[[list[int]], pa.Table]
 
@@ -44,10 +54,14 @@ class _Codes:
 
     def encode(self, column: Any) -> np.ndarray:
         """Each row's code (-1 for null)."""
-        encoded = pc.dictionary_encode(column.combine_chunks() if isinstance(
-            column, pa.ChunkedArray) else column)
-        known = np.fromiter((self._add(v) for v in encoded.dictionary.to_pylist()),
-                            np.int64, len(encoded.dictionary))
+        encoded = pc.dictionary_encode(
+            column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        )
+        known = np.fromiter(
+            (self._add(v) for v in encoded.dictionary.to_pylist()),
+            np.int64,
+            len(encoded.dictionary),
+        )
         indices = encoded.indices.fill_null(-1).to_numpy()
         codes = np.full(len(indices), -1, dtype=np.int64)
         present = indices >= 0
@@ -131,15 +145,20 @@ class OpIndex:
                 for i in seg.find(key):
                     tensor, offset = int(c["tensor"][i]), int(c["byte_offset"][i])
                     nbytes = int(c["nbytes"][i])
-                    found.append({
-                        "run_id": run_id, "step": int(c["step"][i]), "idx": int(c["idx"][i]),
-                        "label": label, "tensor": None if tensor < 0 else tensor,
-                        "array": self._arrays.get(int(c["array"][i])),
-                        "byte_offset": None if offset < 0 else offset,
-                        "nbytes": None if nbytes < 0 else nbytes,
-                        "shape": self._shapes.get(int(c["shape"][i])),
-                        "dtype": self._dtypes.get(int(c["dtype"][i])),
-                    })
+                    found.append(
+                        {
+                            "run_id": run_id,
+                            "step": int(c["step"][i]),
+                            "idx": int(c["idx"][i]),
+                            "label": label,
+                            "tensor": None if tensor < 0 else tensor,
+                            "array": self._arrays.get(int(c["array"][i])),
+                            "byte_offset": None if offset < 0 else offset,
+                            "nbytes": None if nbytes < 0 else nbytes,
+                            "shape": self._shapes.get(int(c["shape"][i])),
+                            "dtype": self._dtypes.get(int(c["dtype"][i])),
+                        }
+                    )
         return found
 
     def _index(self, run_ids: list[int]) -> None:
@@ -156,8 +175,10 @@ class OpIndex:
             return pc.fill_null(rows.column(name), -1).to_numpy().astype(dtype)[order]
 
         columns = {
-            "step": ints("step", np.int32), "idx": ints("idx", np.int32),
-            "tensor": ints("tensor", np.int32), "byte_offset": ints("byte_offset", np.int64),
+            "step": ints("step", np.int32),
+            "idx": ints("idx", np.int32),
+            "tensor": ints("tensor", np.int32),
+            "byte_offset": ints("byte_offset", np.int64),
             "nbytes": ints("nbytes", np.int64),
             "array": self._arrays.encode(rows.column("array")).astype(np.int32)[order],
             "shape": self._shapes.encode(rows.column("shape")).astype(np.int32)[order],

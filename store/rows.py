@@ -46,38 +46,100 @@ from tracelake.recorder.stats import Stats
 
 from .tensors import dtype_name, parse_dtype
 
-__all__ = ["STAT_FIELDS", "StoredOpTable", "Written", "decode_structure", "distinct_codes",
-           "load_step", "run_tables"]
+__all__ = [
+    "STAT_FIELDS",
+    "StoredOpTable",
+    "Written",
+    "decode_structure",
+    "distinct_codes",
+    "load_step",
+    "run_tables",
+]
 
-STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count",
-               "inf_count")
+STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
 
 _I32, _I64, _F64, _STR, _BOOL = pa.int32(), pa.int64(), pa.float64(), pa.string(), pa.bool_()
 _MODULES = pa.list_(pa.struct([("path", _STR), ("pass", _I32)]))
 
-_OPS_SCHEMA = pa.schema([
-    ("run_id", _I32), ("step", _I32), ("idx", _I32), ("label", _STR), ("layer", _STR),
-    ("pass", _I32), ("num_passes", _I32), ("func", _STR), ("kind", _STR), ("module", _STR),
-    ("modules", _MODULES), ("shape", pa.list_(_I64)), ("dtype", _STR), ("device", _STR),
-    ("nbytes", _I64), ("out_index", _I32), ("inplace", _BOOL), ("params", pa.list_(_STR)),
-    ("layer_idx", _I32), ("n_func", _I32), ("n_layer", _I32), ("saved", _BOOL),
-    ("tensor", _I32), ("array", _STR), ("byte_offset", _I64), ("source_file", _STR),
-    ("source_line", _I32), ("source_func", _STR),
-    *[(name, _F64) for name in STAT_FIELDS[:7]], ("nan_count", _I64), ("inf_count", _I64),
-])
-_EDGES_SCHEMA = pa.schema([("run_id", _I32), ("step", _I32), ("parent", _I32),
-                           ("child", _I32), ("arg", _STR), ("edge", _I32)])
-_MODULES_SCHEMA = pa.schema([
-    ("run_id", _I32), ("step", _I32), ("idx", _I32), ("label", _STR), ("path", _STR),
-    ("type", _STR), ("pass", _I32), ("num_passes", _I32), ("first_op", _STR),
-    ("last_op", _STR), ("op_start", _I32), ("op_end", _I32), ("input_ops", pa.list_(_I32)),
-    ("output_ops", pa.list_(_I32)), ("input_tensors", pa.list_(_I32)),
-    ("output_tensors", pa.list_(_I32)), ("structure", _STR),
-])
-_TENSORS_SCHEMA = pa.schema([
-    ("run_id", _I32), ("step", _I32), ("slot", _I32), ("array", _STR), ("byte_offset", _I64),
-    ("nbytes", _I64), ("shape", pa.list_(_I64)), ("dtype", _STR), ("codec", _STR),
-])
+_OPS_SCHEMA = pa.schema(
+    [
+        ("run_id", _I32),
+        ("step", _I32),
+        ("idx", _I32),
+        ("label", _STR),
+        ("layer", _STR),
+        ("pass", _I32),
+        ("num_passes", _I32),
+        ("func", _STR),
+        ("kind", _STR),
+        ("module", _STR),
+        ("modules", _MODULES),
+        ("shape", pa.list_(_I64)),
+        ("dtype", _STR),
+        ("device", _STR),
+        ("nbytes", _I64),
+        ("out_index", _I32),
+        ("inplace", _BOOL),
+        ("params", pa.list_(_STR)),
+        ("layer_idx", _I32),
+        ("n_func", _I32),
+        ("n_layer", _I32),
+        ("saved", _BOOL),
+        ("tensor", _I32),
+        ("array", _STR),
+        ("byte_offset", _I64),
+        ("source_file", _STR),
+        ("source_line", _I32),
+        ("source_func", _STR),
+        *[(name, _F64) for name in STAT_FIELDS[:7]],
+        ("nan_count", _I64),
+        ("inf_count", _I64),
+    ]
+)
+_EDGES_SCHEMA = pa.schema(
+    [
+        ("run_id", _I32),
+        ("step", _I32),
+        ("parent", _I32),
+        ("child", _I32),
+        ("arg", _STR),
+        ("edge", _I32),
+    ]
+)
+_MODULES_SCHEMA = pa.schema(
+    [
+        ("run_id", _I32),
+        ("step", _I32),
+        ("idx", _I32),
+        ("label", _STR),
+        ("path", _STR),
+        ("type", _STR),
+        ("pass", _I32),
+        ("num_passes", _I32),
+        ("first_op", _STR),
+        ("last_op", _STR),
+        ("op_start", _I32),
+        ("op_end", _I32),
+        ("input_ops", pa.list_(_I32)),
+        ("output_ops", pa.list_(_I32)),
+        ("input_tensors", pa.list_(_I32)),
+        ("output_tensors", pa.list_(_I32)),
+        ("structure", _STR),
+    ]
+)
+_TENSORS_SCHEMA = pa.schema(
+    [
+        ("run_id", _I32),
+        ("step", _I32),
+        ("slot", _I32),
+        ("array", _STR),
+        ("byte_offset", _I64),
+        ("nbytes", _I64),
+        ("shape", pa.list_(_I64)),
+        ("dtype", _STR),
+        ("codec", _STR),
+    ]
+)
 
 
 def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
@@ -167,8 +229,12 @@ def _taken(distinct: list[Any], codes: np.ndarray, type_: pa.DataType) -> pa.Arr
 Written = Callable[[], tuple[tuple[np.ndarray, np.ndarray], Callable[[str], str]]]
 
 
-def run_tables(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
-               slots: list[Any], written: Written) -> dict[str, pa.Table]:
+def run_tables(
+    run_id: int,
+    steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+    slots: list[Any],
+    written: Written,
+) -> dict[str, pa.Table]:
     """The ``ops``, ``edges``, ``modules`` and ``tensors`` tables of a run's recorded
     steps. ``slots``: its writer's slots (``TensorWriter.slots``: an op's row carries its
     tensor's array and byte offset, so a query finds the bytes without another join);
@@ -181,22 +247,27 @@ def run_tables(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Select
     distinct value, and the tensor columns are gathered by slot."""
     tensors, (arrays, array_of) = _tensor_columns(run_id, slots)
     ops, slot_of, edges = _op_columns(run_id, steps, tensors)
-    modules = _modules(run_id, [(k, m) for k, (_, entries, _) in enumerate(steps)
-                                for m in entries])
+    modules = _modules(run_id, [(k, m) for k, (_, entries, _) in enumerate(steps) for m in entries])
     stats, codec = written()
     _add_stats(ops, steps, stats, slot_of)
     tensors["codec"] = _taken([codec(name) for name in arrays], array_of, _STR)
-    return {"ops": _assembled(_OPS_SCHEMA, ops), "edges": edges, "modules": modules,
-            "tensors": _assembled(_TENSORS_SCHEMA, tensors)}
+    return {
+        "ops": _assembled(_OPS_SCHEMA, ops),
+        "edges": edges,
+        "modules": modules,
+        "tensors": _assembled(_TENSORS_SCHEMA, tensors),
+    }
 
 
 def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
-    return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema],
-                                schema=schema)
+    return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema], schema=schema)
 
 
-def _op_columns(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
-                tensors: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
+def _op_columns(
+    run_id: int,
+    steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+    tensors: dict[str, Any],
+) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
     """The ``ops`` columns but the statistics, each op's tensor slot (-1: none), and the
     ``edges`` table."""
     tables = [table for table, _, _ in steps]
@@ -211,8 +282,9 @@ def _op_columns(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Selec
     for start, (_, _, emitter) in zip(starts.tolist(), steps, strict=True):
         op_slot = emitter._op_slot
         if op_slot:
-            slot_of[start + np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = \
-                np.fromiter(op_slot.values(), np.int64, len(op_slot))
+            slot_of[start + np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = np.fromiter(
+                op_slot.values(), np.int64, len(op_slot)
+            )
     saved = slot_of >= 0
     tensor = pa.array(slot_of, mask=~saved, type=_I64)
 
@@ -246,21 +318,31 @@ def _op_columns(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Selec
     numel = np.array([math.prod(sh) for sh in shapes], dtype=np.int64)
     itemsize = np.array([dt.itemsize for dt in dtypes], dtype=np.int64)
     cols: dict[str, Any] = {
-        "run_id": np.full(n, run_id, dtype=np.int32), "step": step_of, "idx": idx,
-        "label": labels, "layer": _taken(layer_names, layer_of, _STR), "pass": columns[PASS],
+        "run_id": np.full(n, run_id, dtype=np.int32),
+        "step": step_of,
+        "idx": idx,
+        "label": labels,
+        "layer": _taken(layer_names, layer_of, _STR),
+        "pass": columns[PASS],
         "num_passes": passes[layer_of],
-        "func": columns[FUNC], "kind": columns[KIND],
+        "func": columns[FUNC],
+        "kind": columns[KIND],
         "module": _taken([st[-1][0] if st else "" for st in stacks], stack_of, _STR),
-        "modules": _taken([[{"path": p, "pass": k} for p, k in st] for st in stacks],
-                          stack_of, _MODULES),
+        "modules": _taken(
+            [[{"path": p, "pass": k} for p, k in st] for st in stacks], stack_of, _MODULES
+        ),
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
         "device": _taken([str(dev) for dev in devices], device_of, _STR),
         "nbytes": numel[shape_of] * itemsize[dtype_of],
-        "out_index": columns[OUT_INDEX], "inplace": columns[INPLACE],
+        "out_index": columns[OUT_INDEX],
+        "inplace": columns[INPLACE],
         "params": _taken([list(p) for p in params], params_of, pa.list_(_STR)),
-        "layer_idx": columns[LAYER], "n_func": columns[N_FUNC], "n_layer": columns[N_LAYER],
-        "saved": saved, "tensor": tensor,
+        "layer_idx": columns[LAYER],
+        "n_func": columns[N_FUNC],
+        "n_layer": columns[N_LAYER],
+        "saved": saved,
+        "tensor": tensor,
         "array": tensors["array"].take(tensor),
         "byte_offset": tensors["byte_offset"].take(tensor),
         "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
@@ -270,8 +352,12 @@ def _op_columns(run_id: int, steps: list[tuple[OpTable, list[ModuleEntry], Selec
     return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
 
 
-def _add_stats(cols: dict[str, Any], steps: list[tuple[OpTable, list[ModuleEntry], Any]],
-               stats: tuple[np.ndarray, np.ndarray], slot_of: np.ndarray) -> None:
+def _add_stats(
+    cols: dict[str, Any],
+    steps: list[tuple[OpTable, list[ModuleEntry], Any]],
+    stats: tuple[np.ndarray, np.ndarray],
+    slot_of: np.ndarray,
+) -> None:
     """The statistics columns: saved ops' from the writer's, by slot; with
     ``stats="all"``, unsaved ops' from their emitters."""
     values, valid = stats[0][slot_of], stats[1][slot_of]  # slot -1: the undefined row
@@ -303,37 +389,64 @@ def _array(values: Any, type_: pa.DataType) -> Any:
 _INTEGERS = {_I32: np.int32, _I64: np.int64}
 
 
-def _edges(run_id: int, step_of: np.ndarray, idx: np.ndarray,
-           parents: Sequence[tuple[int, ...]], args: Sequence[tuple[Any, ...]]) -> pa.Table:
+def _edges(
+    run_id: int,
+    step_of: np.ndarray,
+    idx: np.ndarray,
+    parents: Sequence[tuple[int, ...]],
+    args: Sequence[tuple[Any, ...]],
+) -> pa.Table:
     """One row per (child, parent) pair; ``edge`` numbers a child's parents."""
     counts = np.fromiter(map(len, parents), np.int64, len(parents))
     total = int(counts.sum())
     edge = np.arange(total, dtype=np.int32) - np.repeat(
-        (np.cumsum(counts) - counts).astype(np.int32), counts)
+        (np.cumsum(counts) - counts).astype(np.int32), counts
+    )
     names, name_of = distinct_codes(list(itertools.chain.from_iterable(args)))
-    columns = (np.full(total, run_id, dtype=np.int32), np.repeat(step_of, counts),
-               list(itertools.chain.from_iterable(parents)), np.repeat(idx, counts),
-               _taken([str(a) for a in names], name_of, _STR), edge)
-    return pa.Table.from_arrays([_array(c, f.type) for c, f in zip(columns, _EDGES_SCHEMA,
-                                                                  strict=True)],
-                                schema=_EDGES_SCHEMA)
+    columns = (
+        np.full(total, run_id, dtype=np.int32),
+        np.repeat(step_of, counts),
+        list(itertools.chain.from_iterable(parents)),
+        np.repeat(idx, counts),
+        _taken([str(a) for a in names], name_of, _STR),
+        edge,
+    )
+    return pa.Table.from_arrays(
+        [_array(c, f.type) for c, f in zip(columns, _EDGES_SCHEMA, strict=True)],
+        schema=_EDGES_SCHEMA,
+    )
 
 
 def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
     """The module entries of a run's steps, as (step, entry)."""
-    rows = [(
-        run_id, step, m.index, m.label, m.path, m.type, m.pass_num, m.num_passes,
-        m.first_op, m.last_op, m._op_range[0], m._op_range[1], list(m._input_indices),
-        list(m._output_indices),
-        None if m._input_slots is None else list(m._input_slots),
-        None if m._output_slots is None else list(m._output_slots),
-        None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
-    ) for step, m in modules]
+    rows = [
+        (
+            run_id,
+            step,
+            m.index,
+            m.label,
+            m.path,
+            m.type,
+            m.pass_num,
+            m.num_passes,
+            m.first_op,
+            m.last_op,
+            m._op_range[0],
+            m._op_range[1],
+            list(m._input_indices),
+            list(m._output_indices),
+            None if m._input_slots is None else list(m._input_slots),
+            None if m._output_slots is None else list(m._output_slots),
+            None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
+        )
+        for step, m in modules
+    ]
     return _table(_MODULES_SCHEMA, rows)
 
 
-def _tensor_columns(run_id: int, slots: list[Any]
-                    ) -> tuple[dict[str, Any], tuple[list[str], np.ndarray]]:
+def _tensor_columns(
+    run_id: int, slots: list[Any]
+) -> tuple[dict[str, Any], tuple[list[str], np.ndarray]]:
     """The ``tensors`` columns but the codec, from a writer's slots (slot = position):
     (array, byte offset or -1, nbytes, shape, dtype, step) tuples; and the distinct
     array names with each slot's index into them (for the codecs, known once written)."""
@@ -344,9 +457,12 @@ def _tensor_columns(run_id: int, slots: list[Any]
     shapes, shape_of = distinct_codes(shape)
     dtypes, dtype_of = distinct_codes(dtype)
     columns = {
-        "run_id": np.full(n, run_id, dtype=np.int32), "step": step,
-        "slot": np.arange(n, dtype=np.int32), "array": _taken(arrays, array_of, _STR),
-        "byte_offset": pa.array(offsets, mask=offsets < 0), "nbytes": nbytes,
+        "run_id": np.full(n, run_id, dtype=np.int32),
+        "step": step,
+        "slot": np.arange(n, dtype=np.int32),
+        "array": _taken(arrays, array_of, _STR),
+        "byte_offset": pa.array(offsets, mask=offsets < 0),
+        "nbytes": nbytes,
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
     }
@@ -357,8 +473,13 @@ class StoredOpTable(OpTable):
     """An :class:`OpTable` rebuilt from the catalog: labels and source locations as
     stored, no code objects."""
 
-    def __init__(self, rows: list[tuple[Any, ...]], labels: list[str],
-                 passes: dict[int, int], sources: list[SourceLocation | None]):
+    def __init__(
+        self,
+        rows: list[tuple[Any, ...]],
+        labels: list[str],
+        passes: dict[int, int],
+        sources: list[SourceLocation | None],
+    ):
         super().__init__()
         self.rows = rows
         self.labels = labels
@@ -369,21 +490,26 @@ class StoredOpTable(OpTable):
         return self._locations[index]
 
 
-_OP_COLUMNS = ("idx, label, func, kind, modules, shape, dtype, device, out_index, inplace, "
-               'params, layer_idx, "pass", num_passes, n_func, n_layer, tensor, source_file, '
-               f"source_line, source_func, {', '.join(STAT_FIELDS)}")
+_OP_COLUMNS = (
+    "idx, label, func, kind, modules, shape, dtype, device, out_index, inplace, "
+    'params, layer_idx, "pass", num_passes, n_func, n_layer, tensor, source_file, '
+    f"source_line, source_func, {', '.join(STAT_FIELDS)}"
+)
 
 
-def load_step(query: Any, run_id: int, step: int
-              ) -> tuple[StoredOpTable, list[ModuleEntry], dict[int, int], dict[int, Stats]]:
+def load_step(
+    query: Any, run_id: int, step: int
+) -> tuple[StoredOpTable, list[ModuleEntry], dict[int, int], dict[int, Stats]]:
     """The op table, module entries, op -> tensor slot map and op stats of one step.
     ``query(sql, params)`` runs SQL on the catalog and returns a cursor."""
-    ops = query(f"SELECT {_OP_COLUMNS} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx",
-                [run_id, step]).fetchall()
+    ops = query(
+        f"SELECT {_OP_COLUMNS} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx", [run_id, step]
+    ).fetchall()
     parents: dict[int, list[tuple[int, str]]] = {}
     for parent, child, arg in query(
-            "SELECT parent, child, arg FROM edges WHERE run_id = ? AND step = ? "
-            "ORDER BY child, edge", [run_id, step]).fetchall():
+        "SELECT parent, child, arg FROM edges WHERE run_id = ? AND step = ? ORDER BY child, edge",
+        [run_id, step],
+    ).fetchall():
         parents.setdefault(child, []).append((parent, arg))
     rows: list[tuple[Any, ...]] = []
     labels: list[str] = []
@@ -393,17 +519,52 @@ def load_step(query: Any, run_id: int, step: int
     stats: dict[int, Stats] = {}
     dtypes: dict[str, torch.dtype] = {}
     devices: dict[str, torch.device] = {}
-    for (idx, label, func, kind, modules, shape, dtype, device, out_index, inplace, params,
-         layer, pass_num, num_passes, n_func, n_layer, tensor, sfile, sline, sfunc,
-         *stat) in ops:
+    for (
+        idx,
+        label,
+        func,
+        kind,
+        modules,
+        shape,
+        dtype,
+        device,
+        out_index,
+        inplace,
+        params,
+        layer,
+        pass_num,
+        num_passes,
+        n_func,
+        n_layer,
+        tensor,
+        sfile,
+        sline,
+        sfunc,
+        *stat,
+    ) in ops:
         edge = parents.get(idx, ())
         dt = dtypes.get(dtype) or dtypes.setdefault(dtype, parse_dtype(dtype))
         dev = devices.get(device) or devices.setdefault(device, torch.device(device))
-        rows.append((
-            func, kind, tuple((m["path"], m["pass"]) for m in modules),
-            tuple(p for p, _ in edge), tuple(_arg(a) for _, a in edge), None, tuple(shape),
-            dt, dev, out_index, inplace, tuple(params), layer, pass_num, n_func, n_layer,
-        ))
+        rows.append(
+            (
+                func,
+                kind,
+                tuple((m["path"], m["pass"]) for m in modules),
+                tuple(p for p, _ in edge),
+                tuple(_arg(a) for _, a in edge),
+                None,
+                tuple(shape),
+                dt,
+                dev,
+                out_index,
+                inplace,
+                tuple(params),
+                layer,
+                pass_num,
+                n_func,
+                n_layer,
+            )
+        )
         labels.append(label)
         sources.append(SourceLocation(sfile, sline, sfunc) if sfile is not None else None)
         if num_passes > 1:
@@ -414,14 +575,38 @@ def load_step(query: Any, run_id: int, step: int
             stats[idx] = Stats(*stat)
     table = StoredOpTable(rows, labels, passes, sources)
     modules_out = []
-    for (idx, label, path, type_, pass_num, num_passes, first_op, last_op, op_start, op_end,
-         input_ops, output_ops, input_tensors, output_tensors, structure) in query(
-            "SELECT idx, label, path, type, \"pass\", num_passes, first_op, last_op, "
-            "op_start, op_end, input_ops, output_ops, input_tensors, output_tensors, "
-            "structure FROM modules WHERE run_id = ? AND step = ? ORDER BY idx",
-            [run_id, step]).fetchall():
-        entry = ModuleEntry(path, type_, pass_num, idx, label=label, num_passes=num_passes,
-                            first_op=first_op, last_op=last_op)
+    for (
+        idx,
+        label,
+        path,
+        type_,
+        pass_num,
+        num_passes,
+        first_op,
+        last_op,
+        op_start,
+        op_end,
+        input_ops,
+        output_ops,
+        input_tensors,
+        output_tensors,
+        structure,
+    ) in query(
+        'SELECT idx, label, path, type, "pass", num_passes, first_op, last_op, '
+        "op_start, op_end, input_ops, output_ops, input_tensors, output_tensors, "
+        "structure FROM modules WHERE run_id = ? AND step = ? ORDER BY idx",
+        [run_id, step],
+    ).fetchall():
+        entry = ModuleEntry(
+            path,
+            type_,
+            pass_num,
+            idx,
+            label=label,
+            num_passes=num_passes,
+            first_op=first_op,
+            last_op=last_op,
+        )
         entry._op_range = (op_start, op_end)
         entry._input_indices = tuple(input_ops)
         entry._output_indices = tuple(output_ops)

@@ -24,8 +24,7 @@ class _Slot:
 
     __slots__ = ("array", "dtype", "nbytes", "offset", "shape")
 
-    def __init__(self, array: str, offset: int | None, nbytes: int, shape: list[int],
-                 dtype: str):
+    def __init__(self, array: str, offset: int | None, nbytes: int, shape: list[int], dtype: str):
         self.array = array
         self.offset = offset
         self.nbytes = nbytes
@@ -57,8 +56,9 @@ class LazyTensor:
     def read(self) -> torch.Tensor:
         slot = self._slot
         if slot.offset is not None:
-            return self._arrays.read_packed(slot.array, slot.offset, slot.nbytes, slot.dtype,
-                                            slot.shape, self.label)
+            return self._arrays.read_packed(
+                slot.array, slot.offset, slot.nbytes, slot.dtype, slot.shape, self.label
+            )
         return self._arrays.read_array(slot.array, slot.dtype, slot.shape, self.label)
 
     def __getitem__(self, key: Any) -> torch.Tensor:
@@ -85,7 +85,7 @@ def _normalise(key: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], list[
         raise IndexError("an index can only have a single ellipsis ('...')")
     if Ellipsis in key:
         at = key.index(Ellipsis)
-        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1 :]
     if len(key) > len(shape):
         raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions")
     key = key + (slice(None),) * (len(shape) - len(key))
@@ -125,8 +125,14 @@ def index_tensor(tensor: torch.Tensor, key: Any) -> torch.Tensor:
 class _RunTensors:
     """The :class:`TensorSource` of one step of a stored run."""
 
-    def __init__(self, arrays: RunArrays, slots: dict[int, _Slot], op_slots: dict[int, int],
-                 stats: dict[int, Stats], labels: list[str]):
+    def __init__(
+        self,
+        arrays: RunArrays,
+        slots: dict[int, _Slot],
+        op_slots: dict[int, int],
+        stats: dict[int, Stats],
+        labels: list[str],
+    ):
         self.arrays = arrays
         self._slots = slots
         self._op_slots = op_slots
@@ -167,8 +173,9 @@ class StoredOpEntry(OpEntry):
 class StepView(TraceView):
     """One forward pass (step) of a stored run."""
 
-    def __init__(self, run: Run, step: int, table: Any, tensors: _RunTensors,
-                 modules: list[ModuleEntry]):
+    def __init__(
+        self, run: Run, step: int, table: Any, tensors: _RunTensors, modules: list[ModuleEntry]
+    ):
         for m in modules:
             if m._output_slots is not None:
                 m._tensors = tensors  # type: ignore[assignment]
@@ -188,8 +195,9 @@ class Run:
     an in-memory :class:`~tracelake.Trace`: ``run[label]``, ``run.labels``, ``run.df()``,
     iteration. A run recorded over several forward passes has ``run.step(k)`` for each."""
 
-    def __init__(self, info: dict[str, Any], arrays: RunArrays,
-                 query: Callable[[str, list[Any]], Any]):
+    def __init__(
+        self, info: dict[str, Any], arrays: RunArrays, query: Callable[[str, list[Any]], Any]
+    ):
         self.info = info
         self.name: str = info["name"]
         self.id: int = info["id"]
@@ -204,20 +212,22 @@ class Run:
     def _load_slots(self) -> dict[int, _Slot]:
         if self._slots is None:
             rows = self._query(
-                "SELECT slot, \"array\", byte_offset, nbytes, shape, dtype FROM tensors "
-                "WHERE run_id = ?", [self.id]).fetchall()
+                'SELECT slot, "array", byte_offset, nbytes, shape, dtype FROM tensors '
+                "WHERE run_id = ?",
+                [self.id],
+            ).fetchall()
             self._slots = {r[0]: _Slot(*r[1:]) for r in rows}
         return self._slots
 
     def step(self, k: int) -> StepView:
         if not isinstance(k, int) or not 0 <= k < self.num_steps:
             raise RecorderError(
-                f"run {self.name!r} has steps 0..{self.num_steps - 1}; step {k!r} does not exist")
+                f"run {self.name!r} has steps 0..{self.num_steps - 1}; step {k!r} does not exist"
+            )
         view = self._steps.get(k)
         if view is None:
             table, modules, op_slots, stats = load_step(self._query, self.id, k)
-            tensors = _RunTensors(self._arrays, self._load_slots(), op_slots, stats,
-                                  table.labels)
+            tensors = _RunTensors(self._arrays, self._load_slots(), op_slots, stats, table.labels)
             view = self._steps[k] = StepView(self, k, table, tensors, modules)
         return view
 
@@ -255,5 +265,6 @@ class Run:
         return f"<Run {self.name!r}: {self.model_class}, {self.num_steps} step(s)>"
 
 
-_VIEW_ATTRS = frozenset({"labels", "ops", "modules", "module_labels", "inputs", "outputs",
-                         "find", "df"})
+_VIEW_ATTRS = frozenset(
+    {"labels", "ops", "modules", "module_labels", "inputs", "outputs", "find", "df"}
+)

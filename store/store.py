@@ -94,8 +94,17 @@ class Recording:
     otherwise it is marked failed and ``store.gc()`` reclaims its space.
     """
 
-    def __init__(self, store: Store, name: str | None, model: Any, save: Any, stats: str,
-                 meta: Any, overwrite: bool, max_inflight: int):
+    def __init__(
+        self,
+        store: Store,
+        name: str | None,
+        model: Any,
+        save: Any,
+        stats: str,
+        meta: Any,
+        overwrite: bool,
+        max_inflight: int,
+    ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
         try:
@@ -130,17 +139,20 @@ class Recording:
     def __enter__(self) -> Recording:
         if self.name is None:
             self.name = _generated_name(self.model)
-        info = {"model_class": self.model_class, "torch_version": torch.__version__,
-                "meta": self._meta}
-        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite,
-                                                                  info)
+        info = {
+            "model_class": self.model_class,
+            "torch_version": torch.__version__,
+            "meta": self._meta,
+        }
+        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite, info)
         arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
         self._writer = TensorWriter(arrays, self._max_inflight)
         if self.model is not None:
             self._hooks = [
                 self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                self.model.register_forward_hook(self._post_hook, with_kwargs=True,
-                                                 always_call=True),
+                self.model.register_forward_hook(
+                    self._post_hook, with_kwargs=True, always_call=True
+                ),
             ]
         return self
 
@@ -166,8 +178,15 @@ class Recording:
         table = OpTable()
         return table, StoreEmitter(self._selector, self._stats, table, self._writer)
 
-    def _end(self, model: torch.nn.Module, recording: ForwardRecording, table: OpTable,
-             emitter: StoreEmitter, args: tuple, kwargs: dict) -> None:
+    def _end(
+        self,
+        model: torch.nn.Module,
+        recording: ForwardRecording,
+        table: OpTable,
+        emitter: StoreEmitter,
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
@@ -175,7 +194,8 @@ class Recording:
             self._fingerprints = {
                 "param_fingerprint": _fingerprint(list(model.named_parameters())),
                 "input_fingerprint": _fingerprint(
-                    [(str(i), t) for i, t in enumerate(flatten_tensors([args, kwargs]))]),
+                    [(str(i), t) for i, t in enumerate(flatten_tensors([args, kwargs]))]
+                ),
             }
             first = next(iter(model.parameters()), None)
             self._device = str(first.device) if first is not None else None
@@ -210,12 +230,14 @@ class Recording:
             self._auto = (recording, table, emitter, args, kwargs)
         except Exception as exc:
             self._auto = None
-            warnings.warn(f"tracelake could not record this forward pass of "
-                          f"{type(module).__name__} ({exc}); it ran unrecorded",
-                          TraceLakeWarning, stacklevel=2)
+            warnings.warn(
+                f"tracelake could not record this forward pass of "
+                f"{type(module).__name__} ({exc}); it ran unrecorded",
+                TraceLakeWarning,
+                stacklevel=2,
+            )
 
-    def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict,
-                   output: Any) -> None:
+    def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._depth -= 1
         if self._depth or self._auto is None:
             return
@@ -230,8 +252,10 @@ class Recording:
         writer = self._writer
         assert writer is not None and self.name is not None
         if not self._steps:
-            raise StoreError(f"the recording {self.name!r} recorded no forward pass; call the "
-                             "model (or rec.record(model, ...)) inside the block")
+            raise StoreError(
+                f"the recording {self.name!r} recorded no forward pass; call the "
+                "model (or rec.record(model, ...)) inside the block"
+            )
 
         def written() -> tuple[tuple[Any, Any], Any]:
             writer.close()  # the last chunks' statistics, writes and syncs: done by now
@@ -241,15 +265,23 @@ class Recording:
         merged = run_tables(self.run_id, self._steps, writer.slots, written)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
-            merged = run_tables(self.run_id, self._steps, writer.slots,
-                                lambda: (writer.stat_matrix(), writer.codec))
+            merged = run_tables(
+                self.run_id, self._steps, writer.slots, lambda: (writer.stat_matrix(), writer.codec)
+            )
             merged["tensors"] = merged["tensors"].filter(
-                pa.array([slot not in writer.lost for slot in range(len(writer.slots))]))
+                pa.array([slot not in writer.lost for slot in range(len(writer.slots))])
+            )
         nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
-        summary = {"steps": len(self._steps), "op_count": merged["ops"].num_rows,
-                   "bytes": nbytes, "device": self._device, **self._fingerprints}
-        self.info = self.store._catalog.commit(self.run_id, self.name, self._overwrite,
-                                               merged, summary)
+        summary = {
+            "steps": len(self._steps),
+            "op_count": merged["ops"].num_rows,
+            "bytes": nbytes,
+            "device": self._device,
+            **self._fingerprints,
+        }
+        self.info = self.store._catalog.commit(
+            self.run_id, self.name, self._overwrite, merged, summary
+        )
         self._release()
         self._steps = []
 
@@ -263,7 +295,10 @@ class Recording:
                     warnings.warn(
                         f"{table.labels[index]} was written in place by an operation "
                         "tracelake could not intercept while it was being stored, so its "
-                        "value is not saved", TraceLakeWarning, stacklevel=4)
+                        "value is not saved",
+                        TraceLakeWarning,
+                        stacklevel=4,
+                    )
             for entry in modules:
                 if lost.intersection(entry._input_slots or (), entry._output_slots or ()):
                     entry._input_slots = entry._output_slots = entry._structure = None
@@ -312,8 +347,9 @@ class Store:
             self._mirror = CatalogMirror(self.paths)
         return self._mirror
 
-    def _query(self, sql: str, params: list[Any] | None = None,
-               runs: Collection[int] | None = None) -> Any:
+    def _query(
+        self, sql: str, params: list[Any] | None = None, runs: Collection[int] | None = None
+    ) -> Any:
         """``sql`` on the catalog mirror; ``runs``: the only runs whose rows it reads
         (``()``: the runs table alone), so that the mirror copies no others (None: any)."""
         return self._catalog_mirror.query(sql, params, runs)
@@ -324,17 +360,32 @@ class Store:
 
     # -- recording ------------------------------------------------------------------------
 
-    def recording(self, name: str | None = None, model: torch.nn.Module | None = None, *,
-                  save: Any = None, meta: Any = None, stats: str = "saved",
-                  overwrite: bool = False, max_inflight: int = DEFAULT_MAX_INFLIGHT
-                  ) -> Recording:
+    def recording(
+        self,
+        name: str | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        save: Any = None,
+        meta: Any = None,
+        stats: str = "saved",
+        overwrite: bool = False,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    ) -> Recording:
         """A run of several forward passes (steps); see :class:`Recording`."""
         return Recording(self, name, model, save, stats, meta, overwrite, max_inflight)
 
-    def record(self, model: torch.nn.Module, *args: Any, name: str | None = None,
-               save: Any = None, meta: Any = None, stats: str = "saved",
-               overwrite: bool = False, max_inflight: int = DEFAULT_MAX_INFLIGHT,
-               **kwargs: Any) -> Run:
+    def record(
+        self,
+        model: torch.nn.Module,
+        *args: Any,
+        name: str | None = None,
+        save: Any = None,
+        meta: Any = None,
+        stats: str = "saved",
+        overwrite: bool = False,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        **kwargs: Any,
+    ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
@@ -343,8 +394,16 @@ class Store:
         buffered; the run becomes visible only once all of it is durable.
         """
         model = _check_model(model)
-        rec = Recording(self, name if name is not None else _generated_name(model), None,
-                        save, stats, meta, overwrite, max_inflight)
+        rec = Recording(
+            self,
+            name if name is not None else _generated_name(model),
+            None,
+            save,
+            stats,
+            meta,
+            overwrite,
+            max_inflight,
+        )
         rec.model_class = type(model).__name__
         with rec:
             rec.record(model, *args, **kwargs)
@@ -365,8 +424,7 @@ class Store:
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
             if name is None:
-                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id],
-                                  ()).fetchone()
+                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id], ()).fetchone()
                 name = row[0] if row else str(run_id)
             arrays = self._open_arrays[run_id] = RunArrays(self.paths.tensors(run_id), name)
         return arrays
@@ -379,21 +437,28 @@ class Store:
             raise TypeError(f"look runs up by name (str), not {name!r}")
         info = self._run_info("name = ? AND status = ?", [name, COMPLETE])
         if info is None:
-            known = [r[0] for r in self._query(
-                "SELECT name FROM runs WHERE status = ?", [COMPLETE], ()).fetchall()]
+            known = [
+                r[0]
+                for r in self._query(
+                    "SELECT name FROM runs WHERE status = ?", [COMPLETE], ()
+                ).fetchall()
+            ]
             raise RunNotFoundError(name, known)
         return self._open_run(info)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._run_info(
-            "name = ? AND status = ?", [name, COMPLETE]) is not None
+        return (
+            isinstance(name, str)
+            and self._run_info("name = ? AND status = ?", [name, COMPLETE]) is not None
+        )
 
     def __iter__(self) -> Any:
         return iter(self.runs()["name"].tolist())
 
     def __len__(self) -> int:
-        return int(self._query("SELECT count(*) FROM runs WHERE status = ?",
-                               [COMPLETE], ()).fetchone()[0])
+        return int(
+            self._query("SELECT count(*) FROM runs WHERE status = ?", [COMPLETE], ()).fetchone()[0]
+        )
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and
@@ -403,7 +468,9 @@ class Store:
         df = self._query(
             "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
             f"torch_version, meta FROM runs WHERE {where} ORDER BY id",
-            [COMPLETE if not all else COLLECTED], ()).df()
+            [COMPLETE if not all else COLLECTED],
+            (),
+        ).df()
         if all and len(df):
             df["status"] = [
                 INTERRUPTED if s == RECORDING and not _alive(self.paths, i) else s
@@ -446,8 +513,11 @@ class Store:
         known = {int(r[0]) for r in self._query("SELECT id FROM runs", None, ()).fetchall()}
         orphans = 0
         for entry in self.paths.runs.iterdir():
-            if entry.name.isdigit() and int(entry.name) not in known | set(dead) and not \
-                    _alive(self.paths, int(entry.name)):
+            if (
+                entry.name.isdigit()
+                and int(entry.name) not in known | set(dead)
+                and not _alive(self.paths, int(entry.name))
+            ):
                 freed += _remove(entry)
                 orphans += 1
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
@@ -455,8 +525,11 @@ class Store:
     def verify(self) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree."""
         report = VerifyReport()
-        for info in self._query("SELECT * FROM runs WHERE status = ? ORDER BY id",
-                                [COMPLETE], ()).df().to_dict("records"):
+        for info in (
+            self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
+            .df()
+            .to_dict("records")
+        ):
             verify_run(self._open_run(info), self._run_query(info["id"]), report)
         return report
 

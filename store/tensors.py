@@ -74,10 +74,18 @@ ZSTD_MIN_RATIO = 1.3
 _SAMPLE_BYTES = 1 << 16
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_ZSTD_STREAM_DTYPES = frozenset({
-    torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64,
-})
+_ZSTD_STREAM_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    }
+)
 _ZARR_CONFIG: Any = {"write_empty_chunks": True}  # a missing chunk file then always means damage
 
 
@@ -153,7 +161,7 @@ def choose_codec(data: np.ndarray) -> str:
     else:  # three spread-out windows: the start alone is often padding or a prefix
         step = _SAMPLE_BYTES // 3
         starts = (0, flat.nbytes // 2, flat.nbytes - step)
-        sample = np.concatenate([flat[s:s + step] for s in starts])
+        sample = np.concatenate([flat[s : s + step] for s in starts])
     packed = Zstd(level=1).encode(np.ascontiguousarray(sample))
     return "zstd" if sample.nbytes >= ZSTD_MIN_RATIO * len(packed) else "raw"
 
@@ -161,8 +169,9 @@ def choose_codec(data: np.ndarray) -> str:
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
 
 
-def write_chunk_file(path: Path, data: np.ndarray, codec: str,
-                     pending: Unsynced | None = None) -> None:
+def write_chunk_file(
+    path: Path, data: np.ndarray, codec: str, pending: Unsynced | None = None
+) -> None:
     """Encode one chunk as its array declares (C-order bytes, zstd if asked, then the
     CRC32C of what is stored, little-endian) and write it: durably, or into
     ``pending`` (durable by the time that closes)."""
@@ -201,12 +210,14 @@ class Unsynced:
             else:
                 due = []
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, daemon=True,
-                                                    name="tracelake-sync")
+                    self._thread = threading.Thread(
+                        target=self._run, daemon=True, name="tracelake-sync"
+                    )
                     self._thread.start()
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: len(self._fds) + self._busy <= self.window
-                                    or self._error is not None)
+                self._cond.wait_for(
+                    lambda: len(self._fds) + self._busy <= self.window or self._error is not None
+                )
         _all_durable(due)
 
     def _run(self) -> None:
@@ -270,8 +281,9 @@ def _durable(fd: int) -> None:
         os.close(fd)
 
 
-def write_shard_file(path: Path, data: np.ndarray, codec: str,
-                     pending: Unsynced | None = None) -> None:
+def write_shard_file(
+    path: Path, data: np.ndarray, codec: str, pending: Unsynced | None = None
+) -> None:
     """One Zarr v3 ``sharding_indexed`` shard of a 1-D uint8 pack: the inner chunks
     covering ``data`` (each C-order bytes [→ zstd] → crc32c, the last padded to full
     size), then the index ((offset, nbytes) little-endian uint64 per inner chunk of the
@@ -282,10 +294,10 @@ def write_shard_file(path: Path, data: np.ndarray, codec: str,
     pieces: list[Any] = []
     offset = 0
     for j in range(-(-data.nbytes // INNER_BYTES)):
-        part = data[j * INNER_BYTES:(j + 1) * INNER_BYTES]
+        part = data[j * INNER_BYTES : (j + 1) * INNER_BYTES]
         if part.nbytes < INNER_BYTES:
             full = np.zeros(INNER_BYTES, dtype=np.uint8)
-            full[:part.nbytes] = part
+            full[: part.nbytes] = part
             part = full
         payload: Any = Zstd(level=1).encode(part) if codec == "zstd" else part
         checksum = struct.pack("<I", google_crc32c.value(payload))
@@ -387,16 +399,21 @@ class RunArrays:
             array = self._arrays.get(name)
             if array is None:
                 array = self._arrays[name] = zarr.create_array(
-                    str(self.path / name), shape=(CHUNK_BYTES,), chunks=(INNER_BYTES,),
-                    shards=(CHUNK_BYTES,), dtype="uint8", fill_value=0,
+                    str(self.path / name),
+                    shape=(CHUNK_BYTES,),
+                    chunks=(INNER_BYTES,),
+                    shards=(CHUNK_BYTES,),
+                    dtype="uint8",
+                    fill_value=0,
                     compressors=_compressors(pack_codec(name)),
                     attributes={"tracelake": "pack"},
                 )
                 self._grow[name] = threading.Lock()
             return array
 
-    def write_pack_chunk(self, name: str, index: int, data: np.ndarray,
-                         pending: Unsynced | None = None) -> None:
+    def write_pack_chunk(
+        self, name: str, index: int, data: np.ndarray, pending: Unsynced | None = None
+    ) -> None:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in
         64 KiB inner chunks, each encoded and checksummed, then the shard's index. A
         last, partly filled shard simply has fewer inner chunks (a small run costs what
@@ -408,17 +425,21 @@ class RunArrays:
                 array.resize((start + CHUNK_BYTES,))
         write_shard_file(self.path / name / "c" / str(index), data, pack_codec(name), pending)
 
-    def write_array(self, name: str, tensor: torch.Tensor,
-                    on_chunk: Callable[[torch.Tensor], None] | None = None,
-                    pending: Unsynced | None = None,
-                    reading: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
-                    ) -> str:
+    def write_array(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        on_chunk: Callable[[torch.Tensor], None] | None = None,
+        pending: Unsynced | None = None,
+        reading: Callable[[], AbstractContextManager[torch.Tensor]] | None = None,
+    ) -> str:
         """Give ``tensor`` (contiguous, on the CPU) its own array; return the codec used.
         ``on_chunk`` sees each chunk's part of ``tensor`` just before it is encoded, while
         its bytes are in cache (the parts partition the tensor). Durable on return, or
         once ``pending`` closes. ``reading``, if given, is entered around each read and
         yields the tensor to read then (same dtype and shape: the writer may swap the
         forward's own tensor for a copy of it between chunks)."""
+
         def read() -> AbstractContextManager[torch.Tensor]:
             return reading() if reading is not None else contextlib.nullcontext(tensor)
 
@@ -428,16 +449,22 @@ class RunArrays:
             codec = choose_codec(data)
         chunks = chunk_shape(shape, data.dtype.itemsize)
         zarr.create_array(
-            str(self.path / name), shape=shape, chunks=chunks, dtype=data.dtype,
-            fill_value=0, compressors=_compressors(codec), config=_ZARR_CONFIG,
+            str(self.path / name),
+            shape=shape,
+            chunks=chunks,
+            dtype=data.dtype,
+            fill_value=0,
+            compressors=_compressors(codec),
+            config=_ZARR_CONFIG,
             attributes={"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)},
         )
         root = self.path / name / "c"
         own = pending is None
         pending = Unsynced(background=False) if pending is None else pending
         try:
-            for idx in _product([range(math.ceil(n / c))
-                                 for n, c in zip(shape, chunks, strict=True)]):
+            for idx in _product(
+                [range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)]
+            ):
                 sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
                 with read() as now:  # encoded and written before it may change
                     if on_chunk is not None:
@@ -464,8 +491,9 @@ class RunArrays:
                     try:
                         array = zarr.open_array(str(self.path / name), mode="r")
                     except Exception as exc:
-                        raise ChunkCorruptError(self.run, "?", f"{name}/zarr.json",
-                                                f"cannot open the array: {exc}") from exc
+                        raise ChunkCorruptError(
+                            self.run, "?", f"{name}/zarr.json", f"cannot open the array: {exc}"
+                        ) from exc
                     self._arrays[name] = array
         return array
 
@@ -493,8 +521,9 @@ class RunArrays:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise ChunkCorruptError(self.run, label, f"{name}/c/{shard}",
-                                    "the shard file is missing") from None
+            raise ChunkCorruptError(
+                self.run, label, f"{name}/c/{shard}", "the shard file is missing"
+            ) from None
         return path, (path, st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _shard_index(self, name: str, shard: int, label: str) -> np.ndarray:
@@ -547,8 +576,15 @@ class RunArrays:
         _CHUNKS.put(key, data)
         return data
 
-    def read_packed(self, name: str, offset: int, nbytes: int, dtype: torch.dtype,
-                    shape: Sequence[int], label: str) -> torch.Tensor:
+    def read_packed(
+        self,
+        name: str,
+        offset: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        label: str,
+    ) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         parts = []
@@ -564,8 +600,14 @@ class RunArrays:
             return torch.from_numpy(data.view(as_numpy).reshape(shape).copy())
         return tensor_from_bytes(data.copy(), dtype, shape)
 
-    def read_array(self, name: str, dtype: torch.dtype, shape: Sequence[int], label: str,
-                   key: tuple[Any, ...] | None = None) -> torch.Tensor:
+    def read_array(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        label: str,
+        key: tuple[Any, ...] | None = None,
+    ) -> torch.Tensor:
         """All of array ``name``, or the basic-index selection ``key`` of it (normalised:
         ints and slices with non-negative bounds, one per dimension)."""
         array = self.array(name)

@@ -48,35 +48,46 @@ class VerifyReport:
         return self.ok
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "runs": self.runs, "chunks": self.chunks,
-                "tensors": self.tensors,
-                "problems": [{"run": p.run, "label": p.label, "what": p.what}
-                             for p in self.problems]}
+        return {
+            "ok": self.ok,
+            "runs": self.runs,
+            "chunks": self.chunks,
+            "tensors": self.tensors,
+            "problems": [{"run": p.run, "label": p.label, "what": p.what} for p in self.problems],
+        }
 
 
 def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyReport) -> None:
     report.runs += 1
     arrays = run._arrays
     rows = query(
-        "SELECT t.slot, t.\"array\", t.byte_offset, t.nbytes, t.shape, t.dtype, "
+        'SELECT t.slot, t."array", t.byte_offset, t.nbytes, t.shape, t.dtype, '
         "coalesce(string_agg(o.label, ', ' ORDER BY o.step, o.idx), 'tensor ' || t.slot) "
         "FROM tensors t LEFT JOIN ops o ON o.run_id = t.run_id AND o.tensor = t.slot "
-        "WHERE t.run_id = ? GROUP BY t.slot, t.\"array\", t.byte_offset, t.nbytes, t.shape, "
-        "t.dtype ORDER BY t.slot", [run.id]).fetchall()
+        'WHERE t.run_id = ? GROUP BY t.slot, t."array", t.byte_offset, t.nbytes, t.shape, '
+        "t.dtype ORDER BY t.slot",
+        [run.id],
+    ).fetchall()
     by_array: dict[str, list[tuple[int, int, str]]] = {}
     for _slot, array, offset, nbytes, shape, dtype, labels in rows:
         report.tensors += 1
         expected = math.prod(shape) * parse_dtype(dtype).itemsize
         if expected != nbytes:
-            report.problems.append(Problem(run.name, labels, f"catalog says {nbytes} bytes for "
-                                           f"shape {shape} {dtype} (expected {expected})"))
+            report.problems.append(
+                Problem(
+                    run.name,
+                    labels,
+                    f"catalog says {nbytes} bytes for shape {shape} {dtype} (expected {expected})",
+                )
+            )
         if offset is None:
             by_array.setdefault(array, []).append((0, nbytes, labels))
             _check_array_shape(run, arrays, array, shape, labels, report)
         else:
             by_array.setdefault(array, []).append((offset, nbytes, labels))
-    on_disk = {p.name for p in arrays.path.iterdir() if p.is_dir()} if arrays.path.exists() \
-        else set()
+    on_disk = (
+        {p.name for p in arrays.path.iterdir() if p.is_dir()} if arrays.path.exists() else set()
+    )
     for name in sorted(on_disk - set(by_array)):
         report.problems.append(Problem(run.name, "-", f"array {name} is not in the catalog"))
     for name, spans in by_array.items():
@@ -89,8 +100,9 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
             _check_spans(run, arrays, name, spans, report)
 
 
-def _check_array_shape(run: Run, arrays: Any, name: str, shape: list[int], labels: str,
-                       report: VerifyReport) -> None:
+def _check_array_shape(
+    run: Run, arrays: Any, name: str, shape: list[int], labels: str, report: VerifyReport
+) -> None:
     try:
         array = arrays.array(name)
     except ChunkCorruptError as exc:
@@ -98,12 +110,18 @@ def _check_array_shape(run: Run, arrays: Any, name: str, shape: list[int], label
         return
     stored = tuple(array.shape)
     if stored != (tuple(shape) or (1,)):
-        report.problems.append(Problem(run.name, labels, f"array {name} has shape {stored}, "
-                                       f"the catalog says {tuple(shape)}"))
+        report.problems.append(
+            Problem(
+                run.name,
+                labels,
+                f"array {name} has shape {stored}, the catalog says {tuple(shape)}",
+            )
+        )
 
 
-def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]],
-                  report: VerifyReport) -> None:
+def _check_chunks(
+    run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]], report: VerifyReport
+) -> None:
     try:
         array = arrays.array(name)
     except ChunkCorruptError as exc:
@@ -113,8 +131,13 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
     if packed:
         end = max((o + n for o, n, _ in spans), default=0)
         if end > array.shape[0]:
-            report.problems.append(Problem(run.name, name, f"the catalog points past the end "
-                                           f"of {name} ({end} > {array.shape[0]} bytes)"))
+            report.problems.append(
+                Problem(
+                    run.name,
+                    name,
+                    f"the catalog points past the end of {name} ({end} > {array.shape[0]} bytes)",
+                )
+            )
         keys = [str(k) for k in range(math.ceil(end / _file_size(array)))]
     else:
         keys = arrays.chunk_keys(name)
@@ -122,8 +145,10 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
         report.chunks += 1
         idx = tuple(int(i) for i in key.split("/"))
         sizes = (_file_size(array),) if packed else array.chunks
-        selection = tuple(slice(i * c, min((i + 1) * c, n))
-                          for i, c, n in zip(idx, sizes, array.shape, strict=True))
+        selection = tuple(
+            slice(i * c, min((i + 1) * c, n))
+            for i, c, n in zip(idx, sizes, array.shape, strict=True)
+        )
         if packed:  # only the bytes tensors occupy: the shard holds no inner chunk past them
             selection = (slice(selection[0].start, min(selection[0].stop, end)),)
         try:
@@ -137,8 +162,9 @@ def _check_chunks(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, 
             else:
                 labels = ", ".join(s[2] for s in spans)
             what = "missing" if isinstance(exc, ChunkCorruptError) else f"damaged ({exc})"
-            report.problems.append(Problem(run.name, labels or name,
-                                           f"chunk {name}/c/{key} is {what}"))
+            report.problems.append(
+                Problem(run.name, labels or name, f"chunk {name}/c/{key} is {what}")
+            )
 
 
 def _file_size(array: Any) -> int:
@@ -147,8 +173,9 @@ def _file_size(array: Any) -> int:
     return int(shards[0]) if shards else int(array.chunks[0])
 
 
-def _check_spans(run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]],
-                 report: VerifyReport) -> None:
+def _check_spans(
+    run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]], report: VerifyReport
+) -> None:
     """Every packed tensor's bytes read the way queries read them (the shard index must
     hold each inner chunk a tensor lies in, with a good checksum)."""
     seen: set[str] = {p.label for p in report.problems if p.run == run.name}

@@ -98,8 +98,9 @@ class TensorWriter:
     ``slots`` holds one tuple per saved tensor, indexed by slot: (array, byte offset or
     -1, nbytes, shape, dtype, step); ``location(slot)`` names the fields."""
 
-    def __init__(self, arrays: RunArrays, max_inflight: int = DEFAULT_MAX_INFLIGHT,
-                 workers: int = 2):
+    def __init__(
+        self, arrays: RunArrays, max_inflight: int = DEFAULT_MAX_INFLIGHT, workers: int = 2
+    ):
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays
@@ -149,19 +150,32 @@ class TensorWriter:
             stream.buffer = self._buffers.take(CHUNK_BYTES)
             stream.address = stream.buffer.ctypes.data
         if nbytes:
-            if plain and tensor.is_cpu and type(tensor) is _TENSOR and \
-                    tensor.is_contiguous() and not tensor.is_neg():
+            if (
+                plain
+                and tensor.is_cpu
+                and type(tensor) is _TENSOR
+                and tensor.is_contiguous()
+                and not tensor.is_neg()
+            ):
                 # The tensor's bytes as they are: ~1.5 us with the ctypes call, where
                 # numpy's copy took ~4 and torch's copy_ into a view of the buffer ~10.
                 _memmove(stream.address + start, tensor.data_ptr(), nbytes)
             else:
-                region = torch.from_numpy(stream.buffer[start:start + nbytes])
+                region = torch.from_numpy(stream.buffer[start : start + nbytes])
                 region.view(dtype).view(tensor.shape).copy_(tensor.detach())
         slot = len(self.slots)
         stream.used = start + nbytes
         stream.members.append(slot)
-        self.slots.append((stream.name, stream.chunk * CHUNK_BYTES + start, nbytes,
-                           tuple(tensor.shape) if shape is None else shape, dtype, self.step))
+        self.slots.append(
+            (
+                stream.name,
+                stream.chunk * CHUNK_BYTES + start,
+                nbytes,
+                tuple(tensor.shape) if shape is None else shape,
+                dtype,
+                self.step,
+            )
+        )
         return slot
 
     def _plan(self, dtype: torch.dtype) -> tuple[_Stream, bool]:
@@ -240,8 +254,14 @@ class TensorWriter:
 
     def _flush(self, stream: _Stream) -> None:
         if stream.buffer is not None and stream.members:
-            self._submit(self._write_chunk, stream.name, stream.chunk, stream.buffer,
-                         stream.used, stream.members)
+            self._submit(
+                self._write_chunk,
+                stream.name,
+                stream.chunk,
+                stream.buffer,
+                stream.used,
+                stream.members,
+            )
             stream.chunk += 1
             stream.buffer = None
         stream.used = 0
@@ -262,8 +282,9 @@ class TensorWriter:
 
     # -- worker threads ---------------------------------------------------------------------
 
-    def _write_chunk(self, name: str, chunk: int, buffer: np.ndarray, used: int,
-                     members: list[int]) -> None:
+    def _write_chunk(
+        self, name: str, chunk: int, buffer: np.ndarray, used: int, members: list[int]
+    ) -> None:
         try:
             batches, singles = _chunk_stats(buffer, chunk * CHUNK_BYTES, members, self.slots)
             self._batches.extend(batches)
@@ -279,9 +300,14 @@ class TensorWriter:
             partials: list[tuple[float, ...]] = []  # each chunk's, reduced while in cache
             assert live.source is not None
             self.codecs[slot] = self.arrays.write_array(
-                f"t{slot}", live.source, None if live.source.is_complex() else
-                lambda part: partials.append(partial_stats(part)), self._unsynced,
-                live.reading)
+                f"t{slot}",
+                live.source,
+                None
+                if live.source.is_complex()
+                else lambda part: partials.append(partial_stats(part)),
+                self._unsynced,
+                live.reading,
+            )
             with live.reading() as tensor:
                 self.stats[slot] = combine_stats(tensor, partials)
             with self._lock:
@@ -332,7 +358,7 @@ class TensorWriter:
         values = np.zeros((n + 1, len(_STAT_FIELDS)))
         valid = np.zeros((n + 1, len(_STAT_FIELDS)), dtype=bool)
         for slots, moments in self._batches:
-            values[slots, :moments.shape[1]] = moments  # NaN and Inf counts: 0
+            values[slots, : moments.shape[1]] = moments  # NaN and Inf counts: 0
             valid[slots] = True
         for slot, stats in self.stats.items():
             row = [getattr(stats, name) for name in _STAT_FIELDS]
@@ -367,8 +393,12 @@ _STAT_FIELDS = tuple(f.name for f in fields(Stats))
 _ChunkStats = tuple[list[tuple[np.ndarray, np.ndarray]], dict[int, Stats]]
 
 
-def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
-                 slots: list[tuple[str, int, int, Any, torch.dtype, int]]) -> _ChunkStats:
+def _chunk_stats(
+    buffer: np.ndarray,
+    base: int,
+    members: list[int],
+    slots: list[tuple[str, int, int, Any, torch.dtype, int]],
+) -> _ChunkStats:
     """Statistics of every tensor packed in one chunk (the one at byte ``base`` of its
     pack): per dtype, one gather of all the tiny tensors' elements and a few segmented
     reductions (``segment_moments``); larger and odd ones (complex, empty, NaN/Inf,
@@ -382,7 +412,7 @@ def _chunk_stats(buffer: np.ndarray, base: int, members: list[int],
         if not nbytes:
             return compute_stats(torch.empty(shape, dtype=dtype))
         start = offset - base
-        return compute_stats(raw[start:start + nbytes].view(dtype).view(shape))
+        return compute_stats(raw[start : start + nbytes].view(dtype).view(shape))
 
     rows = list(map(slots.__getitem__, members))
     count = len(rows)

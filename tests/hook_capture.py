@@ -9,9 +9,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["HookRun", "assert_all_bitwise", "assert_bitwise", "call_label", "clone_leaves",
-           "flatten", "run_with_hooks"]
-
+__all__ = [
+    "HookRun",
+    "assert_all_bitwise",
+    "assert_bitwise",
+    "call_label",
+    "clone_leaves",
+    "flatten",
+    "run_with_hooks",
+]
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:

@@ -11,15 +11,43 @@ from tracelake import errors
 
 
 def test_public_names_are_pinned() -> None:
-    assert sorted(tl.__all__) == sorted([
-        "AmbiguousLabelError", "ChunkCorruptError", "InvalidRunNameError", "LabelError",
-        "ModuleEntry", "NestedTraceError", "OpEntry", "QueryCompileError", "QueryError",
-        "QuerySyntaxError", "RecorderError", "Run", "RunExistsError",
-        "RunNotFoundError", "Selector", "SourceLocation", "Stats", "Store", "StoreError",
-        "StoreFormatError", "StoreNotFoundError", "Trace", "TraceLakeError",
-        "TraceLakeWarning", "__version__", "all", "func", "in_module", "label", "module",
-        "none", "open", "trace",
-    ])
+    assert sorted(tl.__all__) == sorted(
+        [
+            "AmbiguousLabelError",
+            "ChunkCorruptError",
+            "InvalidRunNameError",
+            "LabelError",
+            "ModuleEntry",
+            "NestedTraceError",
+            "OpEntry",
+            "QueryCompileError",
+            "QueryError",
+            "QuerySyntaxError",
+            "RecorderError",
+            "Run",
+            "RunExistsError",
+            "RunNotFoundError",
+            "Selector",
+            "SourceLocation",
+            "Stats",
+            "Store",
+            "StoreError",
+            "StoreFormatError",
+            "StoreNotFoundError",
+            "Trace",
+            "TraceLakeError",
+            "TraceLakeWarning",
+            "__version__",
+            "all",
+            "func",
+            "in_module",
+            "label",
+            "module",
+            "none",
+            "open",
+            "trace",
+        ]
+    )
     for name in tl.__all__:
         assert hasattr(tl, name), name
 
@@ -54,7 +82,10 @@ def test_import_defines_names_and_does_nothing_else() -> None:
 def test_cli_demo_runs(tmp_path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tracelake.cli", "demo", "--store", "demo.tl"],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
     )
     assert "scaled_dot_product_attention" in done.stdout
     assert "relu_1_21" in done.stdout

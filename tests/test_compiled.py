@@ -40,23 +40,23 @@ class Mixed(nn.Module):
         self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        h = self.fc(x)                                  # common call, inside a module
-        h = h @ self.w + self.scale                     # parameter and buffer arguments
-        h = torch.add(h, other=bias, alpha=2)           # a tensor keyword argument
-        h = F.layer_norm(h, (8,), weight=self.scale)    # keyword parameter
-        a, b = h.chunk(2, dim=-1)                       # several outputs
-        h = torch.cat([a, b, a], dim=-1)[:, :8]         # tensors inside a list
-        values, idx = torch.max(h, dim=0)               # a named tuple of outputs
-        n = h.size(0) + h.dim()                         # no tensor out: not ops
+        h = self.fc(x)  # common call, inside a module
+        h = h @ self.w + self.scale  # parameter and buffer arguments
+        h = torch.add(h, other=bias, alpha=2)  # a tensor keyword argument
+        h = F.layer_norm(h, (8,), weight=self.scale)  # keyword parameter
+        a, b = h.chunk(2, dim=-1)  # several outputs
+        h = torch.cat([a, b, a], dim=-1)[:, :8]  # tensors inside a list
+        values, idx = torch.max(h, dim=0)  # a named tuple of outputs
+        n = h.size(0) + h.dim()  # no tensor out: not ops
         h = h * n
-        h.add_(1)                                       # in place
-        F.relu(h, inplace=True)                         # inplace=True
+        h.add_(1)  # in place
+        F.relu(h, inplace=True)  # inplace=True
         out = torch.zeros_like(h)
-        torch.mul(h, 2, out=out)                        # out=
-        out[0] = values                                 # setitem
-        for _ in range(3):                              # repeated module calls
+        torch.mul(h, 2, out=out)  # out=
+        out[0] = values  # setitem
+        for _ in range(3):  # repeated module calls
             out = self.block(out) + out
-        g = torch.where(out > 0, out, bias)             # three arguments, two parents
+        g = torch.where(out > 0, out, bias)  # three arguments, two parents
         g = g.sum(-1, keepdim=True).expand(-1, 8).contiguous()
         return g, idx, torch.stack([g, out])
 
@@ -107,17 +107,22 @@ def _assert_same(fast: tl.Trace, slow: tl.Trace) -> None:
     assert fast._table.passes == slow._table.passes
     for e, f in zip(fast, slow, strict=True):
         assert (e.label, e.parents, e.children, str(e.source), e.module, e.modules) == (
-            f.label, f.parents, f.children, str(f.source), f.module, f.modules)
+            f.label,
+            f.parents,
+            f.children,
+            str(f.source),
+            f.module,
+            f.modules,
+        )
         if f.out is None:
             assert e.out is None
         else:
             assert e.out is not None and e.out.dtype == f.out.dtype
             assert torch.equal(e.out, f.out) or torch.equal(e.out.isnan(), f.out.isnan())
         assert _same_stats(e.stats, f.stats), (e.label, e.stats, f.stats)
-    assert [(m.label, m.input_labels, m.output_labels, m.first_op, m.last_op)
-            for m in fast.modules] == [
-        (m.label, m.input_labels, m.output_labels, m.first_op, m.last_op)
-        for m in slow.modules]
+    assert [
+        (m.label, m.input_labels, m.output_labels, m.first_op, m.last_op) for m in fast.modules
+    ] == [(m.label, m.input_labels, m.output_labels, m.first_op, m.last_op) for m in slow.modules]
 
 
 def test_extension_is_built() -> None:
@@ -126,10 +131,12 @@ def test_extension_is_built() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [{"save": tl.none()}, {"save": tl.all(), "stats": "all"}],
-                         ids=["metadata", "save-all"])
-def test_same_trace_both_paths(monkeypatch: pytest.MonkeyPatch, name: str,
-                               options: dict) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [{"save": tl.none()}, {"save": tl.all(), "stats": "all"}],
+    ids=["metadata", "save-all"],
+)
+def test_same_trace_both_paths(monkeypatch: pytest.MonkeyPatch, name: str, options: dict) -> None:
     # Python first: it names every function, so the compiled run takes its own path for
     # every common call (a function's first call ever goes through Python).
     slow = _record(monkeypatch, False, MODELS[name], **options)

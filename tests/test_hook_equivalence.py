@@ -33,8 +33,6 @@ import tracelake as tl
 MODEL_NAMES = list(BUILDERS)
 
 
-
-
 @dataclass
 class Case:
     name: str
@@ -57,8 +55,9 @@ def case(request: pytest.FixtureRequest) -> Case:
 
 def _case(name: str) -> Case:
     model, inputs = BUILDERS[name]()
-    return Case(name, model, inputs, run_with_hooks(model, inputs), model(*inputs),
-                tl.trace(model, *inputs))
+    return Case(
+        name, model, inputs, run_with_hooks(model, inputs), model(*inputs), tl.trace(model, *inputs)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +209,7 @@ def test_repeated_block_op_labels_carry_passes(repeated_case: Case) -> None:
 
 def test_repeated_block_module_passes(repeated_case: Case) -> None:
     log = repeated_case.log
-    assert [m.label for m in log.modules if m.path == "block"] == ["block:1", "block:2",
-                                                                  "block:3"]
+    assert [m.label for m in log.modules if m.path == "block"] == ["block:1", "block:2", "block:3"]
     for n in (1, 2, 3):
         entry = log[f"block:{n}"]
         assert (entry.path, entry.pass_num, entry.num_passes) == ("block", n, 3)

@@ -41,8 +41,9 @@ class Program(nn.Module):
 
 
 steps = st.lists(
-    st.tuples(st.sampled_from(sorted(UNARY) + sorted(BINARY)), st.integers(0, 50),
-              st.integers(0, 50)),
+    st.tuples(
+        st.sampled_from(sorted(UNARY) + sorted(BINARY)), st.integers(0, 50), st.integers(0, 50)
+    ),
     min_size=1,
     max_size=25,
 )

@@ -19,8 +19,12 @@ import duckdb
 from tracelake.store.catalog import TABLES
 
 RUNS = [
-    (1, "base", "complete", {"lr": 0.02, "prompt": "The capital of France is Paris",
-                             "nested": {"k": 5}, "flag": True}),
+    (
+        1,
+        "base",
+        "complete",
+        {"lr": 0.02, "prompt": "The capital of France is Paris", "nested": {"k": 5}, "flag": True},
+    ),
     (2, "ft", "complete", {"lr": 0.001, "prompt": "Berlin", "flag": False}),
     (3, "broken", "failed", {"lr": 0.5, "prompt": "Paris again"}),
     (4, "busy", "recording", {"lr": 0.3}),
@@ -40,38 +44,108 @@ EDGES = [(0, 1), (1, 2), (2, 3), (0, 3), (3, 4), (4, 5)]  # (parent, child)
 def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         names = ", ".join(f'"{k}"' for k in row)
-        con.execute(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})",
-                    list(row.values()))
+        con.execute(
+            f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})",
+            list(row.values()),
+        )
 
 
 def make_catalog() -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
     for name, columns in TABLES.items():
         con.execute(f"CREATE TABLE {name} ({columns})")
-    _insert(con, "runs", [
-        {"id": i, "name": n, "status": s, "created": datetime(2025, 1, i), "steps": 1,
-         "op_count": len(OPS), "meta": json.dumps(m)} for i, n, s, m in RUNS])
+    _insert(
+        con,
+        "runs",
+        [
+            {
+                "id": i,
+                "name": n,
+                "status": s,
+                "created": datetime(2025, 1, i),
+                "steps": 1,
+                "op_count": len(OPS),
+                "meta": json.dumps(m),
+            }
+            for i, n, s, m in RUNS
+        ],
+    )
     for run_id, _name, status, _meta in RUNS:
         if status != "complete":
             continue
         scale = run_id  # run 2's statistics are twice run 1's
-        _insert(con, "ops", [
-            {"run_id": run_id, "step": 0, "idx": idx, "label": label, "layer": label,
-             "pass": 1, "num_passes": 1, "func": func, "kind": kind, "module": module,
-             "shape": shape, "dtype": "float32", "nbytes": 4 * max(1, _numel(shape)),
-             "inplace": False, "saved": slot is not None, "tensor": slot,
-             "mean": mean * scale, "std": 1.0, "min": -2.0 * scale, "max": 3.0 * scale,
-             "absmax": 3.0 * scale, "l2": 4.0 * scale, "frac_zero": 0.0, "nan_count": 0,
-             "inf_count": 0}
-            for idx, label, func, kind, module, shape, mean, slot in OPS])
-        _insert(con, "edges", [
-            {"run_id": run_id, "step": 0, "parent": p, "child": c, "arg": "0", "edge": 0}
-            for p, c in EDGES])
-        _insert(con, "modules", [
-            {"run_id": run_id, "step": 0, "idx": 0, "label": "encoder", "path": "encoder",
-             "type": "Sequential", "pass": 1, "num_passes": 1, "op_start": 1, "op_end": 3},
-            {"run_id": run_id, "step": 0, "idx": 1, "label": "decoder", "path": "decoder",
-             "type": "Linear", "pass": 1, "num_passes": 1, "op_start": 3, "op_end": 5}])
+        _insert(
+            con,
+            "ops",
+            [
+                {
+                    "run_id": run_id,
+                    "step": 0,
+                    "idx": idx,
+                    "label": label,
+                    "layer": label,
+                    "pass": 1,
+                    "num_passes": 1,
+                    "func": func,
+                    "kind": kind,
+                    "module": module,
+                    "shape": shape,
+                    "dtype": "float32",
+                    "nbytes": 4 * max(1, _numel(shape)),
+                    "inplace": False,
+                    "saved": slot is not None,
+                    "tensor": slot,
+                    "mean": mean * scale,
+                    "std": 1.0,
+                    "min": -2.0 * scale,
+                    "max": 3.0 * scale,
+                    "absmax": 3.0 * scale,
+                    "l2": 4.0 * scale,
+                    "frac_zero": 0.0,
+                    "nan_count": 0,
+                    "inf_count": 0,
+                }
+                for idx, label, func, kind, module, shape, mean, slot in OPS
+            ],
+        )
+        _insert(
+            con,
+            "edges",
+            [
+                {"run_id": run_id, "step": 0, "parent": p, "child": c, "arg": "0", "edge": 0}
+                for p, c in EDGES
+            ],
+        )
+        _insert(
+            con,
+            "modules",
+            [
+                {
+                    "run_id": run_id,
+                    "step": 0,
+                    "idx": 0,
+                    "label": "encoder",
+                    "path": "encoder",
+                    "type": "Sequential",
+                    "pass": 1,
+                    "num_passes": 1,
+                    "op_start": 1,
+                    "op_end": 3,
+                },
+                {
+                    "run_id": run_id,
+                    "step": 0,
+                    "idx": 1,
+                    "label": "decoder",
+                    "path": "decoder",
+                    "type": "Linear",
+                    "pass": 1,
+                    "num_passes": 1,
+                    "op_start": 3,
+                    "op_end": 5,
+                },
+            ],
+        )
     return con
 
 
@@ -84,14 +158,19 @@ def _numel(shape: list[int]) -> int:
 
 def snapshot(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """Every table's rows, to check that a query changed nothing."""
-    tables = [r[0] for r in con.execute(
-        "SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
-    return {t: sorted(map(repr, con.execute(f'SELECT * FROM "{t}"').fetchall()))
-            for t in tables}
+    tables = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM information_schema.tables ORDER BY 1"
+        ).fetchall()
+    ]
+    return {t: sorted(map(repr, con.execute(f'SELECT * FROM "{t}"').fetchall())) for t in tables}
 
 
 def test_the_catalog_has_the_store_schema_and_rows() -> None:
     con = make_catalog()
-    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
-              for t in TABLES}
+    counts = {
+        t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+        for t in TABLES
+    }
     assert counts == {"runs": 4, "ops": 12, "tensors": 0, "edges": 12, "modules": 4}

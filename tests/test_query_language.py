@@ -31,16 +31,21 @@ def test_grammar_is_lalr_without_conflicts() -> None:
         return
     # strict mode's lexer check needs interegular; the parser check does not
     from lark.parsers.lalr_parser import LALR_Parser
+
     lark = Lark.open(str(GRAMMAR), parser="lalr", maybe_placeholders=True)
     LALR_Parser(lark.parser.parser_conf, strict=True)
 
 
 def test_every_node_class_has_a_compile_rule() -> None:
-    nodes = [c for c in vars(ast).values()
-             if isinstance(c, type) and issubclass(c, ast.Node) and c is not ast.Node]
+    nodes = [
+        c
+        for c in vars(ast).values()
+        if isinstance(c, type) and issubclass(c, ast.Node) and c is not ast.Node
+    ]
     assert len(nodes) >= 20
-    missing = [c.__name__ for c in nodes if not hasattr(compiler_module._Compiler,
-                                                        f"visit_{c.__name__}")]
+    missing = [
+        c.__name__ for c in nodes if not hasattr(compiler_module._Compiler, f"visit_{c.__name__}")
+    ]
     assert missing == []
 
 
@@ -57,10 +62,10 @@ def test_spans_point_into_the_text() -> None:
     text = "select label,\n  mean(out[0, :]) from ops where parent.func = 'add'"
     q = parse(text)
     call = q.items[1].expr
-    assert text[call.span.start:call.span.end] == "mean(out[0, :])"
+    assert text[call.span.start : call.span.end] == "mean(out[0, :])"
     assert (call.span.line, call.span.column) == (2, 3)
     assert q.where is not None
-    assert text[q.where.span.start:q.where.span.end] == "parent.func = 'add'"
+    assert text[q.where.span.start : q.where.span.end] == "parent.func = 'add'"
 
 
 # Accepted text: one row per grammar rule and alternative -------------------------------
@@ -82,11 +87,15 @@ ACCEPT = [
     ("select out[::2, 1:, :-1, ::-1] from ops", "steps"),
     ("select out[..., 0] from ops", "ellipsis"),
     # reductions and aggregates
-    ("select mean(out), std(out), min(out), max(out), absmax(out), norm(out), sum(out) "
-     "from ops", "whole-tensor reductions"),
+    (
+        "select mean(out), std(out), min(out), max(out), absmax(out), norm(out), sum(out) from ops",
+        "whole-tensor reductions",
+    ),
     ("select mean(out[0]) from ops", "reduction of a slice"),
-    ("select count(*), count(label), avg(l2), sum(nbytes), min(mean), max(std) from ops",
-     "aggregates"),
+    (
+        "select count(*), count(label), avg(l2), sum(nbytes), min(mean), max(std) from ops",
+        "aggregates",
+    ),
     ("select func, count(*) from ops group by func", "group by"),
     ("select func, kind, count(*) from ops group by func, kind", "group by two"),
     # order, limit
@@ -148,7 +157,7 @@ SYNTAX = [
     ("select label from", "no table"),
     ("select label from ops where", "no condition"),
     ("select label from ops where label == 'x'", "=="),
-    ("select label from ops where label = \"x\"", "double quotes"),
+    ('select label from ops where label = "x"', "double quotes"),
     ("select label from ops where label = 'x", "unterminated string"),
     ("select label from ops; drop table ops", "second statement"),
     ("select label from ops -- comment", "comment"),
@@ -305,17 +314,66 @@ def test_a_parsed_query_compiles_like_its_text() -> None:
 
 # Properties ---------------------------------------------------------------------------------
 
-_ALPHABET = st.sampled_from([
-    "select ", "from ", "where ", "ops ", "runs ", "label", "func", "out", "[", "]", "(",
-    ")", ",", ":", "::", "'", "''", "=", "<", ">", "!", " and ", " or ", " not ", "in",
-    "like", "between", "is", "null", "*", "-", ".", "meta.", "parent.", "1", "2.5", "e",
-    "group by", "order by", "limit", " ", "\n", ";", "\"", "count", "mean",
-])
+_ALPHABET = st.sampled_from(
+    [
+        "select ",
+        "from ",
+        "where ",
+        "ops ",
+        "runs ",
+        "label",
+        "func",
+        "out",
+        "[",
+        "]",
+        "(",
+        ")",
+        ",",
+        ":",
+        "::",
+        "'",
+        "''",
+        "=",
+        "<",
+        ">",
+        "!",
+        " and ",
+        " or ",
+        " not ",
+        "in",
+        "like",
+        "between",
+        "is",
+        "null",
+        "*",
+        "-",
+        ".",
+        "meta.",
+        "parent.",
+        "1",
+        "2.5",
+        "e",
+        "group by",
+        "order by",
+        "limit",
+        " ",
+        "\n",
+        ";",
+        '"',
+        "count",
+        "mean",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.text(max_size=80), st.lists(_ALPHABET, max_size=25).map("".join),
-                 st.lists(_ALPHABET, max_size=25).map(lambda t: "select " + "".join(t))))
+@given(
+    st.one_of(
+        st.text(max_size=80),
+        st.lists(_ALPHABET, max_size=25).map("".join),
+        st.lists(_ALPHABET, max_size=25).map(lambda t: "select " + "".join(t)),
+    )
+)
 def test_any_text_raises_only_query_errors(text: str) -> None:
     try:
         compiled = compile_query(text)
@@ -354,9 +412,13 @@ def test_a_string_literal_never_reaches_the_sql(value: str, template: str) -> No
 
 
 @settings(max_examples=60, deadline=None)
-@given(value=st.one_of(st.integers(min_value=-(2**70), max_value=2**70),
-                       st.floats(allow_nan=False, allow_infinity=False)),
-       template=st.sampled_from(NUMBER_TEMPLATES))
+@given(
+    value=st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+    ),
+    template=st.sampled_from(NUMBER_TEMPLATES),
+)
 def test_a_number_literal_never_reaches_the_sql(value: float, template: str) -> None:
     text = repr(value)
     compiled = compile_query(template.format(*[text] * template.count("{}")))
@@ -380,8 +442,8 @@ INJECTIONS = [
     "select read_csv('/etc/passwd') from ops",
     "select label from ops where func = read_text('/etc/passwd')",
     "select label from ops where meta.x = 'a''); select 1; --'",
-    "select label from \"ops\"",
-    "select \"label\" from ops",
+    'select label from "ops"',
+    'select "label" from ops',
     "select label from ops where label = 'x' -- ' and func = 'y'",
     "select label from ops where label = 'x\\' or 1=1'",
     "select label from ops; pragma enable_external_access",
@@ -398,23 +460,34 @@ def catalog() -> duckdb.DuckDBPyConnection:
 
 
 @pytest.mark.parametrize("text", INJECTIONS)
-def test_injection_fails_or_only_binds_values(text: str,
-                                              catalog: duckdb.DuckDBPyConnection) -> None:
+def test_injection_fails_or_only_binds_values(
+    text: str, catalog: duckdb.DuckDBPyConnection
+) -> None:
     params: dict[str, Any] = {"p": "x'; drop table ops; --"} if ":p" in text else {}
     before = snapshot(catalog)
     try:
         compiled = compile_query(text, params)
     except QueryError:
         return
-    for forbidden in (";", "--", "/*", "union", "read_csv", "getenv", "read_text", "pragma",
-                      "install", "drop", "set "):
+    for forbidden in (
+        ";",
+        "--",
+        "/*",
+        "union",
+        "read_csv",
+        "getenv",
+        "read_text",
+        "pragma",
+        "install",
+        "drop",
+        "set ",
+    ):
         assert forbidden not in compiled.sql.lower(), forbidden
     assert compiled.sql.count("'") == 2 * compiled.sql.count("'$.")  # only meta paths
     rows = catalog.execute(compiled.sql, compiled.params).fetchall()
     assert snapshot(catalog) == before
     labels = {r[0] for r in rows}
-    assert labels <= {"input_1", "linear_1_1", "relu_1_2", "add_1_3", "softmax_1_4",
-                      "output_1"}
+    assert labels <= {"input_1", "linear_1_1", "relu_1_2", "add_1_3", "softmax_1_4", "output_1"}
 
 
 def _doc_queries() -> list[str]:
@@ -431,13 +504,18 @@ def test_the_documented_queries_compile(text: str) -> None:
 
 # The lean parser ---------------------------------------------------------------------------
 
+
 def _outcome(parse_with: Any, text: str) -> Any:
     """What a parser made of ``text``: the AST with every span, or the refusal."""
+
     def spanned(node: Any) -> Any:
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            return (type(node).__name__,
-                    *(spanned(getattr(node, f.name)) for f in dataclasses.fields(node)))
+            return (
+                type(node).__name__,
+                *(spanned(getattr(node, f.name)) for f in dataclasses.fields(node)),
+            )
         return tuple(spanned(n) for n in node) if isinstance(node, tuple) else node
+
     try:
         return spanned(parse_with(text))
     except parser_module._Misplaced as exc:
@@ -449,13 +527,31 @@ def _outcome(parse_with: Any, text: str) -> Any:
         return ("syntax", type(exc).__name__)
 
 
-_LEAN_EXTRA = st.sampled_from(["...", " as ", "x", ":p", "'a\nb'", "true", " asc", " desc",
-                               "offset ", "1e3", ".5", " ilike ", "fromage", "OUT", "Meta."])
+_LEAN_EXTRA = st.sampled_from(
+    [
+        "...",
+        " as ",
+        "x",
+        ":p",
+        "'a\nb'",
+        "true",
+        " asc",
+        " desc",
+        "offset ",
+        "1e3",
+        ".5",
+        " ilike ",
+        "fromage",
+        "OUT",
+        "Meta.",
+    ]
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.one_of(_ALPHABET, _LEAN_EXTRA), max_size=25).map(
-    lambda t: "select " + "".join(t)))
+@given(
+    st.lists(st.one_of(_ALPHABET, _LEAN_EXTRA), max_size=25).map(lambda t: "select " + "".join(t))
+)
 def test_the_lean_parser_agrees_with_lark(text: str) -> None:
     """Text the lean driver parses (or refuses in the builder) comes out exactly as
     through Lark, spans included; what it leaves to Lark is Lark's to judge."""
@@ -467,8 +563,7 @@ def test_the_lean_parser_agrees_with_lark(text: str) -> None:
 @pytest.mark.parametrize("text", [t for t, _ in ACCEPT] + _doc_queries())
 def test_valid_queries_take_the_lean_path(text: str) -> None:
     assert parser_module._LEAN.parse(text) == parser_module._LARK.parse(text)
-    assert _outcome(parser_module._LEAN.parse, text) == _outcome(parser_module._LARK.parse,
-                                                                 text)
+    assert _outcome(parser_module._LEAN.parse, text) == _outcome(parser_module._LARK.parse, text)
 
 
 def test_the_lean_parser_refuses_what_it_does_not_follow() -> None:
@@ -477,5 +572,4 @@ def test_the_lean_parser_refuses_what_it_does_not_follow() -> None:
     with pytest.raises(ValueError, match="LALR"):
         LeanLALR(Lark("start: NAME\nNAME: /[a-z]+/", parser="earley"), object())
     with pytest.raises(ValueError, match="no method for rule"):
-        LeanLALR(Lark("start: NAME NAME\nNAME: /[a-z]+/\n%ignore \" \"", parser="lalr"),
-                 object())
+        LeanLALR(Lark('start: NAME NAME\nNAME: /[a-z]+/\n%ignore " "', parser="lalr"), object())

@@ -30,15 +30,28 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tl.Store:
         with store.recording("steps", model) as rec:
             for k in range(3):
                 rec.record(model, x + k)
-        store.record(torch.nn.Sequential(torch.nn.ReLU()), torch.randn(1024, 1024),
-                     name="big")
+        store.record(torch.nn.Sequential(torch.nn.ReLU()), torch.randn(1024, 1024), name="big")
     return store
 
 
 LABELS = ["input_1", "linear_1_1", "relu_1_1", "relu_1_2", "output_1", "nosuch_1_1"]
 RUNS = ["a", "b", "steps", "big", "nosuch"]
-ITEMS = ["out", "out[0]", "out[:, 1:3]", "max(out[0])", "run", "step", "idx", "label",
-         "tensor", "array", "byte_offset", "nbytes", "shape", "dtype"]
+ITEMS = [
+    "out",
+    "out[0]",
+    "out[:, 1:3]",
+    "max(out[0])",
+    "run",
+    "step",
+    "idx",
+    "label",
+    "tensor",
+    "array",
+    "byte_offset",
+    "nbytes",
+    "shape",
+    "dtype",
+]
 
 
 def _both(store: tl.Store, text: str, **params: object):
@@ -53,17 +66,31 @@ def _both(store: tl.Store, text: str, **params: object):
     return duck, index
 
 
-@settings(max_examples=80, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(run=st.sampled_from(RUNS), label=st.sampled_from(LABELS),
-       items=st.lists(st.sampled_from(ITEMS), min_size=1, max_size=4, unique=True),
-       limit=st.none() | st.integers(0, 4), offset=st.none() | st.integers(0, 3),
-       as_params=st.booleans(), swapped=st.booleans())
-def test_index_gives_duckdbs_rows(store: tl.Store, run: str, label: str, items: list[str],
-                                  limit: int | None, offset: int | None, as_params: bool,
-                                  swapped: bool) -> None:
-    conds = ["run = :run", "label = :label"] if as_params else [f"run = '{run}'",
-                                                                f"label = '{label}'"]
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    run=st.sampled_from(RUNS),
+    label=st.sampled_from(LABELS),
+    items=st.lists(st.sampled_from(ITEMS), min_size=1, max_size=4, unique=True),
+    limit=st.none() | st.integers(0, 4),
+    offset=st.none() | st.integers(0, 3),
+    as_params=st.booleans(),
+    swapped=st.booleans(),
+)
+def test_index_gives_duckdbs_rows(
+    store: tl.Store,
+    run: str,
+    label: str,
+    items: list[str],
+    limit: int | None,
+    offset: int | None,
+    as_params: bool,
+    swapped: bool,
+) -> None:
+    conds = (
+        ["run = :run", "label = :label"] if as_params else [f"run = '{run}'", f"label = '{label}'"]
+    )
     if swapped:
         conds = [f"{c.split(' = ')[1]} = {c.split(' = ')[0]}" for c in reversed(conds)]
     text = f"select {', '.join(items)} from ops where {' and '.join(conds)}"
@@ -76,7 +103,8 @@ def test_index_gives_duckdbs_rows(store: tl.Store, run: str, label: str, items: 
 
 
 def test_store_query_uses_the_index_and_reads_the_same_tensors(
-        store: tl.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: tl.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = "select run, step, out, out[1] as row1 from ops where run = :r and label = :l"
     first = store.query(text, r="steps", l="relu_1_2")  # DuckDB: the result's types
     assert [row["step"] for row in first] == [0, 1, 2]
@@ -98,28 +126,32 @@ def test_store_query_uses_the_index_and_reads_the_same_tensors(
     assert len(store.query(text, r="a", l="nosuch")) == 0
 
 
-@pytest.mark.parametrize("text", [
-    "select out from ops where run = 'a'",
-    "select out from ops where label = 'relu_1_2'",
-    "select out from ops where run = 'a' and label = 'relu_1_2' and step = 0",
-    "select out from ops where run = 'a' or label = 'relu_1_2'",
-    "select out from ops where run = 'a' and label like 'relu%'",
-    "select out from ops where run in ('a') and label = 'relu_1_2'",
-    "select out from ops where run = 'a' and label = 'relu_1_2' order by step",
-    "select func, out from ops where run = 'a' and label = 'relu_1_2'",
-    "select mean(out) from ops where run = 'a' and label = 'relu_1_2'",
-    "select * from ops where run = 'a' and label = 'relu_1_2'",
-    "select count(*) from ops where run = 'a' and label = 'relu_1_2'",
-    "select out from ops where run = 'a' and run = 'b'",
-    "select out from ops where run = label and label = 'x'",
-    "select label from modules where run = 'a' and label = 'x'",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "select out from ops where run = 'a'",
+        "select out from ops where label = 'relu_1_2'",
+        "select out from ops where run = 'a' and label = 'relu_1_2' and step = 0",
+        "select out from ops where run = 'a' or label = 'relu_1_2'",
+        "select out from ops where run = 'a' and label like 'relu%'",
+        "select out from ops where run in ('a') and label = 'relu_1_2'",
+        "select out from ops where run = 'a' and label = 'relu_1_2' order by step",
+        "select func, out from ops where run = 'a' and label = 'relu_1_2'",
+        "select mean(out) from ops where run = 'a' and label = 'relu_1_2'",
+        "select * from ops where run = 'a' and label = 'relu_1_2'",
+        "select count(*) from ops where run = 'a' and label = 'relu_1_2'",
+        "select out from ops where run = 'a' and run = 'b'",
+        "select out from ops where run = label and label = 'x'",
+        "select label from modules where run = 'a' and label = 'x'",
+    ],
+)
 def test_other_queries_are_not_point_lookups(store: tl.Store, text: str) -> None:
     mirror = store._catalog_mirror
     mirror.refresh()
     assert compile_query(text, None, mirror.run_ids).point is None
-    assert compile_query("select out from ops where run = 'a' and label = 'x'").point is None, \
+    assert compile_query("select out from ops where run = 'a' and label = 'x'").point is None, (
         "without the run ids, no lookup"
+    )
 
 
 def test_index_follows_deletes_overwrites_and_new_runs(tmp_path: Path) -> None:

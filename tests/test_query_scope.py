@@ -32,14 +32,18 @@ def _loaded(store: tl.Store) -> set[str]:
 
 
 def _rows(result: object) -> list[dict]:
-    return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
-            for row in result]  # type: ignore[attr-defined]
+    return [
+        {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+        for row in result
+    ]  # type: ignore[attr-defined]
 
 
 QUERIES = [
     ("select run, label, out from ops where run = 'r1' order by idx", {"r1"}),
-    ("select run, label from ops where label = 'relu_1_2' and run in ('r0', 'r2') "
-     "order by run", {"r0", "r2"}),
+    (
+        "select run, label from ops where label = 'relu_1_2' and run in ('r0', 'r2') order by run",
+        {"r0", "r2"},
+    ),
     ("select run, count(*) from ops where run = :r and func = 'relu' group by run", {"r3"}),
     ("select run, steps from runs where meta.k >= 2 order by run", set()),
     ("select out from ops where run = 'nosuch'", set()),
@@ -60,14 +64,17 @@ def test_a_query_loads_the_runs_it_names(root: Path, text: str, loads: set[str])
     assert _rows(got) == _rows(want)
 
 
-@pytest.mark.parametrize("text", [
-    "select run, label from ops where func = 'relu'",
-    "select run from ops where run = 'r1' or func = 'relu'",
-    "select run from ops where not run = 'r1'",
-    "select run from ops where run != 'r1'",
-    "select run from ops where run not in ('r1')",
-    "select run, label from modules",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "select run, label from ops where func = 'relu'",
+        "select run from ops where run = 'r1' or func = 'relu'",
+        "select run from ops where not run = 'r1'",
+        "select run from ops where run != 'r1'",
+        "select run from ops where run not in ('r1')",
+        "select run, label from modules",
+    ],
+)
 def test_other_queries_read_every_run(root: Path, text: str) -> None:
     store = tl.open(root, create=False)
     mirror = store._catalog_mirror

@@ -29,24 +29,31 @@ def store_and_hooks(tmp_path_factory: pytest.TempPathFactory):
         inputs = (x * scale,)
         save = tl.all() if name != "bf" else ~tl.func("linear")
         with torch.no_grad():
-            store.record(model, *inputs, name=name, save=save,
-                         meta={"prompt": f"The capital of France is Paris ({name})",
-                               "lr": scale * 0.01})
+            store.record(
+                model,
+                *inputs,
+                name=name,
+                save=save,
+                meta={"prompt": f"The capital of France is Paris ({name})", "lr": scale * 0.01},
+            )
             hooks[name] = run_with_hooks(model, inputs)
     return store, hooks
 
 
 def test_tensors_match_forward_hooks(store_and_hooks) -> None:
     store, hooks = store_and_hooks
-    res = store.query("select run, label, module, out from ops where func = 'relu' "
-                      "order by run, label")
+    res = store.query(
+        "select run, label, module, out from ops where func = 'relu' order by run, label"
+    )
     assert len(res) == 6
     for row in res:
         want = hooks[row["run"]].outputs[(row["module"], 1)][0]
         assert_bitwise(row["out"], want, f"{row['run']} {row['label']}")
     # slices, negative indices and steps, and reductions of a slice
-    sliced = store.query("select run, out[1:, ::-2] as s, mean(out[0]) as m0, "
-                         "max(out) as mx from ops where label = 'relu_2_4' order by run")
+    sliced = store.query(
+        "select run, out[1:, ::-2] as s, mean(out[0]) as m0, "
+        "max(out) as mx from ops where label = 'relu_2_4' order by run"
+    )
     for row in sliced:
         want = hooks[row["run"]].outputs[("3", 1)][0]
         flipped = torch.from_numpy(want.numpy()[1:, ::-2].copy())
@@ -62,8 +69,7 @@ def test_unsaved_out_is_none_and_stack(store_and_hooks) -> None:
     assert outs["bf"] is None and outs["base"] is not None
     with pytest.raises(tl.QueryError, match="no saved tensor"):
         res.stack()
-    stacked = store.query("select run, out from ops where label = 'output_1' "
-                          "order by run").stack()
+    stacked = store.query("select run, out from ops where label = 'output_1' order by run").stack()
     want = torch.stack([hooks[n].output for n in sorted(SCALES)])
     assert_bitwise(stacked, want, "stacked outputs")
     mixed = store.query("select out from ops where func = 'linear' and run = 'base'")
@@ -75,15 +81,23 @@ def test_catalog_only_queries_and_meta(store_and_hooks) -> None:
     store, _ = store_and_hooks
     res = store.query("select run from runs where meta.lr > :lr order by run", lr=0.005)
     assert [r["run"] for r in res] == ["base", "ft"]
-    paris = store.query("select run, mean(out) from ops where func = 'relu' and "
-                        "meta.prompt like '%(ft)%'")
+    paris = store.query(
+        "select run, mean(out) from ops where func = 'relu' and meta.prompt like '%(ft)%'"
+    )
     assert {r["run"] for r in paris} == {"ft"}
-    groups = store.query("select func, count(*) as n from ops where run = 'base' "
-                         "group by func order by func").df()
+    groups = store.query(
+        "select func, count(*) as n from ops where run = 'base' group by func order by func"
+    ).df()
     assert dict(zip(groups["func"], groups["n"], strict=True)) == {
-        "input": 1, "linear": 3, "output": 1, "relu": 2}
-    graph = store.query("select run, label from ops where func = 'linear' and "
-                        "parent.func = 'relu' and run = 'ft' order by label")
+        "input": 1,
+        "linear": 3,
+        "output": 1,
+        "relu": 2,
+    }
+    graph = store.query(
+        "select run, label from ops where func = 'linear' and "
+        "parent.func = 'relu' and run = 'ft' order by label"
+    )
     assert [r["label"] for r in graph] == ["linear_2_3", "linear_3_5"]
     # the run's name became its id, bound like any value
     ft = store._catalog_mirror.run_ids["ft"]
@@ -116,10 +130,12 @@ RUN_CONDITIONS = [
 ]
 
 
-@pytest.mark.parametrize(("condition", "params", "expected"), RUN_CONDITIONS,
-                         ids=[c for c, _, _ in RUN_CONDITIONS])
-def test_conditions_on_run_filter_by_id_as_the_join_did(store_and_hooks, condition: str,
-                                                        params: dict, expected: set) -> None:
+@pytest.mark.parametrize(
+    ("condition", "params", "expected"), RUN_CONDITIONS, ids=[c for c, _, _ in RUN_CONDITIONS]
+)
+def test_conditions_on_run_filter_by_id_as_the_join_did(
+    store_and_hooks, condition: str, params: dict, expected: set
+) -> None:
     """``run = X`` and ``run [not] in (...)`` compare run ids (no join with ``runs``);
     every condition returns what the join returns."""
     from tracelake.query import compile_query
@@ -131,7 +147,8 @@ def test_conditions_on_run_filter_by_id_as_the_join_did(store_and_hooks, conditi
     joined = compile_query(text, params)  # compiled without the run ids: the join
     rows = store._catalog_mirror.arrow(joined.sql, joined.params).to_pylist()
     assert sorted((r["run"], r["label"]) for r in rows) == sorted(
-        (r["run"], r["label"]) for r in res)
+        (r["run"], r["label"]) for r in res
+    )
     if not any(word in condition for word in ("like", "label", "parent")):  # joins still
         by_id = store.query(f"select label from ops where {condition}", **params)
         assert "JOIN" not in by_id.sql and len(by_id) == len(res)
@@ -145,8 +162,7 @@ def test_runs_named_with_quotes_deleted_and_overwritten(tmp_path: Path) -> None:
         for i, name in enumerate(names):
             store.record(model, x * (i + 1), name=name)
     for name in names:
-        res = store.query("select run, out from ops where run = :r and label = 'output_1'",
-                          r=name)
+        res = store.query("select run, out from ops where run = :r and label = 'output_1'", r=name)
         assert [r["run"] for r in res] == [name] and "JOIN" in res.sql  # run is selected
         lone = store.query("select out from ops where run = :r and label = 'output_1'", r=name)
         assert len(lone) == 1 and "JOIN" not in lone.sql and name not in lone.sql
@@ -165,19 +181,24 @@ def test_runs_named_with_quotes_deleted_and_overwritten(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("limit", [0, 1, 20, 63, 64, 65, 210])
-def test_mirror_results_small_and_large_are_duckdbs_own_arrow(store_and_hooks,
-                                                              limit: int) -> None:
+def test_mirror_results_small_and_large_are_duckdbs_own_arrow(store_and_hooks, limit: int) -> None:
     """The mirror answers a SQL text seen before from Python rows typed by the first
     result's schema (below 64 rows), or rows then Arrow: always what DuckDB's own Arrow
     export gives, types included (lists, structs, timestamps, HUGEINT sums)."""
     store, _ = store_and_hooks
     mirror = store._catalog_mirror
     texts = [
-        ('SELECT t.label, t.shape, t.modules, t.run_id, t.mean, t.saved, r.created, '
-         'r.meta, k.i FROM ops AS t JOIN runs AS r ON r.id = t.run_id '
-         'CROSS JOIN range(10) AS k(i) ORDER BY t.run_id, t.idx, k.i LIMIT ?', [limit]),
-        ("SELECT func, sum(nbytes) AS s, count(*) AS n, avg(mean) AS m FROM ops "
-         "WHERE idx < ? GROUP BY func ORDER BY func", [limit]),
+        (
+            "SELECT t.label, t.shape, t.modules, t.run_id, t.mean, t.saved, r.created, "
+            "r.meta, k.i FROM ops AS t JOIN runs AS r ON r.id = t.run_id "
+            "CROSS JOIN range(10) AS k(i) ORDER BY t.run_id, t.idx, k.i LIMIT ?",
+            [limit],
+        ),
+        (
+            "SELECT func, sum(nbytes) AS s, count(*) AS n, avg(mean) AS m FROM ops "
+            "WHERE idx < ? GROUP BY func ORDER BY func",
+            [limit],
+        ),
     ]
     for sql, params in texts:
         want = mirror._cursor().sql(sql, params=params).to_arrow_table()
@@ -190,9 +211,14 @@ def test_raw_sql_is_read_only_and_isolated(store_and_hooks) -> None:
     store, _ = store_and_hooks
     df = store.sql("select count(*) as n from ops")
     assert int(df["n"][0]) == 21
-    for bad in ("delete from ops", "select 1; delete from ops", "attach 'x.db'",
-                "select * from read_csv('/etc/passwd')", "copy ops to '/tmp/ops.csv'",
-                "install httpfs"):
+    for bad in (
+        "delete from ops",
+        "select 1; delete from ops",
+        "attach 'x.db'",
+        "select * from read_csv('/etc/passwd')",
+        "copy ops to '/tmp/ops.csv'",
+        "install httpfs",
+    ):
         with pytest.raises(tl.QueryError):
             store.sql(bad)
     assert int(store.sql("select count(*) as n from ops")["n"][0]) == 21
@@ -226,8 +252,10 @@ def test_query_errors_point_at_the_culprit(store_and_hooks) -> None:
     for _ in range(2):  # the second time from the kept parse: the same excerpt
         with pytest.raises(tl.QueryCompileError, match="did you mean 'func'") as info:
             store.query("select fucn from ops where func = :f", f="relu")
-        assert str(info.value).splitlines()[1:] == ["  select fucn from ops where func = :f",
-                                                    "         ^^^^"]
+        assert str(info.value).splitlines()[1:] == [
+            "  select fucn from ops where func = :f",
+            "         ^^^^",
+        ]
 
 
 def test_cli_query(store_and_hooks, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,24 +263,60 @@ def test_cli_query(store_and_hooks, tmp_path: Path, capsys: pytest.CaptureFixtur
 
     store, _ = store_and_hooks
     root = store.path
-    assert main(["query", root, "select run, label, out from ops where func = 'relu' "
-                 "and run = :r", "--param", "r=base"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                root,
+                "select run, label, out from ops where func = 'relu' and run = :r",
+                "--param",
+                "r=base",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "relu_1_2" in out and "4x16 float32" in out
-    assert main(["query", root, "select run, absmax from ops where label = 'relu_1_2' "
-                 "order by run", "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                root,
+                "select run, absmax from ops where label = 'relu_1_2' order by run",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [r["run"] for r in rows] == ["base", "bf", "ft"]
     target = tmp_path / "res.parquet"
-    assert main(["query", root, "select run, out from ops where label = 'output_1'",
-                 "--format", "parquet", "-o", str(target)]) == 0
+    assert (
+        main(
+            [
+                "query",
+                root,
+                "select run, out from ops where label = 'output_1'",
+                "--format",
+                "parquet",
+                "-o",
+                str(target),
+            ]
+        )
+        == 0
+    )
     import pyarrow.parquet as pq
 
     assert pq.read_table(target).num_rows == 3
     assert main(["query", root, "select run, label from ops", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("run,label")
-    done = subprocess.run([sys.executable, "-m", "tracelake.cli", "query", root,
-                           "select run frm ops"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tracelake.cli", "query", root, "select run frm ops"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "^" in done.stderr
 
 
@@ -266,7 +330,8 @@ def test_ipython_magics(store_and_hooks) -> None:
     tl.open(store.path)  # the last opened store
     res = shell.run_line_magic("tlq", "select run, label from ops where func = 'relu'")
     assert len(res) == 6
-    res = shell.run_cell_magic("tlq", store.path,
-                               "select run, out\nfrom ops\nwhere label = 'relu_1_2'")
+    res = shell.run_cell_magic(
+        "tlq", store.path, "select run, out\nfrom ops\nwhere label = 'relu_1_2'"
+    )
     assert len(res) == 3 and isinstance(res.tensors()[0], torch.Tensor)
     assert shell.run_line_magic("tlq", "select nope from ops") is None  # message printed

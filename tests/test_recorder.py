@@ -38,13 +38,32 @@ def func_of(log: tl.Trace) -> list[str]:
 def test_functional_ops_are_recorded_with_plain_names() -> None:
     log = tl.trace(Functional(), torch.randn(4, 8))
     assert func_of(log) == [
-        "input", "linear", "relu", "add", "T", "matmul", "softmax", "view",
-        "scaled_dot_product_attention", "gelu", "sum", "output",
+        "input",
+        "linear",
+        "relu",
+        "add",
+        "T",
+        "matmul",
+        "softmax",
+        "view",
+        "scaled_dot_product_attention",
+        "gelu",
+        "sum",
+        "output",
     ]
     assert log.labels == [
-        "input_1", "linear_1_1", "relu_1_2", "add_1_3", "T_1_4", "matmul_1_5",
-        "softmax_1_6", "view_1_7", "scaled_dot_product_attention_1_8", "gelu_1_9",
-        "sum_1_10", "output_1",
+        "input_1",
+        "linear_1_1",
+        "relu_1_2",
+        "add_1_3",
+        "T_1_4",
+        "matmul_1_5",
+        "softmax_1_6",
+        "view_1_7",
+        "scaled_dot_product_attention_1_8",
+        "gelu_1_9",
+        "sum_1_10",
+        "output_1",
     ]
     assert log["linear_1_1"].module == "fc"
     assert log["relu_1_2"].module == ""
@@ -226,10 +245,17 @@ def test_repeated_module_calls_share_layers_and_count_passes() -> None:
     log = tl.trace(Loop(), torch.randn(2, 3))
     assert log.labels == [
         "input_1",
-        "linear_1_1:1", "tanh_1_2:1", "add_1_3",
-        "linear_1_1:2", "tanh_1_2:2", "add_2_4",
-        "linear_1_1:3", "tanh_1_2:3", "add_3_5",
-        "linear_2_6", "output_1",
+        "linear_1_1:1",
+        "tanh_1_2:1",
+        "add_1_3",
+        "linear_1_1:2",
+        "tanh_1_2:2",
+        "add_2_4",
+        "linear_1_1:3",
+        "tanh_1_2:3",
+        "add_3_5",
+        "linear_2_6",
+        "output_1",
     ]
     assert log["linear_1_1:2"].pass_num == 2
     assert log["linear_1_1:2"].num_passes == 3

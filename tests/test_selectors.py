@@ -29,17 +29,18 @@ def saved(save: tl.Selector) -> tuple[list[str], list[str]]:
 CASES = [
     (tl.func("relu"), ["relu_1_2:1", "relu_1_2:2", "relu_2_5", "relu_3_6"], []),
     (tl.func("linear") & tl.in_module("decoder"), ["linear_3_4"], []),
-    (tl.in_module("decoder"), ["linear_3_4", "relu_2_5"],
-     ["decoder", "decoder.0", "decoder.1"]),
+    (tl.in_module("decoder"), ["linear_3_4", "relu_2_5"], ["decoder", "decoder.0", "decoder.1"]),
     (tl.module("encoder.2", "decoder"), [], ["encoder.2:1", "encoder.2:2", "decoder"]),
     (tl.module("encoder:2"), [], ["encoder:2"]),
-    (tl.label("relu_1_2:2", "linear_1_1", "input_1"),
-     ["input_1", "linear_1_1:1", "relu_1_2:2", "linear_1_1:2"], []),
+    (
+        tl.label("relu_1_2:2", "linear_1_1", "input_1"),
+        ["input_1", "linear_1_1:1", "relu_1_2:2", "linear_1_1:2"],
+        [],
+    ),
     (tl.label("encoder.0"), [], ["encoder.0:1", "encoder.0:2"]),
     (tl.none(), [], []),
     (tl.func("relu") & ~tl.in_module("encoder"), ["relu_2_5", "relu_3_6"], []),
-    (tl.func("input", "output") | tl.module("decoder.1"), ["input_1", "output_1"],
-     ["decoder.1"]),
+    (tl.func("input", "output") | tl.module("decoder.1"), ["input_1", "output_1"], ["decoder.1"]),
 ]
 
 

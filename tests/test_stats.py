@@ -80,30 +80,35 @@ def test_std_is_accurate_when_the_mean_dominates(offset: float, scale: float, n:
         (torch.tensor([2**53, 0], dtype=torch.int64), 2.0**52, 0.0, 2.0**53, 0.5),
     ],
 )
-def test_non_float32_dtypes(tensor: torch.Tensor, mean: float, min_: float, max_: float,
-                            frac_zero: float) -> None:
+def test_non_float32_dtypes(
+    tensor: torch.Tensor, mean: float, min_: float, max_: float, frac_zero: float
+) -> None:
     stats = compute_stats(tensor)
     assert stats.mean == mean and stats.min == min_ and stats.max == max_
     assert stats.frac_zero == frac_zero
 
 
 def test_empty_complex_and_meta_tensors() -> None:
-    assert compute_stats(torch.empty(0, 3)) == Stats(None, None, None, None, None, None,
-                                                     None, 0, 0)
+    assert compute_stats(torch.empty(0, 3)) == Stats(None, None, None, None, None, None, None, 0, 0)
     assert compute_stats(torch.empty(3, device="meta")).mean is None
     z = compute_stats(torch.tensor([3 + 4j, 0j]))
     assert z.mean is None and z.absmax == 5.0 and z.frac_zero == 0.5 and z.l2 == 5.0
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(
-    st.one_of(
-        arrays(np.float32, st.integers(1, 70), elements=finite32),
-        st.tuples(finite32, st.integers(1, 40), st.floats(0, 1e-3)).map(
-            lambda t: (t[0] + t[2] * np.arange(t[1])).astype(np.float32)),  # near-constant
-        arrays(np.float32, st.integers(1, 8), elements=special),
-    ),
-    min_size=1, max_size=12))
+@given(
+    st.lists(
+        st.one_of(
+            arrays(np.float32, st.integers(1, 70), elements=finite32),
+            st.tuples(finite32, st.integers(1, 40), st.floats(0, 1e-3)).map(
+                lambda t: (t[0] + t[2] * np.arange(t[1])).astype(np.float32)
+            ),  # near-constant
+            arrays(np.float32, st.integers(1, 8), elements=special),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
 def test_segment_stats_match_compute_stats(parts: list[np.ndarray]) -> None:
     """The store's batched statistics of a chunk's small tensors are compute_stats'
     numbers, or None (then the store falls back to compute_stats itself)."""
@@ -123,19 +128,38 @@ def test_segment_stats_match_compute_stats(parts: list[np.ndarray]) -> None:
         assert (got.nan_count, got.inf_count) == (0, 0)
 
 
-GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                 torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]
+GATHER_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(
-    st.tuples(st.sampled_from(GATHER_DTYPES),
-              st.one_of(arrays(np.float32, st.integers(1, 300), elements=finite32),
-                        arrays(np.float32, st.integers(1, 6), elements=special))),
-    min_size=1, max_size=40),
-    st.integers(16 << 10, 64 << 10))
-def test_gathered_stats_are_compute_stats_numbers(parts: list[tuple[torch.dtype, np.ndarray]],
-                                                  capacity: int) -> None:
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(GATHER_DTYPES),
+            st.one_of(
+                arrays(np.float32, st.integers(1, 300), elements=finite32),
+                arrays(np.float32, st.integers(1, 6), elements=special),
+            ),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(16 << 10, 64 << 10),
+)
+def test_gathered_stats_are_compute_stats_numbers(
+    parts: list[tuple[torch.dtype, np.ndarray]], capacity: int
+) -> None:
     """stats="all" gathers small tensors (a small capacity makes buffers fill and flush
     mid-way): every tensor's statistics match compute_stats of the tensor, NaN and Inf
     counted, whatever the dtype; larger and complex tensors are refused."""
@@ -167,12 +191,17 @@ def test_gathered_stats_are_compute_stats_numbers(parts: list[tuple[torch.dtype,
 
 
 @settings(max_examples=60, deadline=None)
-@given(offset=st.sampled_from([0.0, 1.0, 1e3, -1e4]), scale=st.floats(1e-3, 10),
-       n=st.integers(70, 3000), parts=st.integers(1, 7),
-       bad=st.sampled_from([None, math.nan, math.inf]), where=st.floats(0, 0.999))
-def test_stats_combined_from_parts_match_the_whole(offset: float, scale: float, n: int,
-                                                   parts: int, bad: float | None,
-                                                   where: float) -> None:
+@given(
+    offset=st.sampled_from([0.0, 1.0, 1e3, -1e4]),
+    scale=st.floats(1e-3, 10),
+    n=st.integers(70, 3000),
+    parts=st.integers(1, 7),
+    bad=st.sampled_from([None, math.nan, math.inf]),
+    where=st.floats(0, 0.999),
+)
+def test_stats_combined_from_parts_match_the_whole(
+    offset: float, scale: float, n: int, parts: int, bad: float | None, where: float
+) -> None:
     """A store's workers reduce each chunk of a large tensor as they write it and combine
     the parts' moments (std included, with no second pass even when the mean dwarfs the
     spread); a NaN or Inf in any part, not only the first, is counted."""
@@ -195,4 +224,5 @@ def test_stats_combined_from_parts_match_the_whole(offset: float, scale: float, 
     assert got.std == pytest.approx(want["std"], rel=1e-5)
     assert got == compute_stats(x) or all(
         getattr(got, f) == pytest.approx(getattr(compute_stats(x), f), rel=1e-5)
-        for f in ("mean", "std", "l2"))
+        for f in ("mean", "std", "l2")
+    )

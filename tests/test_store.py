@@ -29,7 +29,10 @@ def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (tests/ on its path); fail loudly if it fails."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, cwd=TESTS, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -83,7 +86,8 @@ def test_record_then_reopen_elsewhere_matches_forward_hooks(tmp_path: Path, name
         assert_bitwise(run[log.outputs[0].label].out, flatten(hooks.output)[0], "output")
         print(json.dumps({"labels": run.labels, "meta": run.meta}))
         """,
-        str(tmp_path / "s"), name,
+        str(tmp_path / "s"),
+        name,
     )
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["labels"] == labels and len(labels) == n_ops
@@ -107,8 +111,9 @@ def test_stored_run_answers_like_a_trace(tmp_path: Path) -> None:
         assert stored.source is None or stored.source.file.endswith("model_zoo.py")
         assert stored.stats is not None and op.stats is not None
         for field in ("mean", "std", "min", "max", "absmax", "l2", "frac_zero"):
-            assert math.isclose(getattr(stored.stats, field), getattr(op.stats, field),
-                                rel_tol=1e-5, abs_tol=1e-6), (op.label, field)
+            assert math.isclose(
+                getattr(stored.stats, field), getattr(op.stats, field), rel_tol=1e-5, abs_tol=1e-6
+            ), (op.label, field)
     df = run.df()
     assert list(df["label"]) == log.labels and df["saved"].all()
 
@@ -129,9 +134,21 @@ def test_save_selector_and_unsaved_ops(tmp_path: Path) -> None:
 
 # -- dtypes -----------------------------------------------------------------------------
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-          torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 class Caster(nn.Module):
@@ -165,8 +182,10 @@ def test_every_dtype_round_trips_bitwise(tmp_path: Path) -> None:
     assert len(got) == len(want)
     for entry, w in zip(got, want, strict=True):
         assert_bitwise(entry.out, w, f"{entry.label} {w.dtype}")
-    kinds = {run._only()._tensors._slots[s].array.startswith("t")
-             for s in run._only()._tensors._op_slots.values()}
+    kinds = {
+        run._only()._tensors._slots[s].array.startswith("t")
+        for s in run._only()._tensors._op_slots.values()
+    }
     assert kinds == {True, False}, "both packed and own-array tensors were exercised"
     # Plain zarr-python, knowing nothing of tracelake, reads the same bits.
     import zarr
@@ -176,8 +195,11 @@ def test_every_dtype_round_trips_bitwise(tmp_path: Path) -> None:
     array = group[bf16.array._slot.array]
     assert array.attrs["torch_dtype"] == "bfloat16"
     bits = torch.from_numpy(array[...].view("uint16").astype("int32")).to(torch.int16)
-    assert_bitwise(bits.view(torch.bfloat16), want[2 * DTYPES.index(torch.bfloat16) + 1],
-                   "bfloat16 through plain zarr")
+    assert_bitwise(
+        bits.view(torch.bfloat16),
+        want[2 * DTYPES.index(torch.bfloat16) + 1],
+        "bfloat16 through plain zarr",
+    )
 
 
 # -- multi-step recordings --------------------------------------------------------------
@@ -238,8 +260,9 @@ def test_partial_read_touches_only_the_chunks_it_needs(tmp_path: Path) -> None:
     # still succeed, because it never opens another chunk.
     tensors = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors"
     chunk_dir = tensors / lazy._slot.array / "c"
-    chunks = sorted(p.relative_to(chunk_dir).as_posix() for p in chunk_dir.rglob("*")
-                    if p.is_file())
+    chunks = sorted(
+        p.relative_to(chunk_dir).as_posix() for p in chunk_dir.rglob("*") if p.is_file()
+    )
     assert len(chunks) == 4
     for key in chunks:
         if key != "1/0/0":
@@ -331,9 +354,11 @@ def test_a_new_store_makes_its_catalog_with_its_first_run(tmp_path: Path) -> Non
     assert len(tl.open(tmp_path / "s", create=False).sql("SELECT * FROM ops")) == 0
     store.record(nn.ReLU(), torch.randn(3), name="first")
     assert (tmp_path / "s" / "catalog.duckdb").exists()
-    done = run_python("import sys, tracelake as tl; "
-                      "print(tl.open(sys.argv[1], create=False).runs()['name'].tolist())",
-                      str(tmp_path / "s"))
+    done = run_python(
+        "import sys, tracelake as tl; "
+        "print(tl.open(sys.argv[1], create=False).runs()['name'].tolist())",
+        str(tmp_path / "s"),
+    )
     assert "['first']" in done.stdout
     tl.open(tmp_path / "s").record(nn.ReLU(), torch.randn(3), name="second")
     assert sorted(store.runs()["name"]) == ["first", "second"]
@@ -432,8 +457,12 @@ def test_cli_runs_show_verify_rm_gc(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli("verify", root).returncode == 0
     assert [r["name"] for r in json.loads(cli("runs", root, "--json", "--all").stdout)] == ["base"]
     # and once for real, as a script would run it: exit status and output
-    done = subprocess.run([sys.executable, "-m", "tracelake.cli", "verify", root, "--json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tracelake.cli", "verify", root, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 1
 
 

@@ -82,12 +82,18 @@ def _record_earlier_runs(root: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(
-    "moment", ["mid-forward", "mid-write", "before-commit", "mid-commit", "after-commit"])
+    "moment", ["mid-forward", "mid-write", "before-commit", "mid-commit", "after-commit"]
+)
 def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None:
     root = tmp_path / "s"
     expected = _record_earlier_runs(root)
-    done = subprocess.run([sys.executable, "-c", _DIE_AT, str(root), moment],
-                          capture_output=True, text=True, cwd=TESTS, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _DIE_AT, str(root), moment],
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        timeout=300,
+    )
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
 
     store = tl.open(root)  # openable
@@ -157,12 +163,23 @@ def test_four_writers_and_a_reader_at_once(tmp_path: Path) -> None:
     root = tmp_path / "s"
     notebook = tl.open(root)  # a long-lived reader in this process: it must block nobody
     assert len(notebook.runs()) == 0
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=TESTS) for i in range(4)]
-    reader = subprocess.Popen([sys.executable, "-c", _READER, str(root), "12"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=TESTS)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(root), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=TESTS,
+        )
+        for i in range(4)
+    ]
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(root), "12"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+    )
     seen_during = set()
     while any(p.poll() is None for p in procs):
         seen_during.update(notebook.runs()["name"])  # queries while recording goes on

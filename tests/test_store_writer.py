@@ -30,9 +30,23 @@ def small_tensors() -> list[torch.Tensor]:
     z = torch.complex(x, -x)
     leaf = torch.randn(3, 3, requires_grad=True)
     return [
-        x, x.t(), x[:, 1::3], x[2], torch._neg_view(x), z, z.conj(), leaf, leaf * 2,
-        x.to(torch.bfloat16), x.to(torch.float16), (x > 0), x.to(torch.int64),
-        x.to(torch.float8_e4m3fn), torch.empty(0, 4), torch.tensor(3.5), x.double(),
+        x,
+        x.t(),
+        x[:, 1::3],
+        x[2],
+        torch._neg_view(x),
+        z,
+        z.conj(),
+        leaf,
+        leaf * 2,
+        x.to(torch.bfloat16),
+        x.to(torch.float16),
+        (x > 0),
+        x.to(torch.int64),
+        x.to(torch.float8_e4m3fn),
+        torch.empty(0, 4),
+        torch.tensor(3.5),
+        x.double(),
         torch.tensor([float("nan"), 1.0, float("inf")]),
     ]
 
@@ -48,8 +62,7 @@ def test_saved_bytes_are_the_values(tmp_path: Path) -> None:
         loc = writer.location(slot)
         want = tensor.detach().resolve_conj().resolve_neg()
         if loc.offset >= 0:
-            got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape,
-                                     "x")
+            got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
         else:
             got = arrays.read_array(loc.array, loc.dtype, loc.shape, "x")
         assert_bitwise(got, want.contiguous(), f"slot {slot}")
@@ -68,13 +81,15 @@ def test_statistics_are_compute_stats(tmp_path: Path) -> None:
     assert not valid[-1].any(), "the row that index -1 reads is all undefined"
     for slot, tensor in zip(slots, tensors, strict=True):
         want = compute_stats(tensor.detach().resolve_conj().resolve_neg())
-        for k, name in enumerate(("mean", "std", "min", "max", "absmax", "l2", "frac_zero",
-                                  "nan_count", "inf_count")):
+        for k, name in enumerate(
+            ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
+        ):
             expected = getattr(want, name)
             assert valid[slot, k] == (expected is not None), (slot, name)
             if expected is not None:
-                assert math.isclose(values[slot, k], expected, rel_tol=1e-4, abs_tol=1e-6) or \
-                    (math.isnan(values[slot, k]) and math.isnan(expected)), (slot, name)
+                assert math.isclose(values[slot, k], expected, rel_tol=1e-4, abs_tol=1e-6) or (
+                    math.isnan(values[slot, k]) and math.isnan(expected)
+                ), (slot, name)
 
 
 def test_buffers_never_exceed_the_cap(tmp_path: Path) -> None:
@@ -120,7 +135,8 @@ def test_stored_ops_carry_their_tensors_location(tmp_path: Path) -> None:
     joined = store.sql(
         "SELECT o.label, o.array = t.array AS same_array, "
         "o.byte_offset IS NOT DISTINCT FROM t.byte_offset AS same_offset, t.byte_offset "
-        "FROM ops o JOIN tensors t ON o.run_id = t.run_id AND o.tensor = t.slot")
+        "FROM ops o JOIN tensors t ON o.run_id = t.run_id AND o.tensor = t.slot"
+    )
     assert joined["same_array"].all() and joined["same_offset"].all()
     assert joined["byte_offset"].isna().any() and joined["byte_offset"].notna().any()
     assert np.isin(["mul_1_1", "getitem_1_2"], joined["label"]).all()
@@ -136,10 +152,16 @@ def test_catalog_transactions_let_go_of_the_file(tmp_path: Path) -> None:
     root = tmp_path / "it's a store"
     store = tl.open(root)
     store.record(InPlaceAfter(), torch.randn(4, 8), name="r")
-    code = ("import duckdb, sys; con = duckdb.connect(sys.argv[1]); "
-            "print(con.execute('SELECT name, status FROM runs').fetchall()); con.close()")
-    done = subprocess.run([sys.executable, "-c", code, str(root / "catalog.duckdb")],
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import duckdb, sys; con = duckdb.connect(sys.argv[1]); "
+        "print(con.execute('SELECT name, status FROM runs').fetchall()); con.close()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root / "catalog.duckdb")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "('r', 'complete')" in done.stdout
     store.record(InPlaceAfter(), torch.randn(4, 8), name="s")  # and the writer goes on
@@ -160,8 +182,9 @@ def test_a_catalog_left_attached_is_detached_by_the_next_transaction(tmp_path: P
     catalog._ENGINE.attached = True
     store.record(InPlaceAfter(), torch.randn(4, 8), name="s")
     assert not catalog._ENGINE.attached
-    assert con.execute("SELECT count(*) FROM duckdb_databases() "
-                       "WHERE database_name = 'tl_catalog'").fetchone() == (0,)
+    assert con.execute(
+        "SELECT count(*) FROM duckdb_databases() WHERE database_name = 'tl_catalog'"
+    ).fetchone() == (0,)
     assert set(store.runs()["name"]) == {"r", "s"}
 
 
@@ -201,7 +224,8 @@ class Unseen(nn.Module):
 
 
 def test_an_unseen_in_place_write_drops_the_value_never_stores_it_wrong(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
     import warnings
 
@@ -226,7 +250,8 @@ def test_an_unseen_in_place_write_drops_the_value_never_stores_it_wrong(
 
 
 def test_unsynced_files_are_durable_at_close_and_errors_surface(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The writer's window of files written but not yet durable: a thread of its own
     syncs them; close() waits for all of them and raises what syncing raised."""
     import os
@@ -263,17 +288,24 @@ def test_unsynced_files_are_durable_at_close_and_errors_surface(
 _SHAPE = (4, 4)
 
 
-@pytest.mark.parametrize(("values", "identity", "distinct", "codes"), [
-    ([], False, [], []),
-    ([_SHAPE] * 3, False, [_SHAPE], [0, 0, 0]),
-    ([tuple([4, 4]), tuple([4, 4]), (2,)], False, [_SHAPE, (2,)], [0, 0, 1]),
-    ([tuple([4, 4]), tuple([4, 4]), (2,)], True, [_SHAPE, _SHAPE, (2,)], [0, 1, 2]),
-    ([_SHAPE, (2,), _SHAPE], True, [_SHAPE, (2,)], [0, 1, 0]),
-    (("b", "a", "b", "c", "a"), False, ["b", "a", "c"], [0, 1, 0, 2, 1]),
-    ([torch.float32, torch.int64, torch.float32], False, [torch.float32, torch.int64],
-     [0, 1, 0]),
-    ([1, 1.0, True], False, [1], [0, 0, 0]),  # a dict's idea of equal
-])
+@pytest.mark.parametrize(
+    ("values", "identity", "distinct", "codes"),
+    [
+        ([], False, [], []),
+        ([_SHAPE] * 3, False, [_SHAPE], [0, 0, 0]),
+        ([tuple([4, 4]), tuple([4, 4]), (2,)], False, [_SHAPE, (2,)], [0, 0, 1]),
+        ([tuple([4, 4]), tuple([4, 4]), (2,)], True, [_SHAPE, _SHAPE, (2,)], [0, 1, 2]),
+        ([_SHAPE, (2,), _SHAPE], True, [_SHAPE, (2,)], [0, 1, 0]),
+        (("b", "a", "b", "c", "a"), False, ["b", "a", "c"], [0, 1, 0, 2, 1]),
+        (
+            [torch.float32, torch.int64, torch.float32],
+            False,
+            [torch.float32, torch.int64],
+            [0, 1, 0],
+        ),
+        ([1, 1.0, True], False, [1], [0, 0, 0]),  # a dict's idea of equal
+    ],
+)
 def test_distinct_codes(values: list, identity: bool, distinct: list, codes: list) -> None:
     """Distinct values in order of first appearance and each row's index into them; by
     identity, equal values that are other objects may stay apart (the rows of one

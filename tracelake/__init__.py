@@ -1,13 +1,13 @@
 """tracelake: a persistent, queryable store of PyTorch execution traces.
 
-    import tracelake as tl
+import tracelake as tl
 
-    log = tl.trace(model, x, save=tl.func("relu"))
-    log["relu_1_2"].out
+log = tl.trace(model, x, save=tl.func("relu"))
+log["relu_1_2"].out
 
-    store = tl.open("runs.tl")
-    run = store.record(model, x, name="baseline", save=tl.func("relu"))
-    store["baseline"]["relu_1_2"].out
+store = tl.open("runs.tl")
+run = store.record(model, x, name="baseline", save=tl.func("relu"))
+store["baseline"]["relu_1_2"].out
 """
 
 from tracelake.errors import (
@@ -54,6 +54,7 @@ def load_ipython_extension(ipython: object) -> None:
     from tracelake.magics import load_ipython_extension as load
 
     load(ipython)
+
 
 __all__ = [
     "AmbiguousLabelError",

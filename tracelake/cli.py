@@ -34,9 +34,14 @@ def ops_table(trace: Any, title: str) -> Table:
         stats = op.stats
         source = f"{os.path.basename(op.source.file)}:{op.source.line}" if op.source else ""
         table.add_row(
-            op.label, op.func, op.module, "x".join(map(str, op.shape)) or "scalar",
+            op.label,
+            op.func,
+            op.module,
+            "x".join(map(str, op.shape)) or "scalar",
             str(op.dtype).removeprefix("torch."),
-            _fmt(stats and stats.mean), _fmt(stats and stats.std), _fmt(stats and stats.absmax),
+            _fmt(stats and stats.mean),
+            _fmt(stats and stats.std),
+            _fmt(stats and stats.absmax),
             source,
         )
     return table
@@ -96,8 +101,7 @@ DEMO_QUERIES = (
     "order by absmax desc limit 5",
     "select run, out[0, -1, :4] as last_token from ops where label = 'relu_1_21' "
     "and meta.prompt like '%Paris%'",
-    "select func, count(*) as n, avg(l2) as mean_l2 from ops group by func "
-    "order by n desc limit 6",
+    "select func, count(*) as n, avg(l2) as mean_l2 from ops group by func order by n desc limit 6",
     "select run, label, shape from ops where func = 'linear' and parent.func = 'layer_norm' "
     "and run = 'base' order by label",
 )
@@ -106,16 +110,21 @@ DEMO_QUERIES = (
 def _demo_store(path: str, model: torch.nn.Module, console: Console) -> None:
     """Record the demo model into a store (three runs, three 'prompts') and query it."""
     store = tl.open(path)
-    prompts = {"base": "Paris is the capital of", "other": "Rome is the capital of",
-               "scaled": "Paris, again"}
+    prompts = {
+        "base": "Paris is the capital of",
+        "other": "Rome is the capital of",
+        "scaled": "Paris, again",
+    }
     with torch.no_grad():
         for i, (name, prompt) in enumerate(prompts.items()):
             torch.manual_seed(i)
             ids = (demo_inputs() + 7 * i) % 50  # a different "prompt" per run
             store.record(model, ids, name=name, meta={"prompt": prompt}, overwrite=True)
     console.print(f"\nrecorded {len(prompts)} runs into {store.path}:", soft_wrap=True)
-    console.print(store.runs()[["name", "status", "steps", "ops", "bytes"]].to_string(
-        index=False), soft_wrap=True)
+    console.print(
+        store.runs()[["name", "status", "steps", "ops", "bytes"]].to_string(index=False),
+        soft_wrap=True,
+    )
     for text in DEMO_QUERIES:
         result = store.query(text, **({"limit": 1.0} if ":limit" in text else {}))
         console.print(f"\n[bold]>>> {text}[/bold]", soft_wrap=True)
@@ -137,9 +146,13 @@ def _runs(args: argparse.Namespace) -> int:
     for name in ("name", "status", "created", "steps", "ops", "bytes", "model_class", "meta"):
         table.add_column(name, overflow="fold")
     for row in df.to_dict(orient="records"):
-        table.add_row(*[_fmt(row[c]) for c in ("name", "status", "created", "steps", "ops",
-                                                "bytes", "model_class")],
-                      json.dumps(row["meta"]) if row["meta"] is not None else "")
+        table.add_row(
+            *[
+                _fmt(row[c])
+                for c in ("name", "status", "created", "steps", "ops", "bytes", "model_class")
+            ],
+            json.dumps(row["meta"]) if row["meta"] is not None else "",
+        )
     _console().print(table)
     return 0
 
@@ -151,7 +164,8 @@ def _show(args: argparse.Namespace) -> int:
         _print_json(view.df().drop(columns=["parents"]).to_dict(orient="records"))
         return 0
     title = f"{run.name}: {run.model_class}" + (
-        f", step {view.step} of {run.num_steps}" if run.num_steps > 1 else "")
+        f", step {view.step} of {run.num_steps}" if run.num_steps > 1 else ""
+    )
     _console().print(ops_table(view, f"{title}: {len(view)} ops"))
     return 0
 
@@ -163,8 +177,10 @@ def _rm(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"deleted": args.run})
     else:
-        _console().print(f"deleted {len(args.run)} run(s); `tracelake gc {args.store}` "
-                         "reclaims their space", soft_wrap=True)
+        _console().print(
+            f"deleted {len(args.run)} run(s); `tracelake gc {args.store}` reclaims their space",
+            soft_wrap=True,
+        )
     return 0
 
 
@@ -173,8 +189,11 @@ def _gc(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(freed)
     else:
-        _console().print(f"removed {freed['runs']} run(s) and {freed['orphans']} orphaned "
-                         f"director(ies), {freed['bytes'] / 2**20:.1f} MiB", soft_wrap=True)
+        _console().print(
+            f"removed {freed['runs']} run(s) and {freed['orphans']} orphaned "
+            f"director(ies), {freed['bytes'] / 2**20:.1f} MiB",
+            soft_wrap=True,
+        )
     return 0
 
 
@@ -187,8 +206,11 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             console.print(f"[red]damaged[/red] {problem}", soft_wrap=True, markup=True)
         verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
-        console.print(f"{report.runs} run(s), {report.tensors} tensors, {report.chunks} "
-                      f"chunks checked: {verdict}", soft_wrap=True)
+        console.print(
+            f"{report.runs} run(s), {report.tensors} tensors, {report.chunks} "
+            f"chunks checked: {verdict}",
+            soft_wrap=True,
+        )
     return 0 if report.ok else 1
 
 
@@ -225,8 +247,13 @@ def _query(args: argparse.Namespace) -> int:
     out = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
     try:
         if fmt == "json":
-            rows = [{k: (v.tolist() if hasattr(v, "tolist") and not isinstance(v, float)
-                         else v) for k, v in row.items()} for row in result]
+            rows = [
+                {
+                    k: (v.tolist() if hasattr(v, "tolist") and not isinstance(v, float) else v)
+                    for k, v in row.items()
+                }
+                for row in result
+            ]
             json.dump(rows, out, default=str, indent=1)
             out.write("\n")
         elif fmt == "csv":
@@ -251,8 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="trace the built-in demo model, print its ops")
     demo.add_argument("--json", action="store_true", help="print the ops as JSON records")
-    demo.add_argument("--store", default=None, metavar="DIR",
-                      help="also record the demo into the store at DIR and query it")
+    demo.add_argument(
+        "--store",
+        default=None,
+        metavar="DIR",
+        help="also record the demo into the store at DIR and query it",
+    )
     demo.set_defaults(handler=_demo)
 
     def command(name: str, help: str, fn: Any) -> argparse.ArgumentParser:
@@ -263,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     runs = command("runs", "list the runs of a store", _runs)
-    runs.add_argument("--all", action="store_true",
-                      help="also recording, interrupted, failed and deleted runs")
+    runs.add_argument(
+        "--all", action="store_true", help="also recording, interrupted, failed and deleted runs"
+    )
     show = command("show", "print a run's ops: label, func, module, shape, dtype, stats", _show)
     show.add_argument("run", help="the run's name")
     show.add_argument("--step", type=int, default=None, help="which step (multi-step runs)")
@@ -273,11 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     command("gc", "reclaim the space of deleted, failed and interrupted runs", _gc)
     query = commands.add_parser("query", help="run a query over a store (docs/query.md)")
     query.add_argument("store", help="the store's directory")
-    query.add_argument("text", help="the query, e.g. \"select run, label from ops\"")
-    query.add_argument("--param", action="append", type=_param, default=[],
-                       metavar="NAME=VALUE", help="bind :NAME (value parsed as JSON if it can)")
-    query.add_argument("--format", choices=("table", "csv", "json", "parquet"),
-                       default="table")
+    query.add_argument("text", help='the query, e.g. "select run, label from ops"')
+    query.add_argument(
+        "--param",
+        action="append",
+        type=_param,
+        default=[],
+        metavar="NAME=VALUE",
+        help="bind :NAME (value parsed as JSON if it can)",
+    )
+    query.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
     query.add_argument("-o", "--output", help="write to FILE instead of the terminal")
     query.set_defaults(handler=_query)
     command("verify", "check every chunk's checksum and the catalog's agreement", _verify)

@@ -114,8 +114,11 @@ class RunNotFoundError(StoreError, LabelError):
 
     def __init__(self, name: object, known: Iterable[str] = ()):
         close = difflib.get_close_matches(str(name), list(known), n=5, cutoff=0.6)
-        hint = ("; did you mean " + ", ".join(repr(c) for c in close) + "?") if close else \
-            "; store.runs() (or `tracelake runs STORE`) lists the runs"
+        hint = (
+            ("; did you mean " + ", ".join(repr(c) for c in close) + "?")
+            if close
+            else "; store.runs() (or `tracelake runs STORE`) lists the runs"
+        )
         super().__init__(name, message=f"no complete run named {name!r}{hint}")
 
 
@@ -150,8 +153,9 @@ class QueryError(TraceLakeError):
     query text, and ``excerpt`` is that query line with a caret under it (else ``""``).
     """
 
-    def __init__(self, message: str, *, line: int | None = None, column: int | None = None,
-                 excerpt: str = ""):
+    def __init__(
+        self, message: str, *, line: int | None = None, column: int | None = None, excerpt: str = ""
+    ):
         self.message = message
         self.line = line
         self.column = column
@@ -163,8 +167,9 @@ class QuerySyntaxError(QueryError):
     """The text is not in the query language. ``expected`` names what could have stood
     at ``line``, ``column`` (keywords as written, other tokens described)."""
 
-    def __init__(self, message: str, line: int, column: int, expected: Iterable[str] = (),
-                 excerpt: str = ""):
+    def __init__(
+        self, message: str, line: int, column: int, expected: Iterable[str] = (), excerpt: str = ""
+    ):
         self.expected = tuple(expected)
         super().__init__(message, line=line, column=column, excerpt=excerpt)
 

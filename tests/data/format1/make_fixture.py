@@ -35,7 +35,7 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.enc(x)
-        w = torch.relu(self.wide(h) - 1.0)  
+        w = torch.relu(self.wide(h) - 1.0)
         return h.to(torch.bfloat16), w.sum(dim=-1)
 
 
@@ -68,7 +68,8 @@ def main() -> None:
         for name in ("base", "relu-only", "steps"):
             run = store[name]
             n_steps = len(store.runs().query("name == @name")) and int(
-                store.runs().set_index("name").loc[name, "steps"])
+                store.runs().set_index("name").loc[name, "steps"]
+            )
             facts["runs"][name] = {"steps": n_steps, "labels": []}
             for step in range(n_steps):
                 view = run.step(step) if n_steps > 1 else run
