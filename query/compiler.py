@@ -29,6 +29,7 @@ from typing import Any, Literal, cast
 
 from tracelake.errors import QueryCompileError, QueryError
 from tracelake.store.catalog import COMPLETE
+from tracelake.store.points import FIELDS as POINT_FIELDS
 
 from . import ast
 from .parser import INT64, parse
@@ -85,9 +86,7 @@ class PointLookup:
 
 
 #: Columns of ops a point lookup can select: the op index's fields (``run``: by its id).
-_POINT_COLUMNS = frozenset(
-    {"run", "step", "idx", "label", "tensor", "array", "byte_offset", "nbytes", "shape", "dtype"}
-)
+_POINT_COLUMNS = frozenset({"run", *POINT_FIELDS} - {"run_id"})
 
 
 @dataclass(frozen=True)

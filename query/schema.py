@@ -1,8 +1,9 @@
 """What a query may name: tables, columns and functions, and nothing else.
 
-The columns come from the catalog's own definitions (:data:`tracelake.store.catalog.TABLES`),
-so the whitelist follows the schema. Every identifier the compiler writes into SQL is
-looked up here first and quoted by :func:`ident`, the one quoting function.
+The columns come from the catalog's declarations (:data:`tracelake.store.schema.TABLES`:
+each field's kind and whether queries may name it), so the whitelist follows the schema.
+Every identifier the compiler writes into SQL is looked up here first and quoted by
+:func:`ident`, the one quoting function.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
-from typing import Literal
 
-from tracelake.store.catalog import TABLES
+from tracelake.recorder.record import Kind
+from tracelake.store.schema import TABLES, ident
 
 __all__ = [
     "AGGREGATES",
@@ -30,14 +31,14 @@ __all__ = [
     "star",
 ]
 
-Kind = Literal["number", "bool", "string", "other"]
-
 #: Tables a query can read, in the order error messages list them.
 TABLE_NAMES = ("ops", "runs", "modules", "edges")
 
-#: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``.
-#: ``sum`` has no column of its own: it is ``mean`` times the element count.
+#: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``
+#: (the language says ``norm`` for the ``l2`` column). ``sum`` has no column of its own:
+#: it is ``mean`` times the element count.
 STATS = {"mean": "mean", "std": "std", "min": "min", "max": "max", "absmax": "absmax", "norm": "l2"}
+assert all(TABLES["ops"].field(column).stat for column in STATS.values())
 REDUCTIONS = (*STATS, "sum")
 
 #: Aggregates over columns (``count(*)`` too), for ``group by`` queries.
@@ -60,32 +61,8 @@ HIDDEN_COLUMNS = {
 HIDDEN = tuple(HIDDEN_COLUMNS)
 
 
-def _split(definition: str) -> Iterable[tuple[str, str]]:
-    """``name TYPE, ...`` pairs of a column list, commas inside parentheses kept."""
-    depth, start = 0, 0
-    for i, ch in enumerate(definition + ","):
-        if ch in "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            name, _, sql_type = definition[start:i].strip().partition(" ")
-            yield name.strip('"'), sql_type.strip()
-            start = i + 1
-
-
-def _kind(sql_type: str) -> Kind:
-    if sql_type in ("INTEGER", "BIGINT", "DOUBLE"):
-        return "number"
-    if sql_type == "BOOLEAN":
-        return "bool"
-    if sql_type in ("VARCHAR", "TIMESTAMP"):
-        return "string"
-    return "other"  # lists and structs
-
-
 def _columns(table: str) -> dict[str, Kind]:
-    own = {name: _kind(sql_type) for name, sql_type in _split(TABLES[table])}
+    own = {f.name: f.type.kind for f in TABLES[table].columns if f.type and f.query}
     if table == "runs":
         return {**own, "run": "string"}
     return {"run": "string", **own}
@@ -103,12 +80,6 @@ _STAR = {
 def star(table: str) -> tuple[str, ...]:
     """The columns ``*`` stands for."""
     return _STAR[table]
-
-
-def ident(name: str) -> str:
-    """The one quoting function for SQL identifiers. Names reach it only after a
-    whitelist lookup (or from the language's NAME token, for aliases)."""
-    return '"' + name.replace('"', '""') + '"'
 
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

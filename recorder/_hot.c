@@ -6,16 +6,19 @@
  * The common call is: a function already named, that writes nothing in place, whose
  * arguments are tensors and scalars (no tensors inside lists), outside any repeated
  * module call, returning one tensor. Every other call goes to the Python code, which
- * stays the reference: tests/test_fused.py checks that both give the same tables.
+ * stays the reference: tests/test_compiled.py checks that both give the same tables.
  *
- * Rows are built exactly as ``Labeller.on_call`` builds them (see entries.py for the
- * fields). The labeller's changing state (``Labeller._live``: the stack top's root, the
+ * Rows are built exactly as ``Labeller.on_call`` builds them, field by field by name
+ * (``_record.h``, generated from the op record's declaration in record.py); fields this
+ * path does not produce get their declared defaults. The labeller's changing state (``Labeller._live``: the stack top's root, the
  * stack key, the layer count) is a list both read and advance, so they share it.
  * A failure after the call is reported to ``on_error`` and never reaches the forward
  * pass, as in Python. Python 3.11+ C API only; no torch headers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_record.h" /* the row's fields by name, generated from recorder/record.py */
 
 #define MAX_ITEMS 16 /* parents or parameters per call handled here; more go to Python */
 #define SITE_SLOTS 64 /* call sites remembered, direct-mapped */
@@ -46,6 +49,7 @@ typedef struct {
     PyObject *record;    /* the Python handling of non-tensor outputs, unbound */
     PyObject *on_error;  /* (what, exception) */
     PyObject *tensor_type;
+    PyObject *row_defaults; /* record.ROW_DEFAULTS: a value for every row field */
     /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
      * exactly that type (they are data descriptors: nothing on the instance hides them) */
     PyObject *get_shape, *get_dtype, *get_device, *get_is_cpu;
@@ -68,7 +72,7 @@ typedef struct {
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu) X(last_shape)
+            X(row_defaults) X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu) X(last_shape)
 
 /* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
 #define EACH_REF(X)                                                                        \
@@ -103,15 +107,16 @@ static void Fused_dealloc(Fused *self) {
 }
 
 static PyObject *Fused_bind(Fused *self, PyObject *args) {
-    PyObject *v[15];
-    if (!PyArg_UnpackTuple(args, "bind", 15, 15, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+    PyObject *v[16];
+    if (!PyArg_UnpackTuple(args, "bind", 16, 16, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
                            &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
-                           &v[14]))
+                           &v[14], &v[15]))
         return NULL;
     if (!PyList_CheckExact(v[0]) || PyList_GET_SIZE(v[0]) != 3 || !PyDict_Check(v[1]) || !PyDict_Check(v[2]) ||
         !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5]) ||
         !PyDict_Check(v[6]) || !PyDict_Check(v[7]) || !PyDict_Check(v[8]) ||
-        !PyType_Check(v[14])) {
+        !PyType_Check(v[14]) || !PyTuple_CheckExact(v[15]) ||
+        PyTuple_GET_SIZE(v[15]) != ROW_WIDTH) {
         PyErr_SetString(PyExc_TypeError, "Fused.bind: wrong container types");
         return NULL;
     }
@@ -128,11 +133,12 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         }
     }
     Fused_clear(self);
-    PyObject **slots[15] = {&self->state, &self->funcs, &self->producers, &self->refs,
+    PyObject **slots[16] = {&self->state, &self->funcs, &self->producers, &self->refs,
                             &self->params, &self->rows, &self->shapes, &self->counts,
                             &self->codes, &self->classify, &self->emit, &self->slow,
-                            &self->record, &self->on_error, &self->tensor_type};
-    for (int k = 0; k < 15; k++) {
+                            &self->record, &self->on_error, &self->tensor_type,
+                            &self->row_defaults};
+    for (int k = 0; k < 16; k++) {
         Py_INCREF(v[k]);
         *slots[k] = v[k];
     }
@@ -505,9 +511,32 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     if (!n_func) goto done;
     n_layer = PyNumber_Add(n_layers, int_one);
     if (!n_layer) goto done;
-    row = PyTuple_Pack(16, name, str_op, stack_key, parents, where, site, shape, dtype, device,
-                       int_zero, Py_False, params, index, int_one, n_func, n_layer);
+    row = PyTuple_New(ROW_WIDTH);
     if (!row) goto done;
+#define SET(field, value) (Py_INCREF(value), PyTuple_SET_ITEM(row, ROW_##field, (value)))
+    SET(FUNC, name);
+    SET(KIND, str_op);
+    SET(MODULES, stack_key);
+    SET(PARENTS, parents);
+    SET(PARENT_ARGS, where);
+    SET(SITE, site);
+    SET(SHAPE, shape);
+    SET(DTYPE, dtype);
+    SET(DEVICE, device);
+    SET(OUT_INDEX, int_zero);
+    SET(INPLACE, Py_False);
+    SET(PARAMS, params);
+    SET(LAYER_IDX, index);
+    SET(PASS, int_one);
+    SET(N_FUNC, n_func);
+    SET(N_LAYER, n_layer);
+#undef SET
+    for (Py_ssize_t k = 0; k < ROW_WIDTH; k++) {
+        if (PyTuple_GET_ITEM(row, k)) continue;
+        PyObject *value = PyTuple_GET_ITEM(self->row_defaults, k);
+        Py_INCREF(value);
+        PyTuple_SET_ITEM(row, k, value);
+    }
     settle(row, 2);
     key = PyLong_FromVoidPtr(out);
     if (!key) goto done;
@@ -615,7 +644,7 @@ static PyMethodDef Fused_methods[] = {
      "The common torch call, recorded here; the rest goes to the Python mode."},
     {"bind", (PyCFunction)Fused_bind, METH_VARARGS,
      "bind(state, funcs, producers, refs, params, rows, shapes, counts, codes, classify, "
-     "emit, slow, record, on_error, tensor_type)"},
+     "emit, slow, record, on_error, tensor_type, row_defaults)"},
     {"unbind", (PyCFunction)Fused_unbind, METH_NOARGS, "Drop every reference bind took."},
     {NULL},
 };
@@ -699,13 +728,16 @@ static PyObject *labels(PyObject *module, PyObject *const *a, Py_ssize_t nargs) 
     if (!out) return NULL;
     for (Py_ssize_t index = 0; index < n; index++) {
         PyObject *row = PyList_GET_ITEM(rows, index), *label = NULL;
-        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 16) {
-            PyErr_Format(PyExc_TypeError, "row %zd is not a 16-field tuple", index);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != ROW_WIDTH) {
+            PyErr_Format(PyExc_TypeError, "row %zd is not a %d-field tuple", index, ROW_WIDTH);
             goto fail;
         }
-        PyObject *func = PyTuple_GET_ITEM(row, 0), *inplace = PyTuple_GET_ITEM(row, 10),
-                 *layer = PyTuple_GET_ITEM(row, 12), *pass_num = PyTuple_GET_ITEM(row, 13),
-                 *n_func = PyTuple_GET_ITEM(row, 14), *n_layer = PyTuple_GET_ITEM(row, 15);
+        PyObject *func = PyTuple_GET_ITEM(row, ROW_FUNC),
+                 *inplace = PyTuple_GET_ITEM(row, ROW_INPLACE),
+                 *layer = PyTuple_GET_ITEM(row, ROW_LAYER_IDX),
+                 *pass_num = PyTuple_GET_ITEM(row, ROW_PASS),
+                 *n_func = PyTuple_GET_ITEM(row, ROW_N_FUNC),
+                 *n_layer = PyTuple_GET_ITEM(row, ROW_N_LAYER);
         Py_ssize_t first = PyLong_AsSsize_t(layer);
         if (first == -1 && PyErr_Occurred()) goto fail;
         if (first != index) { /* a later pass of the layer its first entry labels */
@@ -789,6 +821,12 @@ PyMODINIT_FUNC PyInit__hot(void) {
     Py_INCREF(&FusedType);
     if (PyModule_AddObject(m, "Fused", (PyObject *)&FusedType) < 0) {
         Py_DECREF(&FusedType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* The row layout this build was compiled for: compiled.py uses the extension only
+     * when it matches the declaration's. */
+    if (PyModule_AddStringConstant(m, "ROW_FIELDS", ROW_FIELD_NAMES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

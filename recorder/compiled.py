@@ -1,6 +1,7 @@
 """The switch for the recorder's compiled parts (``recorder/_hot.c``).
 
-The extension is optional: where it could not be built, or with
+The extension is optional: where it could not be built, where it was built for another
+row layout than ``record.py`` declares (reinstall to rebuild it), or with
 ``TRACELAKE_PURE_PYTHON=1`` in the environment, the recorder runs the same logic in
 Python, slower. Python stays the reference; tests/test_compiled.py checks that both
 give the same recordings. Read ``compiled.ENABLED`` at the moment of use (tests switch
@@ -12,9 +13,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .record import ROW_FIELDS
+
 try:
     from . import _hot  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - built wherever a C compiler is
+    _hot = None
+
+#: Whether the extension was built for another row layout than the op record declares
+#: (recorder/_record.h was regenerated, the extension not rebuilt): then it is not used.
+STALE = _hot is not None and getattr(_hot, "ROW_FIELDS", "") != ",".join(ROW_FIELDS)
+if STALE:
     _hot = None
 
 __all__ = ["AVAILABLE", "ENABLED", "hot"]

@@ -291,6 +291,17 @@ class MemoryEmitter(SelectingEmitter):
         slot = self._op_slot.get(index)
         return None if slot is None else self.slots.get(slot)
 
+    @property
+    def op_slots(self) -> dict[int, int]:
+        """Op entry -> the slot its saved tensor went to, for every saved op."""
+        return self._op_slot
+
+    @property
+    def unsaved_stats(self) -> dict[int, Stats]:
+        """Op entry -> statistics computed during the forward for ops not saved
+        (``stats="all"``)."""
+        return self._stats
+
     def op_saved(self, index: int) -> bool:
         slot = self._op_slot.get(index)
         return slot is not None and (self.slots.freed or self.slots.tensors[slot] is not None)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from . import compiled
-from .stats import Stats
+from .record import Stats, position
 
 __all__ = [
     "ModuleEntry",
@@ -39,28 +39,27 @@ class SourceLocation(NamedTuple):
         return f"{self.file}:{self.line}"
 
 
-# Fields of an OpTable row, in order. SITE is (code, bytecode offset) of the user's call;
-# LAYER is the index of the layer's first entry;
-# N_FUNC / N_LAYER number the layer (for inputs and outputs: N_FUNC is their number and
-# N_LAYER is 0). Every field is a plain value or a tuple of plain values.
-(
-    FUNC,
-    KIND,
-    MODULES,
-    PARENTS,
-    PARENT_ARGS,
-    SITE,
-    SHAPE,
-    DTYPE,
-    DEVICE,
-    OUT_INDEX,
-    INPLACE,
-    PARAMS,
-    LAYER,
-    PASS,
-    N_FUNC,
-    N_LAYER,
-) = range(16)
+# Positions of the fields of an OpTable row, derived by name from the op record
+# (record.OPS). SITE is (code, bytecode offset) of the user's call; LAYER is the index of
+# the layer's first entry; N_FUNC / N_LAYER number the layer (for inputs and outputs:
+# N_FUNC is their number and N_LAYER is 0). Every field is a plain value or a tuple of
+# plain values.
+FUNC = position("func")
+KIND = position("kind")
+MODULES = position("modules")
+PARENTS = position("parents")
+PARENT_ARGS = position("parent_args")
+SITE = position("site")
+SHAPE = position("shape")
+DTYPE = position("dtype")
+DEVICE = position("device")
+OUT_INDEX = position("out_index")
+INPLACE = position("inplace")
+PARAMS = position("params")
+LAYER = position("layer_idx")
+PASS = position("pass")
+N_FUNC = position("n_func")
+N_LAYER = position("n_layer")
 
 
 def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
@@ -102,28 +101,12 @@ class OpTable:
         passes = self.passes
         labels: list[str] = []
         append = labels.append
-        for index, (
-            func,
-            _,
-            _,
-            _,
-            _,
-            _,
-            _,
-            _,
-            _,
-            _,
-            inplace,
-            _,
-            layer,
-            pass_num,
-            n_func,
-            n_layer,
-        ) in enumerate(self.rows):
+        for index, row in enumerate(self.rows):
+            layer = row[LAYER]
             if layer != index:
-                append(f"{labels[layer][:-2]}:{pass_num}")
+                append(f"{labels[layer][:-2]}:{row[PASS]}")
                 continue
-            label = _layer_label(func, inplace, n_func, n_layer)
+            label = _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
             append(f"{label}:1" if layer in passes else label)
         self.labels = labels
 
@@ -217,6 +200,11 @@ class OpEntry:
     inplace = property(lambda self: self._row[INPLACE])
     params = property(lambda self: self._row[PARAMS])
     pass_num = property(lambda self: self._row[PASS])
+
+    def field(self, name: str) -> Any:
+        """The op record's row field ``name`` (one of ``record.ROW_FIELDS``) as the
+        recorder keeps it."""
+        return self._row[position(name)]
 
     @property
     def module(self) -> str:

@@ -22,6 +22,7 @@ from tracelake.errors import NestedTraceError
 
 from . import compiled
 from .compiled import _hot
+from .record import ROW_DEFAULTS
 
 __all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
 
@@ -274,6 +275,7 @@ if _hot is not None:
                 _Mode._record_outputs,
                 self._on_error,
                 _Tensor,
+                ROW_DEFAULTS,
             )
 
 

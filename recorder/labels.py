@@ -22,6 +22,7 @@ import torch
 
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
 from .intercept import SourceFinder, flatten_tensors
+from .record import make_row
 
 __all__ = ["Emitter", "Labeller"]
 
@@ -240,51 +241,33 @@ class Labeller:
                 # their function (mul_ is labelled mul_2_7).
                 base = name[:-1] if inplace and name[-1] == "_" else name
                 counts = self._func_counts
+                layer, pass_num = index, 1
                 n_func = counts[base] = counts.get(base, 0) + 1
                 n_layer = live[_N_LAYERS] = live[_N_LAYERS] + 1
-                rows.append(
-                    (
-                        name,
-                        "op",
-                        live[_STACK_KEY],
-                        parents,
-                        where,
-                        site,
-                        shape,
-                        tensor.dtype,
-                        tensor.device,
-                        i,
-                        inplace,
-                        params,
-                        index,
-                        1,
-                        n_func,
-                        n_layer,
-                    )
-                )
             else:
                 first = rows[layer]
                 pass_num = self._passes[layer] = self._passes.get(layer, 1) + 1
-                rows.append(
-                    (
-                        name,
-                        "op",
-                        live[_STACK_KEY],
-                        parents,
-                        where,
-                        site,
-                        shape,
-                        tensor.dtype,
-                        tensor.device,
-                        i,
-                        inplace,
-                        params,
-                        layer,
-                        pass_num,
-                        first[N_FUNC],
-                        first[N_LAYER],
-                    )
+                n_func, n_layer = first[N_FUNC], first[N_LAYER]
+            rows.append(
+                make_row(
+                    func=name,
+                    kind="op",
+                    modules=live[_STACK_KEY],
+                    parents=parents,
+                    parent_args=where,
+                    site=site,
+                    shape=shape,
+                    dtype=tensor.dtype,
+                    device=tensor.device,
+                    out_index=i,
+                    inplace=inplace,
+                    params=params,
+                    layer_idx=layer,
+                    pass_=pass_num,
+                    n_func=n_func,
+                    n_layer=n_layer,
                 )
+            )
             producers[id(tensor)] = index
             refs.append(_ref(tensor))
             if self._emit is not None:
@@ -370,23 +353,23 @@ class Labeller:
         index = len(rows)
         parents = (parent,) if parent >= 0 else ()
         rows.append(
-            (
-                kind,
-                kind,
-                (),
-                parents,
-                (0,) * len(parents),
-                None,
-                tuple(tensor.shape),
-                tensor.dtype,
-                tensor.device,
-                0,
-                False,
-                _NO_PARAMS,
-                index,
-                1,
-                number,
-                0,
+            make_row(
+                func=kind,
+                kind=kind,
+                modules=(),
+                parents=parents,
+                parent_args=(0,) * len(parents),
+                site=None,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                device=tensor.device,
+                out_index=0,
+                inplace=False,
+                params=_NO_PARAMS,
+                layer_idx=index,
+                pass_=1,
+                n_func=number,
+                n_layer=0,
             )
         )
         self._producers[id(tensor)] = index

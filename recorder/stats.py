@@ -13,11 +13,12 @@ import ctypes
 import functools
 import math
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from .record import Stats
 
 __all__ = [
     "GATHER_MAX",
@@ -32,22 +33,6 @@ __all__ = [
     "segment_moments",
     "segment_stats",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    """Summary statistics of one tensor. Fields are ``None`` where undefined
-    (empty tensors; mean, std, min and max of complex tensors)."""
-
-    mean: float | None
-    std: float | None
-    min: float | None
-    max: float | None
-    absmax: float | None
-    l2: float | None
-    frac_zero: float | None
-    nan_count: int
-    inf_count: int
 
 
 _EMPTY = Stats(None, None, None, None, None, None, None, 0, 0)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tracelake.errors import AmbiguousLabelError, LabelError
 
 from .entries import ModuleEntry, OpEntry, OpTable, TensorSource
+from .record import OPS, STAT_FIELDS, TRANSFORMED
 
 if TYPE_CHECKING:
     import pandas
@@ -21,7 +22,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Trace", "TraceView"]
 
-_STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
+#: Row fields ``df()`` shows as they are (those a catalog column keeps unconverted),
+#: besides the columns it derives itself.
+_EXTRA_FIELDS = tuple(
+    f.name
+    for f in OPS.fields
+    if f.row and f.type is not None and f.name not in ("pass", "func", "kind", *TRANSFORMED)
+)
 
 
 class TraceView:
@@ -152,7 +159,9 @@ class TraceView:
                 "parents": op.parents,
                 "source": str(op.source) if op.source else None,
             }
-            for name in _STAT_FIELDS:
+            for name in _EXTRA_FIELDS:
+                row[name] = op.field(name)
+            for name in STAT_FIELDS:
                 row[name] = getattr(stats, name) if stats is not None else None
             rows.append(row)
         return pandas.DataFrame(rows)

@@ -37,6 +37,15 @@ from tracelake.errors import RunExistsError, StoreError
 from .layout import StorePaths, locked, try_lock
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
+from .schema import (
+    RUN_TABLES,
+    TABLES,
+    create_schema,
+    ident,
+    insert,
+    present_columns,
+    select_list,
+)
 
 __all__ = ["COMPLETE", "TABLES", "CatalogMirror", "CatalogWriter"]
 
@@ -47,47 +56,6 @@ DELETED = "deleted"
 INTERRUPTED = "interrupted"  # shown for 'recording' runs whose writer is gone
 COLLECTED = "collected"  # gc() removed its data; the row stays so that ids never repeat
 
-_STATS = (
-    "mean DOUBLE, std DOUBLE, min DOUBLE, max DOUBLE, absmax DOUBLE, l2 DOUBLE, "
-    "frac_zero DOUBLE, nan_count BIGINT, inf_count BIGINT"
-)
-
-#: Column definitions of every table, in the order writers build their Arrow tables.
-TABLES: dict[str, str] = {
-    "runs": (
-        "id INTEGER, name VARCHAR, status VARCHAR, created TIMESTAMP, finished TIMESTAMP, "
-        "steps INTEGER, op_count BIGINT, bytes BIGINT, model_class VARCHAR, "
-        "param_fingerprint VARCHAR, input_fingerprint VARCHAR, torch_version VARCHAR, "
-        "device VARCHAR, meta VARCHAR, host VARCHAR, pid INTEGER, seq BIGINT"
-    ),
-    "ops": (
-        "run_id INTEGER, step INTEGER, idx INTEGER, label VARCHAR, layer VARCHAR, "
-        '"pass" INTEGER, num_passes INTEGER, func VARCHAR, kind VARCHAR, module VARCHAR, '
-        'modules STRUCT(path VARCHAR, "pass" INTEGER)[], shape BIGINT[], dtype VARCHAR, '
-        "device VARCHAR, nbytes BIGINT, out_index INTEGER, inplace BOOLEAN, "
-        "params VARCHAR[], layer_idx INTEGER, n_func INTEGER, n_layer INTEGER, "
-        'saved BOOLEAN, tensor INTEGER, "array" VARCHAR, byte_offset BIGINT, '
-        "source_file VARCHAR, source_line INTEGER, "
-        f"source_func VARCHAR, {_STATS}"
-    ),
-    "tensors": (
-        'run_id INTEGER, step INTEGER, slot INTEGER, "array" VARCHAR, byte_offset BIGINT, '
-        "nbytes BIGINT, shape BIGINT[], dtype VARCHAR, codec VARCHAR"
-    ),
-    # arg: where the parent came in ("0", "1", "weight", "0.2" for a list item); edge:
-    # the order of the child's parents.
-    "edges": (
-        "run_id INTEGER, step INTEGER, parent INTEGER, child INTEGER, arg VARCHAR, edge INTEGER"
-    ),
-    "modules": (
-        "run_id INTEGER, step INTEGER, idx INTEGER, label VARCHAR, path VARCHAR, "
-        'type VARCHAR, "pass" INTEGER, num_passes INTEGER, first_op VARCHAR, '
-        "last_op VARCHAR, op_start INTEGER, op_end INTEGER, input_ops INTEGER[], "
-        "output_ops INTEGER[], input_tensors INTEGER[], output_tensors INTEGER[], "
-        "structure VARCHAR"
-    ),
-}
-_RUN_TABLES = ("ops", "tensors", "edges", "modules")
 _ATTACHED = "tl_catalog"  # the catalog file's name inside a writer's DuckDB
 #: Results of fewer rows come back as Python rows (faster than Arrow below ~100 rows).
 _FEW_ROWS = 64
@@ -95,11 +63,6 @@ _FEW_ROWS = 64
 _PREPARED = 256
 #: The mirror's own in-memory database.
 _MIRROR_DB = "mirror"
-
-
-def _create_schema(con: duckdb.DuckDBPyConnection) -> None:
-    for name, columns in TABLES.items():
-        con.execute(f"CREATE TABLE IF NOT EXISTS {name} ({columns})")
 
 
 def _now() -> datetime:
@@ -178,7 +141,7 @@ class CatalogWriter:
                 con.execute("BEGIN TRANSACTION")
                 try:
                     if not self._has_schema:  # once per writer and file, in the
-                        _create_schema(con)  # transaction: one commit, not one a table
+                        create_schema(con)  # transaction: one commit, not one a table
                     yield con
                     con.execute("COMMIT")
                 except BaseException:
@@ -262,10 +225,10 @@ class CatalogWriter:
                     f"a run named {name!r} was committed while this one was recording; "
                     "pass overwrite=True to replace it"
                 )
-            for table in _RUN_TABLES:
+            for table in RUN_TABLES:
                 data = tables.get(table)
                 if data is not None:
-                    _insert(con, table, data)
+                    insert(con, table, data)
             if clash:
                 con.execute(
                     f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
@@ -322,7 +285,7 @@ class CatalogWriter:
             dead = [i for i, s in rows if s != RECORDING or not _alive(self.paths, i)]
             if dead:
                 marks = ", ".join("?" * len(dead))
-                for table in _RUN_TABLES:
+                for table in RUN_TABLES:
                     con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", dead)
                 con.execute(f"UPDATE runs SET status = '{COLLECTED}' WHERE id IN ({marks})", dead)
             return dead
@@ -344,7 +307,7 @@ class CatalogMirror:
         self.con = duckdb.connect(":memory:")
         self._compressed = _attach_compressed(self.con)
         self.con.execute("SET enable_external_access = false")
-        _create_schema(self.con)
+        create_schema(self.con)
         self._local = threading.local()  # each thread's reading cursor
         self._gen: str | None = None
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
@@ -398,7 +361,10 @@ class CatalogMirror:
             except duckdb.Error as exc:
                 raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
             try:
-                table = src.sql("SELECT * FROM runs").to_arrow_table()
+                present = present_columns(src)
+                table = src.sql(
+                    f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
+                ).to_arrow_table()
                 ids, names, statuses = (
                     table.column(c).to_pylist() for c in ("id", "name", "status")
                 )
@@ -415,9 +381,11 @@ class CatalogMirror:
                 incoming = {}
                 if new:
                     marks = ", ".join("?" * len(new))
-                    for name in _RUN_TABLES:
+                    for name in RUN_TABLES:
+                        columns = select_list(TABLES[name], present[name])
                         incoming[name] = src.sql(
-                            f"SELECT * FROM {name} WHERE run_id IN ({marks})", params=new
+                            f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
+                            params=new,
                         ).to_arrow_table()
             finally:
                 src.close()
@@ -425,14 +393,14 @@ class CatalogMirror:
         con.execute("BEGIN TRANSACTION")
         try:
             con.execute("DELETE FROM runs")
-            _insert(con, "runs", table)
-            for name in _RUN_TABLES:
+            insert(con, "runs", table)
+            for name in RUN_TABLES:
                 if gone:
                     con.execute(
                         f"DELETE FROM {name} WHERE run_id IN ({', '.join('?' * len(gone))})", gone
                     )
                 if name in incoming:
-                    _insert(con, name, incoming[name])
+                    insert(con, name, incoming[name])
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
@@ -524,7 +492,7 @@ class CatalogMirror:
         if set(run_ids) != self._loaded:  # (the first time: every run, no filter)
             where, params = f" WHERE run_id IN ({', '.join('?' * len(run_ids))})", run_ids
         columns = ", ".join(
-            "CAST(shape AS VARCHAR) AS shape" if f == "shape" else f'"{f}"' for f in POINT_FIELDS
+            "CAST(shape AS VARCHAR) AS shape" if f == "shape" else ident(f) for f in POINT_FIELDS
         )
         return (
             self._reader().sql(f"SELECT {columns} FROM ops{where}", params=params).to_arrow_table()
@@ -568,12 +536,3 @@ def _typed(pa: Any, rows: list[tuple[Any, ...]], schema: Any) -> Any:
         return pa.Table.from_struct_array(structs).replace_schema_metadata(schema.metadata)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return None
-
-
-def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: Any) -> None:
-    if rows.num_rows:
-        con.register("_incoming", rows)
-        try:
-            con.execute(f"INSERT INTO {table} SELECT * FROM _incoming")
-        finally:
-            con.unregister("_incoming")

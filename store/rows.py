@@ -23,18 +23,11 @@ from tracelake.recorder.emit import SelectingEmitter
 from tracelake.recorder.entries import (
     DEVICE,
     DTYPE,
-    FUNC,
-    INPLACE,
-    KIND,
     LAYER,
     MODULES,
-    N_FUNC,
-    N_LAYER,
-    OUT_INDEX,
     PARAMS,
     PARENT_ARGS,
     PARENTS,
-    PASS,
     SHAPE,
     SITE,
     ModuleEntry,
@@ -42,8 +35,22 @@ from tracelake.recorder.entries import (
     SlotRef,
     SourceLocation,
 )
-from tracelake.recorder.stats import Stats
+from tracelake.recorder.record import (
+    EDGES,
+    OPS,
+    ROW_WIDTH,
+    STAT_FIELDS,
+    TRANSFORMED,
+    Stats,
+    make_row,
+    position,
+    row_param,
+)
+from tracelake.recorder.record import (
+    MODULES as MODULES_TABLE,
+)
 
+from .schema import TENSORS, arrow_schema, ident
 from .tensors import dtype_name, parse_dtype
 
 __all__ = [
@@ -56,90 +63,16 @@ __all__ = [
     "run_tables",
 ]
 
-STAT_FIELDS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
+_I32, _I64, _STR = pa.int32(), pa.int64(), pa.string()
 
-_I32, _I64, _F64, _STR, _BOOL = pa.int32(), pa.int64(), pa.float64(), pa.string(), pa.bool_()
-_MODULES = pa.list_(pa.struct([("path", _STR), ("pass", _I32)]))
-
-_OPS_SCHEMA = pa.schema(
-    [
-        ("run_id", _I32),
-        ("step", _I32),
-        ("idx", _I32),
-        ("label", _STR),
-        ("layer", _STR),
-        ("pass", _I32),
-        ("num_passes", _I32),
-        ("func", _STR),
-        ("kind", _STR),
-        ("module", _STR),
-        ("modules", _MODULES),
-        ("shape", pa.list_(_I64)),
-        ("dtype", _STR),
-        ("device", _STR),
-        ("nbytes", _I64),
-        ("out_index", _I32),
-        ("inplace", _BOOL),
-        ("params", pa.list_(_STR)),
-        ("layer_idx", _I32),
-        ("n_func", _I32),
-        ("n_layer", _I32),
-        ("saved", _BOOL),
-        ("tensor", _I32),
-        ("array", _STR),
-        ("byte_offset", _I64),
-        ("source_file", _STR),
-        ("source_line", _I32),
-        ("source_func", _STR),
-        *[(name, _F64) for name in STAT_FIELDS[:7]],
-        ("nan_count", _I64),
-        ("inf_count", _I64),
-    ]
+#: Row fields the catalog keeps as they are (a column of the same name and value); the
+#: other row fields are converted (``record.TRANSFORMED``) or become other tables and
+#: columns (parents: edges; the call site: source_*).
+PLAIN_ROW_COLUMNS = tuple(
+    f.name for f in OPS.fields if f.row and f.type is not None and f.name not in TRANSFORMED
 )
-_EDGES_SCHEMA = pa.schema(
-    [
-        ("run_id", _I32),
-        ("step", _I32),
-        ("parent", _I32),
-        ("child", _I32),
-        ("arg", _STR),
-        ("edge", _I32),
-    ]
-)
-_MODULES_SCHEMA = pa.schema(
-    [
-        ("run_id", _I32),
-        ("step", _I32),
-        ("idx", _I32),
-        ("label", _STR),
-        ("path", _STR),
-        ("type", _STR),
-        ("pass", _I32),
-        ("num_passes", _I32),
-        ("first_op", _STR),
-        ("last_op", _STR),
-        ("op_start", _I32),
-        ("op_end", _I32),
-        ("input_ops", pa.list_(_I32)),
-        ("output_ops", pa.list_(_I32)),
-        ("input_tensors", pa.list_(_I32)),
-        ("output_tensors", pa.list_(_I32)),
-        ("structure", _STR),
-    ]
-)
-_TENSORS_SCHEMA = pa.schema(
-    [
-        ("run_id", _I32),
-        ("step", _I32),
-        ("slot", _I32),
-        ("array", _STR),
-        ("byte_offset", _I64),
-        ("nbytes", _I64),
-        ("shape", pa.list_(_I64)),
-        ("dtype", _STR),
-        ("codec", _STR),
-    ]
-)
+#: Whether each statistics column holds integers (counts) rather than floats.
+_STAT_IS_INT = tuple(OPS.field(name).type.python is int for name in STAT_FIELDS)
 
 
 def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
@@ -157,14 +90,6 @@ def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]
     finally:
         if enabled:
             gc.enable()
-
-
-def _table(schema: pa.Schema, rows: list[tuple[Any, ...]]) -> pa.Table:
-    columns = _transposed(rows, len(schema))
-    return pa.Table.from_arrays(
-        [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)],
-        schema=schema,
-    )
 
 
 def encode_structure(obj: Any) -> Any:
@@ -252,14 +177,43 @@ def run_tables(
     _add_stats(ops, steps, stats, slot_of)
     tensors["codec"] = _taken([codec(name) for name in arrays], array_of, _STR)
     return {
-        "ops": _assembled(_OPS_SCHEMA, ops),
+        "ops": _assembled(arrow_schema(OPS), ops),
         "edges": edges,
         "modules": modules,
-        "tensors": _assembled(_TENSORS_SCHEMA, tensors),
+        "tensors": _assembled(arrow_schema(TENSORS), tensors),
     }
 
 
+class OpRows:
+    """A run's op rows, all steps, as columns: what a producer of a derived ``ops``
+    column reads (``column(name)``: a row field's values, one per op)."""
+
+    def __init__(
+        self, columns: list[tuple[Any, ...]], labels: list[str], step: np.ndarray, idx: np.ndarray
+    ):
+        self._columns = columns
+        self.labels = labels
+        self.step = step
+        self.idx = idx
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def column(self, name: str) -> tuple[Any, ...]:
+        return self._columns[position(name)]
+
+
+#: Producers of the ``ops`` columns the store derives beyond those built in
+#: :func:`_op_columns`: column name -> function of the run's :class:`OpRows` returning
+#: one value per op. A column declared in ``record.OPS`` that nothing produces is an
+#: error at the first commit.
+PRODUCERS: dict[str, Callable[[OpRows], Sequence[Any]]] = {}
+
+
 def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
+    missing = [f.name for f in schema if f.name not in columns]
+    if missing:
+        raise KeyError(f"no producer for the declared column(s) {', '.join(missing)}")
     return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema], schema=schema)
 
 
@@ -275,12 +229,12 @@ def _op_columns(
     starts = np.cumsum(sizes) - sizes  # each step's first row
     n = int(sizes.sum())
     rows = list(itertools.chain.from_iterable(table.rows for table in tables))
-    columns = _transposed(rows, len(rows[0]) if n else 16)
+    columns = _transposed(rows, len(rows[0]) if n else ROW_WIDTH)
     step_of = np.repeat(np.arange(len(steps), dtype=np.int32), sizes)
     idx = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)  # the row within its step
     slot_of = np.full(n, -1, dtype=np.int64)
     for start, (_, _, emitter) in zip(starts.tolist(), steps, strict=True):
-        op_slot = emitter._op_slot
+        op_slot = emitter.op_slots
         if op_slot:
             slot_of[start + np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = np.fromiter(
                 op_slot.values(), np.int64, len(op_slot)
@@ -306,10 +260,10 @@ def _op_columns(
     # A layer's label is its first entry's, less the ":1" of a layer of several passes.
     layer_names = list(map(labels.__getitem__, layers))
     passes = np.ones(len(layers), dtype=np.int32)
-    position = {row: k for k, row in enumerate(layers)} if any(t.passes for t in tables) else {}
+    layer_at = {row: k for k, row in enumerate(layers)} if any(t.passes for t in tables) else {}
     for start, table in zip(starts.tolist(), tables, strict=True):
         for lay, count in table.passes.items():
-            k = position[start + lay]
+            k = layer_at[start + lay]
             layer_names[k] = table.layer_label(lay)
             passes[k] = count
     _, site_of = distinct_codes(columns[SITE], identity=True)  # a site: (code, offset)
@@ -323,24 +277,18 @@ def _op_columns(
         "idx": idx,
         "label": labels,
         "layer": _taken(layer_names, layer_of, _STR),
-        "pass": columns[PASS],
         "num_passes": passes[layer_of],
-        "func": columns[FUNC],
-        "kind": columns[KIND],
         "module": _taken([st[-1][0] if st else "" for st in stacks], stack_of, _STR),
         "modules": _taken(
-            [[{"path": p, "pass": k} for p, k in st] for st in stacks], stack_of, _MODULES
+            [[{"path": p, "pass": k} for p, k in st] for st in stacks],
+            stack_of,
+            OPS.field("modules").type.arrow,
         ),
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
         "device": _taken([str(dev) for dev in devices], device_of, _STR),
         "nbytes": numel[shape_of] * itemsize[dtype_of],
-        "out_index": columns[OUT_INDEX],
-        "inplace": columns[INPLACE],
         "params": _taken([list(p) for p in params], params_of, pa.list_(_STR)),
-        "layer_idx": columns[LAYER],
-        "n_func": columns[N_FUNC],
-        "n_layer": columns[N_LAYER],
         "saved": saved,
         "tensor": tensor,
         "array": tensors["array"].take(tensor),
@@ -349,6 +297,12 @@ def _op_columns(
         "source_line": _taken([w.line if w else None for w in where], site_of, _I32),
         "source_func": _taken([w.function if w else None for w in where], site_of, _STR),
     }
+    for name in PLAIN_ROW_COLUMNS:
+        cols[name] = columns[position(name)]
+    if PRODUCERS:
+        ops = OpRows(columns, labels, step_of, idx)
+        for name, produce in PRODUCERS.items():
+            cols[name] = produce(ops)
     return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
 
 
@@ -363,13 +317,13 @@ def _add_stats(
     values, valid = stats[0][slot_of], stats[1][slot_of]  # slot -1: the undefined row
     start = 0
     for table, _, emitter in steps:
-        for index, st in emitter._stats.items():  # stats="all": unsaved ops, one by one
+        for index, st in emitter.unsaved_stats.items():  # stats="all": unsaved ops, one by one
             row = [getattr(st, name) for name in STAT_FIELDS]
             values[start + index] = [0.0 if v is None else v for v in row]
             valid[start + index] = [v is not None for v in row]
         start += len(table.rows)
-    for k, name in enumerate(STAT_FIELDS):
-        column = values[:, k] if k < 7 else values[:, k].astype(np.int64)
+    for k, (name, is_int) in enumerate(zip(STAT_FIELDS, _STAT_IS_INT, strict=True)):
+        column = values[:, k].astype(np.int64) if is_int else values[:, k]
         cols[name] = pa.array(column, mask=~valid[:, k])
 
 
@@ -403,45 +357,46 @@ def _edges(
         (np.cumsum(counts) - counts).astype(np.int32), counts
     )
     names, name_of = distinct_codes(list(itertools.chain.from_iterable(args)))
-    columns = (
-        np.full(total, run_id, dtype=np.int32),
-        np.repeat(step_of, counts),
-        list(itertools.chain.from_iterable(parents)),
-        np.repeat(idx, counts),
-        _taken([str(a) for a in names], name_of, _STR),
-        edge,
-    )
-    return pa.Table.from_arrays(
-        [_array(c, f.type) for c, f in zip(columns, _EDGES_SCHEMA, strict=True)],
-        schema=_EDGES_SCHEMA,
-    )
+    columns = {
+        "run_id": np.full(total, run_id, dtype=np.int32),
+        "step": np.repeat(step_of, counts),
+        "parent": list(itertools.chain.from_iterable(parents)),
+        "child": np.repeat(idx, counts),
+        "arg": _taken([str(a) for a in names], name_of, _STR),
+        "edge": edge,
+    }
+    return _assembled(arrow_schema(EDGES), columns)
 
 
 def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
     """The module entries of a run's steps, as (step, entry)."""
-    rows = [
-        (
-            run_id,
-            step,
-            m.index,
-            m.label,
-            m.path,
-            m.type,
-            m.pass_num,
-            m.num_passes,
-            m.first_op,
-            m.last_op,
-            m._op_range[0],
-            m._op_range[1],
-            list(m._input_indices),
-            list(m._output_indices),
-            None if m._input_slots is None else list(m._input_slots),
-            None if m._output_slots is None else list(m._output_slots),
-            None if m._output_slots is None else json.dumps(encode_structure(m._structure)),
-        )
-        for step, m in modules
-    ]
-    return _table(_MODULES_SCHEMA, rows)
+
+    def column(value: Callable[[ModuleEntry], Any]) -> list[Any]:
+        return [value(m) for _, m in modules]
+
+    def saved(value: Callable[[ModuleEntry], Any]) -> list[Any]:
+        return [None if m._output_slots is None else value(m) for _, m in modules]
+
+    columns = {
+        "run_id": [run_id] * len(modules),
+        "step": [step for step, _ in modules],
+        "idx": column(lambda m: m.index),
+        "label": column(lambda m: m.label),
+        "path": column(lambda m: m.path),
+        "type": column(lambda m: m.type),
+        "pass": column(lambda m: m.pass_num),
+        "num_passes": column(lambda m: m.num_passes),
+        "first_op": column(lambda m: m.first_op),
+        "last_op": column(lambda m: m.last_op),
+        "op_start": column(lambda m: m._op_range[0]),
+        "op_end": column(lambda m: m._op_range[1]),
+        "input_ops": column(lambda m: list(m._input_indices)),
+        "output_ops": column(lambda m: list(m._output_indices)),
+        "input_tensors": column(lambda m: None if m._input_slots is None else list(m._input_slots)),
+        "output_tensors": saved(lambda m: list(m._output_slots)),
+        "structure": saved(lambda m: json.dumps(encode_structure(m._structure))),
+    }
+    return _assembled(arrow_schema(MODULES_TABLE), columns)
 
 
 def _tensor_columns(
@@ -490,11 +445,23 @@ class StoredOpTable(OpTable):
         return self._locations[index]
 
 
-_OP_COLUMNS = (
-    "idx, label, func, kind, modules, shape, dtype, device, out_index, inplace, "
-    'params, layer_idx, "pass", num_passes, n_func, n_layer, tensor, source_file, '
-    f"source_line, source_func, {', '.join(STAT_FIELDS)}"
+#: The ``ops`` columns a stored step's op table is rebuilt from, and each one's place.
+_LOAD_COLUMNS = (
+    "idx",
+    "label",
+    "num_passes",
+    "tensor",
+    "source_file",
+    "source_line",
+    "source_func",
+    *TRANSFORMED,
+    *PLAIN_ROW_COLUMNS,
+    *STAT_FIELDS,
 )
+_AT = {name: k for k, name in enumerate(_LOAD_COLUMNS)}
+_PLAIN_AT = tuple((row_param(name), _AT[name]) for name in PLAIN_ROW_COLUMNS)
+_STATS_AT = slice(_AT[STAT_FIELDS[0]], _AT[STAT_FIELDS[-1]] + 1)
+_SELECT_LOAD = ", ".join(ident(name) for name in _LOAD_COLUMNS)
 
 
 def load_step(
@@ -503,7 +470,8 @@ def load_step(
     """The op table, module entries, op -> tensor slot map and op stats of one step.
     ``query(sql, params)`` runs SQL on the catalog and returns a cursor."""
     ops = query(
-        f"SELECT {_OP_COLUMNS} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx", [run_id, step]
+        f"SELECT {_SELECT_LOAD} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx",
+        [run_id, step],
     ).fetchall()
     parents: dict[int, list[tuple[int, str]]] = {}
     for parent, child, arg in query(
@@ -519,60 +487,39 @@ def load_step(
     stats: dict[int, Stats] = {}
     dtypes: dict[str, torch.dtype] = {}
     devices: dict[str, torch.device] = {}
-    for (
-        idx,
-        label,
-        func,
-        kind,
-        modules,
-        shape,
-        dtype,
-        device,
-        out_index,
-        inplace,
-        params,
-        layer,
-        pass_num,
-        num_passes,
-        n_func,
-        n_layer,
-        tensor,
-        sfile,
-        sline,
-        sfunc,
-        *stat,
-    ) in ops:
+    at = _AT
+    for op in ops:
+        idx = op[at["idx"]]
         edge = parents.get(idx, ())
+        dtype, device = op[at["dtype"]], op[at["device"]]
         dt = dtypes.get(dtype) or dtypes.setdefault(dtype, parse_dtype(dtype))
         dev = devices.get(device) or devices.setdefault(device, torch.device(device))
         rows.append(
-            (
-                func,
-                kind,
-                tuple((m["path"], m["pass"]) for m in modules),
-                tuple(p for p, _ in edge),
-                tuple(_arg(a) for _, a in edge),
-                None,
-                tuple(shape),
-                dt,
-                dev,
-                out_index,
-                inplace,
-                tuple(params),
-                layer,
-                pass_num,
-                n_func,
-                n_layer,
+            make_row(
+                modules=tuple((m["path"], m["pass"]) for m in op[at["modules"]]),
+                parents=tuple(p for p, _ in edge),
+                parent_args=tuple(_arg(a) for _, a in edge),
+                site=None,
+                shape=tuple(op[at["shape"]]),
+                dtype=dt,
+                device=dev,
+                params=tuple(op[at["params"]]),
+                **{param: op[k] for param, k in _PLAIN_AT},
             )
         )
-        labels.append(label)
-        sources.append(SourceLocation(sfile, sline, sfunc) if sfile is not None else None)
-        if num_passes > 1:
-            passes[layer] = num_passes
-        if tensor is not None:
-            slots[idx] = tensor
-        if stat[7] is not None:  # nan_count: set whenever statistics were computed
-            stats[idx] = Stats(*stat)
+        labels.append(op[at["label"]])
+        sfile = op[at["source_file"]]
+        sources.append(
+            SourceLocation(sfile, op[at["source_line"]], op[at["source_func"]])
+            if sfile is not None
+            else None
+        )
+        if op[at["num_passes"]] > 1:
+            passes[op[at["layer_idx"]]] = op[at["num_passes"]]
+        if op[at["tensor"]] is not None:
+            slots[idx] = op[at["tensor"]]
+        if op[at["nan_count"]] is not None:  # set whenever statistics were computed
+            stats[idx] = Stats(*op[_STATS_AT])
     table = StoredOpTable(rows, labels, passes, sources)
     modules_out = []
     for (

@@ -16,7 +16,7 @@ from typing import Any
 
 import duckdb
 
-from tracelake.store.catalog import TABLES
+from tracelake.store.schema import TABLES, create_schema
 
 RUNS = [
     (
@@ -52,8 +52,7 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: list[dict[str, Any
 
 def make_catalog() -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:")
-    for name, columns in TABLES.items():
-        con.execute(f"CREATE TABLE {name} ({columns})")
+    create_schema(con)
     _insert(
         con,
         "runs",

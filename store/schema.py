@@ -1,0 +1,171 @@
+"""The catalog's tables, derived from their declarations: DDL, Arrow schemas, the SQL
+that inserts and copies rows by column name.
+
+``ops``, ``edges`` and ``modules`` are declared with the op record
+(:mod:`tracelake.recorder.record`); ``runs`` and ``tensors`` belong to the store and are
+declared here, with the same :class:`Field`. A catalog written by an older version may
+lack a column declared since: writers add it (with its default) in their first
+transaction, readers select it as its default, so every catalog reads as the
+declarations say.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from tracelake.recorder.record import (
+    EDGES,
+    I32,
+    I64,
+    MODULES,
+    OPS,
+    STR,
+    TIMESTAMP,
+    Field,
+    Table,
+    list_of,
+)
+
+__all__ = [
+    "RUNS",
+    "RUN_TABLES",
+    "TABLES",
+    "TENSORS",
+    "arrow_schema",
+    "create_schema",
+    "ident",
+    "insert",
+    "present_columns",
+    "select_list",
+]
+
+#: The ``runs`` table: one row per run, whatever its status.
+RUNS = Table(
+    "runs",
+    (
+        Field("id", I32, "the run's id (never reused)"),
+        Field("name", STR, "the run's name"),
+        Field("status", STR, "recording, complete, failed, deleted or collected"),
+        Field("created", TIMESTAMP, "when recording began (UTC)"),
+        Field("finished", TIMESTAMP, "when the run was committed (UTC)"),
+        Field("steps", I32, "how many forward passes the run recorded"),
+        Field("op_count", I64, "how many op entries, all steps"),
+        Field("bytes", I64, "bytes of saved tensors"),
+        Field("model_class", STR, "the model's class"),
+        Field("param_fingerprint", STR, "a hash of the model's parameters and buffers"),
+        Field("input_fingerprint", STR, "a hash of the first step's inputs"),
+        Field("torch_version", STR, "torch's version"),
+        Field("device", STR, "the model's device"),
+        Field("meta", STR, "the user's metadata, as JSON"),
+        Field("host", STR, "the recording host"),
+        Field("pid", I32, "the recording process"),
+        Field("seq", I64, "commit order"),
+    ),
+)
+
+#: The ``tensors`` table: one row per saved tensor (slot) of a run.
+TENSORS = Table(
+    "tensors",
+    (
+        Field("run_id", I32, "the run's id"),
+        Field("step", I32, "the step that saved it"),
+        Field("slot", I32, "the tensor's slot, from 0 within the run"),
+        Field("array", STR, "the Zarr array holding it"),
+        Field("byte_offset", I64, "where it starts in a packed array (NULL: its own array)"),
+        Field("nbytes", I64, "its size in bytes"),
+        Field("shape", list_of(I64), "its shape"),
+        Field("dtype", STR, "its dtype"),
+        Field("codec", STR, "how its array is encoded"),
+    ),
+)
+
+#: Every catalog table, in the order a new catalog creates them.
+TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES)}
+#: The tables holding a run's rows (by ``run_id``).
+RUN_TABLES = ("ops", "tensors", "edges", "modules")
+
+
+def ident(name: str) -> str:
+    """The one quoting function for SQL identifiers (catalog names, and names a query
+    uses once the query room's whitelist admitted them)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(value: Any) -> str:
+    """A declared default as SQL (declarations only: never user input)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    raise TypeError(f"a column default must be None, a bool, a number or a str: {value!r}")
+
+
+def _definition(field: Field) -> str:
+    assert field.type is not None
+    default = f" DEFAULT {_literal(field.default)}" if field.has_default else ""
+    return f"{ident(field.name)} {field.type.duckdb}{default}"
+
+
+@functools.cache
+def arrow_schema(table: Table) -> pa.Schema:
+    """The Arrow schema of ``table``'s rows, columns in declaration order."""
+    return pa.schema([(f.name, f.type.arrow) for f in table.columns if f.type is not None])
+
+
+def present_columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
+    """The columns each table of the connection's current database has."""
+    present: dict[str, set[str]] = {}
+    for table, column in con.execute(
+        "SELECT table_name, column_name FROM duckdb_columns() "
+        "WHERE database_name = current_database() AND schema_name = 'main'"
+    ).fetchall():
+        present.setdefault(table, set()).add(column)
+    return present
+
+
+def create_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """Create every table the catalog lacks, and every column an older catalog's tables
+    lack (filled with the column's default): run in a writer's transaction, or on a
+    reader's own in-memory database."""
+    present = present_columns(con)
+    for table in TABLES.values():
+        if table.name not in present:
+            columns = ", ".join(_definition(f) for f in table.columns)
+            con.execute(f"CREATE TABLE {ident(table.name)} ({columns})")
+            continue
+        for field in table.columns:
+            if field.name not in present[table.name]:
+                con.execute(f"ALTER TABLE {ident(table.name)} ADD COLUMN {_definition(field)}")
+
+
+def select_list(table: Table, present: set[str]) -> str:
+    """The columns of ``table`` in declaration order, for a ``SELECT`` over a catalog
+    whose table has the columns ``present``: a column it lacks reads as its default."""
+    items = []
+    for field in table.columns:
+        assert field.type is not None
+        if field.name in present:
+            items.append(ident(field.name))
+        else:
+            value = _literal(field.default) if field.has_default else "NULL"
+            items.append(f"CAST({value} AS {field.type.duckdb}) AS {ident(field.name)}")
+    return ", ".join(items)
+
+
+def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+    """Insert an Arrow table's rows by column name (a column the rows lack gets its
+    default; a column the table lacks is an error)."""
+    if rows.num_rows:
+        con.register("_incoming", rows)
+        try:
+            con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
+        finally:
+            con.unregister("_incoming")
