@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .record import Stats
+from .record import F64, OPS, STAT_FIELDS, Stats
 
 __all__ = [
     "GATHER_MAX",
+    "MOMENTS",
     "UNSIGNED",
     "Stats",
     "StatsGatherer",
@@ -302,16 +303,26 @@ def _complex_stats(magnitude: torch.Tensor, numel: int) -> Stats:
     )
 
 
+#: The floating-point statistics, in :class:`Stats` order: what segment_moments gives
+#: (the counts, NaN and Inf, follow them in Stats and are 0 where it applies).
+MOMENTS = tuple(name for name in STAT_FIELDS if OPS.field(name).type is F64)
+assert STAT_FIELDS[: len(MOMENTS)] == MOMENTS
+_NO_COUNTS = (0,) * (len(STAT_FIELDS) - len(MOMENTS))
+_MEAN, _STD, _MIN, _MAX, _ABSMAX, _L2, _FRAC_ZERO = map(
+    MOMENTS.index, ("mean", "std", "min", "max", "absmax", "l2", "frac_zero")
+)
+
+
 def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Statistics of consecutive segments of ``values`` (float64; segment k has
     ``counts[k]`` elements, all > 0) from a handful of segmented numpy reductions: how a
     store gets the statistics of the thousands of small tensors in one 4 MiB chunk
-    without several torch calls per tensor. Returns a (segments, 7) float64 array of
-    mean, std, min, max, absmax, l2 and frac_zero (the :class:`Stats` fields before the
-    NaN and Inf counts, both 0 here), and a mask, False where these moments would not
+    without several torch calls per tensor. Returns a (segments, len(MOMENTS)) float64
+    array of the floating-point statistics (:data:`MOMENTS`: the :class:`Stats` fields
+    before the NaN and Inf counts, both 0 here), and a mask, False where these would not
     give what :func:`compute_stats` gives (NaN or Inf, or a mean that dwarfs the
     spread): the caller computes those one by one."""
-    out = np.empty((len(counts), 7))
+    out = np.empty((len(counts), len(MOMENTS)))
     if counts.min() == counts.max():  # segments of one size (common: a layer's rows):
         values = values.reshape(len(counts), -1)  # row reductions, ~3x faster
         shift = values[:, 0]
@@ -319,8 +330,8 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
             centred = values - shift[:, None]
             first, second = centred.sum(1), (centred * centred).sum(1)
             squares = (values * values).sum(1)
-        low = out[:, 2] = values.min(1)
-        high = out[:, 3] = values.max(1)
+        low = out[:, _MIN] = values.min(1)
+        high = out[:, _MAX] = values.max(1)
         zeros = (values == 0).sum(1)
     else:
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -332,23 +343,23 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
             first = np.add.reduceat(centred, starts)
             second = np.add.reduceat(centred * centred, starts)
             squares = np.add.reduceat(values * values, starts)
-        low = out[:, 2] = np.minimum.reduceat(values, starts)
-        high = out[:, 3] = np.maximum.reduceat(values, starts)
+        low = out[:, _MIN] = np.minimum.reduceat(values, starts)
+        high = out[:, _MAX] = np.maximum.reduceat(values, starts)
         zeros = np.add.reduceat((values == 0).astype(np.int64), starts)
     with np.errstate(invalid="ignore", over="ignore"):
         offset = first / counts
         moment = second / counts
         spread = moment - offset * offset
-        out[:, 0] = shift + offset
+        out[:, _MEAN] = shift + offset
         # Cancellation is bounded by how far the first element lies from the mean
         # (at most a factor n); past a millionth, the careful path.
         good = (
             np.isfinite(low) & np.isfinite(high) & np.isfinite(squares) & (spread >= 1e-6 * moment)
         )
-        out[:, 1] = np.sqrt(np.where(good, spread, 0.0))
-    out[:, 4] = np.maximum(np.abs(low), np.abs(high))
-    out[:, 5] = np.sqrt(squares)
-    out[:, 6] = zeros / counts
+        out[:, _STD] = np.sqrt(np.where(good, spread, 0.0))
+    out[:, _ABSMAX] = np.maximum(np.abs(low), np.abs(high))
+    out[:, _L2] = np.sqrt(squares)
+    out[:, _FRAC_ZERO] = zeros / counts
     return out, good
 
 
@@ -356,7 +367,7 @@ def segment_stats(values: np.ndarray, counts: np.ndarray) -> list[Stats | None]:
     """:func:`segment_moments` as :class:`Stats` objects, ``None`` where not good."""
     moments, good = segment_moments(values, counts)
     return [
-        Stats(*row, 0, 0) if g else None  # type: ignore[call-arg]
+        Stats(*row, *_NO_COUNTS) if g else None
         for row, g in zip(moments.tolist(), good.tolist(), strict=True)
     ]
 
