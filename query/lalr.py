@@ -4,8 +4,8 @@ Lark builds the tables from ``grammar.lark`` and stays the reference: it explain
 text this driver refuses (``parse`` returns ``None`` and the caller asks Lark, which
 raises its exceptions with expected tokens). The driver only does the accepting path,
 about twice as fast as Lark's: Lark lexes through a chain of objects per token and
-calls each rule's callback through three or four wrappers, which at ~20 tokens a query
-is most of the query's parse time.
+calls each rule's callback through three or four wrappers, which for a query's few
+dozen tokens is most of its parse time.
 
 It reproduces what Lark's contextual lexer and its tree shaping do for this grammar, and
 refuses to build for a grammar using anything else:

@@ -188,9 +188,10 @@ def _finish(
 def _numpy_sum64(x: torch.Tensor) -> float | None:
     """The sum of a float32 CPU tensor, accumulated in float64 (a float32 sum drifts on
     large, near-constant tensors, and the mean, hence std's shift, with it), through
-    numpy, which converts in cache-sized blocks: torch's float64-accumulating sum of
-    float32 runs ~9x slower (107 vs 12 ms for 32 MiB), and a store's workers compute it
-    for every large tensor. ``None`` elsewhere: torch's sum, with the other reductions."""
+    numpy, which converts in cache-sized blocks (torch's float64-accumulating sum of
+    float32 is several times slower; see docs/architecture.md), and a store's workers
+    compute it for every large tensor. ``None`` elsewhere: torch's sum, with the other
+    reductions."""
     if x.dtype is torch.float32 and x.device.type == "cpu" and type(x) is torch.Tensor:
         try:
             with np.errstate(all="ignore"):  # inf - inf: NaN, as torch gives, silently
@@ -201,9 +202,9 @@ def _numpy_sum64(x: torch.Tensor) -> float | None:
 
 
 def _numpy_nonzero(x: torch.Tensor) -> float | None:
-    """How many elements of a CPU tensor are not zero, counted by numpy: torch's
-    count_nonzero took 6.3 ms for a 4 MiB float32 chunk of a ReLU's output (half zeros,
-    in no order), numpy 0.9 (a store's workers count every chunk they write). ``None``
+    """How many elements of a CPU tensor are not zero, counted by numpy, which is several
+    times faster than torch's count_nonzero on unordered zeros such as a ReLU's output
+    (a store's workers count every chunk they write). ``None``
     where numpy cannot see the tensor: torch's count, with the other reductions."""
     if x.device.type == "cpu" and type(x) is torch.Tensor:
         try:
@@ -324,7 +325,7 @@ def segment_moments(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray,
     spread): the caller computes those one by one."""
     out = np.empty((len(counts), len(MOMENTS)))
     if counts.min() == counts.max():  # segments of one size (common: a layer's rows):
-        values = values.reshape(len(counts), -1)  # row reductions, ~3x faster
+        values = values.reshape(len(counts), -1)  # row reductions beat reduceat
         shift = values[:, 0]
         with np.errstate(invalid="ignore", over="ignore"):
             centred = values - shift[:, None]
@@ -406,8 +407,8 @@ class StatsGatherer:
     ``stats="all"`` asks of every op): :meth:`add` copies a tensor's bytes into a buffer
     of its dtype (one ``memmove``); when a buffer is full, and at :meth:`finish`, its
     tensors are reduced together (:func:`segment_moments`), the odd ones (NaN, Inf, a mean
-    that dwarfs the spread) one by one from their copies. One by one, a 4x4 tensor's
-    statistics took ~50 us of torch and Python calls."""
+    that dwarfs the spread) one by one from their copies. Reducing a tiny tensor on its
+    own costs several torch calls, far more than copying its bytes."""
 
     def __init__(self, capacity: int = 1 << 20):
         self._capacity = max(capacity, GATHER_MAX)

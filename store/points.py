@@ -1,17 +1,17 @@
 """The op index of a reader's catalog mirror: where an op's tensor lies, by run and label.
 
 Fetching one activation (``select out from ops where run = 'a' and label = 'relu_1_2'``)
-is the commonest query of a notebook, and DuckDB answers it no faster than ~1-2 ms here:
-about 1 ms of fixed cost for a statement of that shape, even over a table of one row,
-plus a scan of the run's row group. This index answers it from memory in microseconds.
+is the commonest query of a notebook, and DuckDB cannot answer it fast: a statement of
+that shape has a fixed cost of its own even over a table of one row, plus a scan of
+the run's row group (``benchmarks/query_latency.py`` measures both). This index answers
+it from memory in microseconds.
 
 It keeps, for every op row of the mirror's complete runs, only what locates its tensor
-(``FIELDS``), as numpy columns sorted by ``(run_id, label)``: 48 bytes a row, strings
-and shapes as codes into lists of their distinct values. Runs are indexed when a lookup
+(``FIELDS``), as numpy columns sorted by ``(run_id, label)``: a few machine words a
+row, strings and shapes as codes into lists of their distinct values. Runs are indexed when a lookup
 first needs them (one query of the mirror for all the runs not indexed yet, one segment
 per such batch); runs that left the catalog are dropped from their segments at the
-refresh that saw them go. A store never asked such a query twice pays nothing: on 1,000
-runs of 877 ops, the index took ~0.3 s to build and 40 MiB (the mirror: 51).
+refresh that saw them go. A store never asked such a query twice pays nothing.
 """
 
 from __future__ import annotations

@@ -78,9 +78,9 @@ _STAT_IS_INT = tuple(OPS.field(name).type.python is int for name in STAT_FIELDS)
 def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
     """The columns of ``rows``. ``zip(*rows)`` holds an iterator per row (20,000 for a run
     of that many ops): were the garbage collector to run meanwhile, it would promote
-    them all to its oldest generation, and a full collection (~250 ms) came with every
-    run or two. So it does not run meanwhile (no user code does either); one ``map`` per
-    column instead took 6x as long."""
+    them all to its oldest generation, and a full collection of the whole heap would come
+    with every run or two. So it does not run meanwhile (no user code does either); one
+    ``map`` per column instead is several times slower."""
     if not rows:
         return [()] * width
     enabled = gc.isenabled()
@@ -128,8 +128,8 @@ def distinct_codes(values: Sequence[Any], identity: bool = False) -> tuple[list[
     distinct value is converted once and Arrow ``take``s the rest.
 
     One hash per row (each row's first equal row, then ranks), and none for a column of
-    one value (``count``'s comparisons start with identity): a 20,000-row column of one
-    value took ~2.3 ms hashed twice, ~0.1 ms so. ``identity``: rows are found equal by
+    one value (``count``'s comparisons start with identity, which is far cheaper than
+    hashing every row). ``identity``: rows are found equal by
     being the same object, so equal values that are other objects may get codes of their
     own (for values whose hash is slow, such as call sites holding a code object, where
     the caller only needs each value converted about once)."""
@@ -167,7 +167,8 @@ def run_tables(
     chunks (statistics, encoding, writes) while the rest is built.
 
     Built column by column, all steps at once (this runs for every op of every stored
-    run, and each Arrow conversion has a fixed cost: 2.5 ms per step of 10 ops): what
+    run, and each Arrow conversion has a fixed cost, which per step would dominate
+    runs of many small steps): what
     rows share (module stacks, shapes, dtypes, layers, call sites) is converted once per
     distinct value, and the tensor columns are gathered by slot."""
     tensors, (arrays, array_of) = _tensor_columns(run_id, slots)
@@ -333,7 +334,7 @@ def _array(values: Any, type_: pa.DataType) -> Any:
         return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     integer = _INTEGERS.get(type_)
     if integer is not None and isinstance(values, (tuple, list)):
-        try:  # Python ints through numpy: ~0.7 ms per 20,000 rather than ~1.2
+        try:  # Python ints convert faster through numpy than through pa.array
             return pa.array(np.fromiter(values, integer, len(values)))
         except (TypeError, OverflowError):  # None among them, or out of range
             pass
