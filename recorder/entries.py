@@ -70,6 +70,46 @@ def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
     return f"{func}_{n_func}_{n_layer}"
 
 
+def op_keys(rows: list[tuple], labels: list[str]) -> list[str]:
+    """Each entry's stable key: the same op of two runs of the same model code gets the
+    same key even where other parts of their graphs differ (a mask in one run only,
+    prefill and decode steps), which labels, numbered across the whole graph, cannot.
+
+    An op's key is its innermost module call, its function and its ordinal among that
+    function's calls inside that module call: ``transformer.h.1.attn:softmax#1``; a
+    module's later calls carry their pass (``block:2:add#1``); a call's second and later
+    outputs add their position (``chunk#1.2``); ops outside any module are numbered
+    among the top level's calls of their function (``arange#1``); the model's inputs
+    and outputs keep their labels (``input_1``)."""
+    keys: list[str] = []
+    counts: dict[tuple[Any, str], int] = {}
+    for index, (row, label) in enumerate(zip(rows, labels, strict=True)):
+        if row[KIND] != "op":
+            keys.append(label)
+            continue
+        out_index = row[OUT_INDEX]
+        if out_index:  # a later output of the call whose first output came just before
+            keys.append(f"{keys[index - out_index]}.{out_index}")
+            continue
+        stack, func = row[MODULES], row[FUNC]
+        call = stack[-1] if stack else ("", 1)
+        n = counts[call, func] = counts.get((call, func), 0) + 1
+        path, pass_num = call
+        where = f"{path}:{pass_num}:" if pass_num > 1 else f"{path}:" if path else ""
+        keys.append(f"{where}{func}#{n}")
+    return keys
+
+
+@functools.cache
+def block_of(path: str) -> int | None:
+    """The block index of a module path: its first all-digit component
+    (``transformer.h.1.attn`` -> 1), or None."""
+    for part in path.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 class OpTable:
     """Metadata of every entry of one recording, one row tuple per entry.
 
@@ -81,6 +121,8 @@ class OpTable:
         self.rows: list[tuple] = []
         self.passes: dict[int, int] = {}
         self.labels: list[str] = []
+        self._keys: list[str] | None = None
+        self._blocks: list[int | None] | None = None
         self._children: list[tuple[int, ...]] | None = None
         self._sources: dict[tuple[Any, int], SourceLocation] = {}
 
@@ -109,6 +151,22 @@ class OpTable:
             label = _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
             append(f"{label}:1" if layer in passes else label)
         self.labels = labels
+
+    @property
+    def keys(self) -> list[str]:
+        """Every entry's stable key (:func:`op_keys`), computed on first use."""
+        if self._keys is None:
+            self._keys = op_keys(self.rows, self.labels)
+        return self._keys
+
+    @property
+    def blocks(self) -> list[int | None]:
+        """Every entry's block index (:func:`block_of` its innermost module), or None."""
+        if self._blocks is None:
+            self._blocks = [
+                block_of(row[MODULES][-1][0]) if row[MODULES] else None for row in self.rows
+            ]
+        return self._blocks
 
     def children(self, index: int) -> tuple[int, ...]:
         """Entries that consumed entry ``index`` (computed for all entries on first use)."""
@@ -224,6 +282,16 @@ class OpEntry:
     @property
     def parent_args(self) -> tuple[str, ...]:
         return tuple(str(pos) for pos in self._row[PARENT_ARGS])
+
+    @property
+    def key(self) -> str:
+        """The op's stable key across runs of the same model code (see :func:`op_keys`)."""
+        return self._table.keys[self.index]
+
+    @property
+    def block(self) -> int | None:
+        """The block index of the op's innermost module (``h.3.attn`` -> 3), or None."""
+        return self._table.blocks[self.index]
 
     @property
     def layer(self) -> str:

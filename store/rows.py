@@ -277,6 +277,8 @@ def _op_columns(
         "step": step_of,
         "idx": idx,
         "label": labels,
+        "key": list(itertools.chain.from_iterable(table.keys for table in tables)),
+        "block": list(itertools.chain.from_iterable(table.blocks for table in tables)),
         "layer": _taken(layer_names, layer_of, _STR),
         "num_passes": passes[layer_of],
         "module": _taken([st[-1][0] if st else "" for st in stacks], stack_of, _STR),
@@ -435,12 +437,15 @@ class StoredOpTable(OpTable):
         labels: list[str],
         passes: dict[int, int],
         sources: list[SourceLocation | None],
+        keys: list[str | None],
     ):
         super().__init__()
         self.rows = rows
         self.labels = labels
         self.passes = passes
         self._locations = sources
+        if None not in keys:  # a run recorded before keys were stored: derived on use
+            self._keys = keys  # type: ignore[assignment]
 
     def source(self, index: int) -> SourceLocation | None:
         return self._locations[index]
@@ -450,6 +455,7 @@ class StoredOpTable(OpTable):
 _LOAD_COLUMNS = (
     "idx",
     "label",
+    "key",
     "num_passes",
     "tensor",
     "source_file",
@@ -482,6 +488,7 @@ def load_step(
         parents.setdefault(child, []).append((parent, arg))
     rows: list[tuple[Any, ...]] = []
     labels: list[str] = []
+    keys: list[str | None] = []
     sources: list[SourceLocation | None] = []
     passes: dict[int, int] = {}
     slots: dict[int, int] = {}
@@ -509,6 +516,7 @@ def load_step(
             )
         )
         labels.append(op[at["label"]])
+        keys.append(op[at["key"]])
         sfile = op[at["source_file"]]
         sources.append(
             SourceLocation(sfile, op[at["source_line"]], op[at["source_func"]])
@@ -521,7 +529,7 @@ def load_step(
             slots[idx] = op[at["tensor"]]
         if op[at["nan_count"]] is not None:  # set whenever statistics were computed
             stats[idx] = Stats(*op[_STATS_AT])
-    table = StoredOpTable(rows, labels, passes, sources)
+    table = StoredOpTable(rows, labels, passes, sources, keys)
     modules_out = []
     for (
         idx,
