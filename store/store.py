@@ -33,6 +33,7 @@ from .catalog import (
     CatalogWriter,
     _alive,
 )
+from .compare import Comparison, compare
 from .layout import StorePaths, fsync_tree, validate_name
 from .rows import run_tables
 from .run import Run
@@ -488,6 +489,12 @@ class Store:
         from tracelake.query.results import run_query  # the query room sits downstream
 
         return run_query(self, text, params)
+
+    def compare(self, a: Any, b: Any, **options: Any) -> Comparison:
+        """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:
+        see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
+        ``where``, ``steps``, ``atol``, ``rtol``, ``tensors``)."""
+        return compare(a, b, store=self, **options)
 
     def sql(self, text: str) -> pandas.DataFrame:
         """Raw, read-only SQL (one SELECT) over the catalog tables, on an in-memory

@@ -1,0 +1,522 @@
+"""Comparing two recordings op by op: ``store.compare(a, b)`` returns a :class:`Comparison`.
+
+Either side is a stored run (by name or :class:`~tracelake.store.run.Run`) or an
+in-memory :class:`~tracelake.Trace`. Ops are aligned by their stable ``key`` (default),
+their ``label``, or, with ``on="module"``, module calls by their label (each output
+tensor of the call a pair). What only one side has is a row saying so, never an error;
+shape mismatches are rows with a reason. Tensors of different dtypes (fp32 vs bf16) are
+compared in float64.
+
+Memory stays bounded: a pair's tensors are read and reduced a slice at a time (stored
+tensors read only the chunks of the slice), so neither run is ever held whole, and
+only each pair's metrics are kept. The statistics' differences come from the stored
+statistics and read no tensor.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from tracelake.errors import StoreError
+from tracelake.recorder.entries import OpEntry
+from tracelake.recorder.record import STAT_FIELDS, Stats
+from tracelake.recorder.selectors import Selector
+from tracelake.recorder.trace import TraceView
+
+if TYPE_CHECKING:
+    import pandas
+    import pyarrow as pa
+
+__all__ = ["Comparison", "PairMetrics", "compare", "tensor_metrics"]
+
+Align = Literal["key", "label", "module"]
+_ALIGNMENTS = ("key", "label", "module")
+#: Elements of each side reduced at a time: a pair never holds more than a few slices.
+_SLICE_ELEMENTS = 1 << 20
+#: The statistics whose difference (b - a) each row carries.
+_STAT_DIFFS = tuple(name for name in STAT_FIELDS if name not in ("nan_count", "inf_count"))
+
+
+@dataclass(frozen=True)
+class PairMetrics:
+    """How two tensors of one shape differ, both taken in float64. ``rel_l2`` is
+    ``|a - b| / |a|`` (a is the reference; ``inf`` when only ``a`` is zero); ``cosine``
+    is None when either side is all zeros; ``allclose`` is torch's
+    ``|a - b| <= atol + rtol * |a|`` everywhere, NaNs equal where both are NaN. Empty
+    tensors differ by nothing."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    rel_l2: float
+    cosine: float | None
+    allclose: bool
+
+
+class _Sums:
+    """Running float64 sums over slices of a pair of tensors."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.max_abs = 0.0
+        self.sum_abs = 0.0
+        self.sum_sq_diff = 0.0
+        self.sum_sq_a = 0.0
+        self.sum_sq_b = 0.0
+        self.dot = 0.0
+        self.close = True
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> None:
+        a, b = _real64(a), _real64(b)
+        if not a.numel():
+            return
+        both_nan = a.isnan() & b.isnan()
+        diff = (a - b).abs().masked_fill(both_nan, 0.0)
+        a0, b0 = a.masked_fill(both_nan, 0.0), b.masked_fill(both_nan, 0.0)
+        self.n += diff.numel()
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        if diff.isnan().any():
+            self.max_abs = math.nan
+        self.sum_abs += float(diff.sum())
+        self.sum_sq_diff += float((diff * diff).sum())
+        self.sum_sq_a += float((a0 * a0).sum())
+        self.sum_sq_b += float((b0 * b0).sum())
+        self.dot += float((a0 * b0).sum())
+        if self.close:
+            self.close = bool((diff <= atol + rtol * a0.abs()).all())
+
+    def metrics(self) -> PairMetrics:
+        if not self.n:
+            return PairMetrics(0.0, 0.0, 0.0, None, True)
+        norm_a, norm_b = math.sqrt(self.sum_sq_a), math.sqrt(self.sum_sq_b)
+        dist = math.sqrt(self.sum_sq_diff)
+        rel = dist / norm_a if norm_a else (0.0 if dist == 0 else math.inf)
+        cosine = self.dot / (norm_a * norm_b) if norm_a and norm_b else None
+        return PairMetrics(self.max_abs, self.sum_abs / self.n, rel, cosine, self.close)
+
+
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.to(device="cpu", dtype=torch.float64).reshape(-1)
+
+
+def _slices(entry: Any, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """The entry's tensor a slice of leading rows at a time (stored tensors read only
+    the chunks each slice needs)."""
+    lazy = getattr(entry, "array", None) if isinstance(entry, OpEntry) else None
+    source: Any = lazy if lazy is not None else entry_tensor(entry)
+    if not shape or math.prod(shape) <= _SLICE_ELEMENTS:
+        yield source[...] if lazy is not None else source
+        return
+    row = max(1, math.prod(shape[1:]))
+    step = max(1, _SLICE_ELEMENTS // row)
+    for start in range(0, shape[0], step):
+        yield source[start : start + step]
+
+
+def entry_tensor(entry: Any) -> torch.Tensor:
+    """An op entry's saved tensor, or a module output (a tensor already)."""
+    return entry.out if isinstance(entry, OpEntry) else entry
+
+
+def tensor_metrics(
+    a: torch.Tensor, b: torch.Tensor, atol: float = 1e-8, rtol: float = 1e-5
+) -> PairMetrics:
+    """:class:`PairMetrics` of two tensors of one shape (any dtypes)."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    sums = _Sums()
+    sums.add(a, b, atol, rtol)
+    return sums.metrics()
+
+
+@dataclass
+class _Item:
+    """One side's entry for an aligned key: an op entry, or a module output tensor."""
+
+    key: str
+    step: int
+    entry: Any  # OpEntry, or a tensor (module outputs)
+    label: str
+    func: str
+    module: str
+    block: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    order: int
+    stats: Stats | None
+    saved: bool
+
+
+_COLUMNS = (
+    "step_a",
+    "step_b",
+    "key",
+    "label_a",
+    "label_b",
+    "func",
+    "module",
+    "block",
+    "status",
+    "reason",
+    "shape_a",
+    "shape_b",
+    "dtype_a",
+    "dtype_b",
+    *(f.name for f in fields(PairMetrics)),
+    *(f"d_{name}" for name in _STAT_DIFFS),
+)
+
+
+class Comparison:
+    """Two recordings aligned op by op, with how each aligned pair differs.
+
+    Rows come in ``a``'s execution order (then what only ``b`` has). ``status`` is
+    ``"compared"`` (both saved: tensor metrics), ``"not saved"`` (statistics only),
+    ``"only a"`` / ``"only b"``, or ``"shape mismatch"`` (``reason`` says how).
+    Tensor metrics are computed when first asked for (``df()``, ``arrow()``,
+    ``rows()``, ``by_module()``, ``by_block()``); ``first_divergence`` computes only
+    as far as it must."""
+
+    def __init__(
+        self,
+        name_a: str,
+        name_b: str,
+        pairs: list[tuple[_Item | None, _Item | None]],
+        on: str,
+        atol: float,
+        rtol: float,
+        tensors: bool,
+    ):
+        self.a = name_a
+        self.b = name_b
+        self.on = on
+        self.atol = atol
+        self.rtol = rtol
+        self._pairs = pairs
+        self._tensors = tensors
+        self._rows: list[dict[str, Any] | None] = [None] * len(pairs)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def _row(self, k: int) -> dict[str, Any]:
+        row = self._rows[k]
+        if row is None:
+            a, b = self._pairs[k]
+            row = self._rows[k] = _compare_pair(a, b, self.atol, self.rtol, self._tensors)
+        return row
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every row as a dict (columns as in :meth:`df`)."""
+        return [self._row(k) for k in range(len(self._pairs))]
+
+    def df(self) -> pandas.DataFrame:
+        """One row per aligned pair (or one-sided entry)."""
+        import pandas
+
+        return pandas.DataFrame(self.rows(), columns=list(_COLUMNS))
+
+    def arrow(self) -> pa.Table:
+        import pyarrow as pa
+
+        rows = self.rows()
+        columns = {
+            name: [None if isinstance(v, float) and math.isnan(v) else v for v in values]
+            for name, values in ((c, [r[c] for r in rows]) for c in _COLUMNS)
+        }
+        for name in ("shape_a", "shape_b"):
+            columns[name] = [None if s is None else list(s) for s in columns[name]]
+        return pa.table(columns)
+
+    def first_divergence(
+        self, atol: float | None = None, rtol: float | None = None
+    ) -> dict[str, Any] | None:
+        """The first compared pair, in ``a``'s execution order, whose tensors are not
+        all close (``atol`` / ``rtol`` default to the comparison's), or whose shapes
+        differ; None if there is none. Reads tensors only up to that pair."""
+        atol = self.atol if atol is None else atol
+        rtol = self.rtol if rtol is None else rtol
+        for k, (a, b) in enumerate(self._pairs):
+            if a is None or b is None:
+                continue
+            if a.shape != b.shape:
+                return self._row(k)
+            if not (a.saved and b.saved and self._tensors):
+                continue
+            if (atol, rtol) == (self.atol, self.rtol):
+                row = self._row(k)
+            else:
+                row = _compare_pair(a, b, atol, rtol, True)
+            if not row["allclose"]:
+                return row
+        return None
+
+    def _grouped(self, column: str) -> pandas.DataFrame:
+        frame = self.df()
+        compared = frame[frame["status"] == "compared"]
+        return compared.groupby(column, sort=False, dropna=True).agg(
+            ops=("key", "size"),
+            max_abs_diff=("max_abs_diff", "max"),
+            mean_abs_diff=("mean_abs_diff", "mean"),
+            max_rel_l2=("rel_l2", "max"),
+            min_cosine=("cosine", "min"),
+            not_close=("allclose", lambda s: int((~s.astype(bool)).sum())),
+        )
+
+    def by_module(self) -> pandas.DataFrame:
+        """Compared pairs summarised per innermost module, in execution order."""
+        return self._grouped("module")
+
+    def by_block(self) -> pandas.DataFrame:
+        """Compared pairs summarised per block index (``h.3`` -> 3), sorted by block:
+        how a difference grows with depth."""
+        return self._grouped("block").sort_index()
+
+    def summary(self) -> dict[str, int]:
+        """How many rows of each status (reads no tensor)."""
+        counts: dict[str, int] = {}
+        for a, b in self._pairs:
+            status = _status(a, b, self._tensors)[0]
+            counts[status] = counts.get(status, 0) + 1
+        return counts
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n} {s}" for s, n in self.summary().items())
+        return f"<Comparison {self.a!r} vs {self.b!r} on {self.on}: {len(self)} rows ({parts})>"
+
+    def _repr_html_(self) -> str:
+        head = html.escape(repr(self))
+        shown = ("key", "func", "status", "max_abs_diff", "rel_l2", "cosine", "allclose")
+        cells = (
+            "".join(f"<td>{html.escape(_fmt(self._row(k)[c]))}</td>" for c in shown)
+            for k in range(min(len(self), 20))
+        )
+        rows = "".join(f"<tr>{row}</tr>" for row in cells)
+        more = f"<p>… {len(self) - 20} more rows: .df()</p>" if len(self) > 20 else ""
+        return (
+            f"<div><p><b>{head}</b></p><table><thead><tr>"
+            + "".join(f"<th>{c}</th>" for c in shown)
+            + f"</tr></thead><tbody>{rows}</tbody></table>{more}</div>"
+        )
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def _status(a: _Item | None, b: _Item | None, tensors: bool) -> tuple[str, str | None]:
+    if a is None:
+        return "only b", None
+    if b is None:
+        return "only a", None
+    if a.shape != b.shape:
+        return "shape mismatch", f"shape {list(a.shape)} vs {list(b.shape)}"
+    if not (a.saved and b.saved) or not tensors:
+        missing = [side for side, item in (("a", a), ("b", b)) if not item.saved]
+        return "not saved", f"not saved in {' and '.join(missing)}" if missing else None
+    return "compared", None
+
+
+def _compare_pair(
+    a: _Item | None, b: _Item | None, atol: float, rtol: float, tensors: bool
+) -> dict[str, Any]:
+    status, reason = _status(a, b, tensors)
+    any_side = a if a is not None else b
+    assert any_side is not None
+    row: dict[str, Any] = {
+        "step_a": a.step if a else None,
+        "step_b": b.step if b else None,
+        "key": any_side.key,
+        "label_a": a.label if a else None,
+        "label_b": b.label if b else None,
+        "func": any_side.func,
+        "module": any_side.module,
+        "block": any_side.block,
+        "status": status,
+        "reason": reason,
+        "shape_a": a.shape if a else None,
+        "shape_b": b.shape if b else None,
+        "dtype_a": a.dtype if a else None,
+        "dtype_b": b.dtype if b else None,
+    }
+    metrics: PairMetrics | None = None
+    if status == "compared":
+        assert a is not None and b is not None
+        sums = _Sums()
+        for x, y in zip(_slices(a.entry, a.shape), _slices(b.entry, b.shape), strict=True):
+            sums.add(x, y, atol, rtol)
+        metrics = sums.metrics()
+    for f in fields(PairMetrics):
+        row[f.name] = getattr(metrics, f.name) if metrics else None
+    sa, sb = (a.stats if a else None), (b.stats if b else None)
+    for name in _STAT_DIFFS:
+        va, vb = getattr(sa, name, None), getattr(sb, name, None)
+        row[f"d_{name}"] = vb - va if va is not None and vb is not None else None
+    return row
+
+
+def _op_items(view: TraceView, step: int, on: str, keep: Selector | None) -> list[_Item]:
+    items = []
+    for op in view:
+        if keep is not None and not keep.matches_op(op):
+            continue
+        items.append(
+            _Item(
+                key=op.key if on == "key" else op.label,
+                step=step,
+                entry=op,
+                label=op.label,
+                func=op.func,
+                module=op.module,
+                block=op.block,
+                shape=tuple(op.shape),
+                dtype=str(op.dtype).removeprefix("torch."),
+                order=op.index,
+                stats=op.stats,
+                saved=op.saved,
+            )
+        )
+    return items
+
+
+def _module_items(view: TraceView, step: int, keep: Selector | None) -> list[_Item]:
+    from tracelake.recorder.entries import block_of
+
+    items = []
+    for m in view.modules:
+        if keep is not None and not keep.matches_module(m):
+            continue
+        outputs = m.outputs
+        labels = m.output_labels
+        for k, name in enumerate(labels):
+            tensor = outputs[k] if outputs is not None and k < len(outputs) else None
+            op = view[name] if name in view else None  # noqa: SIM401 (a view has no .get)
+            like: Any = op if op is not None else tensor
+            items.append(
+                _Item(
+                    key=m.label if len(labels) == 1 else f"{m.label}#{k}",
+                    step=step,
+                    entry=tensor,
+                    label=name,
+                    func=m.type,
+                    module=m.path,
+                    block=block_of(m.path),
+                    shape=tuple(getattr(like, "shape", ())),
+                    dtype=str(getattr(like, "dtype", "")).removeprefix("torch."),
+                    order=m.index,
+                    stats=op.stats if op is not None else None,
+                    saved=tensor is not None,
+                )
+            )
+    return items
+
+
+def _align(items_a: list[_Item], items_b: list[_Item]) -> list[tuple[_Item | None, _Item | None]]:
+    by_key_b: dict[str, _Item] = {}
+    for item in items_b:
+        by_key_b.setdefault(item.key, item)
+    used: set[str] = set()
+    pairs: list[tuple[_Item | None, _Item | None]] = []
+    for item in items_a:
+        other = by_key_b.get(item.key) if item.key not in used else None
+        if other is not None:
+            used.add(item.key)
+        pairs.append((item, other))
+    pairs.extend((None, item) for item in items_b if item.key not in used)
+    return pairs
+
+
+def _steps(side: Any, store: Any) -> tuple[str, list[TraceView]]:
+    """A side's name and its steps as views."""
+    if isinstance(side, str):
+        if store is None:
+            raise StoreError(f"comparing run {side!r} by name needs a store: store.compare(...)")
+        side = store[side]
+    if isinstance(side, TraceView):
+        return "trace", [side]
+    steps = getattr(side, "steps", None)
+    name = getattr(side, "name", None)
+    if steps is None or name is None:
+        raise TypeError(
+            f"compare runs (names or Run objects) and traces (tl.trace results), not {side!r}"
+        )
+    return str(name), list(steps)
+
+
+def compare(
+    a: Any,
+    b: Any,
+    *,
+    store: Any = None,
+    on: Align = "key",
+    select: Selector | None = None,
+    where: str | None = None,
+    steps: tuple[int, int] | None = None,
+    atol: float = 1e-8,
+    rtol: float = 1e-5,
+    tensors: bool = True,
+) -> Comparison:
+    """Align ``a`` and ``b`` op by op and say how each pair differs (see
+    :class:`Comparison`). ``select``: a selector (``tl.func("linear")``,
+    ``tl.in_module("encoder")``) the ops (or, ``on="module"``, module calls) must match;
+    ``where``: a condition of the query language on ``ops`` (stored runs only);
+    ``steps=(i, j)`` compares step i of ``a`` with step j of ``b`` (default: step k
+    with step k, for every step); ``tensors=False`` compares statistics only."""
+    if on not in _ALIGNMENTS:
+        raise ValueError(f"on= is one of {', '.join(map(repr, _ALIGNMENTS))}, not {on!r}")
+    if select is not None and not isinstance(select, Selector):
+        raise TypeError(f"select= takes a selector such as tl.func('relu'), not {select!r}")
+    name_a, views_a = _steps(a, store)
+    name_b, views_b = _steps(b, store)
+    if steps is not None:
+        i, j = steps
+        views_a, views_b = [_pick(views_a, i, name_a)], [_pick(views_b, j, name_b)]
+    if where is not None and on == "module":
+        raise ValueError("where= filters ops; with on='module' restrict with select=")
+    allowed = _where(where, store, (name_a, name_b)) if where is not None else None
+    pairs: list[tuple[_Item | None, _Item | None]] = []
+    for k in range(max(len(views_a), len(views_b))):
+        items: list[list[_Item]] = []
+        for side, views in ((name_a, views_a), (name_b, views_b)):
+            if k >= len(views):
+                items.append([])
+                continue
+            view = views[k]
+            step = getattr(view, "step", k)
+            found = (
+                _module_items(view, step, select)
+                if on == "module"
+                else _op_items(view, step, on, select)
+            )
+            if allowed is not None:
+                found = [it for it in found if (side, it.step, it.order) in allowed]
+            items.append(found)
+        pairs.extend(_align(items[0], items[1]))
+    return Comparison(name_a, name_b, pairs, on, atol, rtol, tensors)
+
+
+def _pick(views: list[TraceView], k: int, name: str) -> TraceView:
+    if not 0 <= k < len(views):
+        raise StoreError(f"{name!r} has steps 0..{len(views) - 1}; step {k} does not exist")
+    return views[k]
+
+
+def _where(text: str, store: Any, names: tuple[str, str]) -> set[tuple[str, int, int]]:
+    """(run, step, idx) of the ops of the named runs the condition selects."""
+    if store is None or "trace" in names:
+        raise StoreError("where= filters stored runs; for in-memory traces use select=")
+    first, second = names
+    result = store.query(
+        f"select run, step, idx from ops where run in (:a, :b) and ({text})", a=first, b=second
+    )
+    return {(r[0], r[1], r[2]) for r in result.df().itertuples(index=False)}
