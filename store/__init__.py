@@ -6,8 +6,8 @@ transactions, readers' mirror) · ``rows`` (catalog rows to and from recorder ta
 ``run`` (a stored run, read lazily) · ``verify`` · ``store`` (the facade).
 """
 
-from .run import LazyTensor, Run, StepView, StoredOpEntry
-from .store import Recording, Store, open_store
+from .run import LazyTensor, Run, StepView, StoredOpEntry, TensorSlot
+from .store import Recording, Store, last_opened, open_store
 from .verify import Problem, VerifyReport
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "StepView",
     "Store",
     "StoredOpEntry",
+    "TensorSlot",
     "VerifyReport",
+    "last_opened",
     "open_store",
 ]
