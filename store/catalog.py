@@ -211,7 +211,7 @@ class _Engine:
     def reset(self) -> None:
         """Forget the connection (after a failure): the next transaction makes a new one.
         Closing it lets go of any file it still had attached."""
-        if self._con is not None:
+        if self._con is not None and self._con[0] == os.getpid():  # (not a parent's)
             with contextlib.suppress(duckdb.Error):
                 self._con[1].close()
         self._con = None

@@ -241,3 +241,10 @@ def test_the_checker_catches(source: str, expected: str, monkeypatch: pytest.Mon
     monkeypatch.setitem(DEFINED, "recorder", DEFINED["recorder"] | {"_check_model"})
     planted = {what for rel, what in findings() if rel == "store/_planted.py"}
     assert any(expected in what for what in planted), planted
+
+
+def test_the_shared_errors_module_imports_no_room() -> None:
+    """``tracelake.errors`` is imported by every room, so it may import none of them."""
+    path, tree = TREES["tracelake/errors.py"]
+    imported = {module for _node, module, _names, _top in _imports(path, tree)}
+    assert not {m for m in imported if m.split(".")[0] == "tracelake"}, imported
