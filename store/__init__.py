@@ -2,8 +2,9 @@
 
 ``layout`` (the directory, locks, durability) · ``tensors`` (Zarr arrays, packs,
 codecs) · ``writer`` (the streaming write path) · ``catalog`` (DuckDB: writers'
-transactions, readers' mirror) · ``rows`` (catalog rows to and from recorder tables) ·
-``run`` (a stored run, read lazily) · ``verify`` · ``store`` (the facade).
+transactions, readers' mirror) · ``boundary`` (what DuckDB's errors become) ·
+``rows`` (catalog rows to and from recorder tables) · ``run`` (a stored run, read
+lazily) · ``verify`` · ``store`` (the facade).
 """
 
 from .run import LazyTensor, Run, StepView, StoredOpEntry, TensorSlot

@@ -16,27 +16,26 @@ open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
 A writer killed at any moment leaves either its whole commit or none of it (DuckDB's
 write-ahead log is replayed by the next opener); the flock dies with the process.
 
-This module is tracelake's one boundary with DuckDB (no other module imports it): every
-DuckDB call runs inside :func:`duckdb_errors`, so what leaves is a ``CatalogError`` (or,
-for a statement that is the caller's, the error class the caller names), with DuckDB's
-exception as its ``__cause__``. A transaction that fails is rolled back and its DuckDB
-connection thrown away, so the next operation starts clean.
+Every DuckDB call here runs behind the DuckDB boundary (``boundary.py``), so what
+leaves is a ``CatalogError`` (or, for a statement that is the caller's, the error class
+the caller names), with DuckDB's exception as its ``__cause__``. A transaction that
+fails is rolled back and its DuckDB connection thrown away, so the next operation
+starts clean.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import duckdb
 
@@ -48,6 +47,7 @@ from tracelake.errors import (
     TraceLakeError,
 )
 
+from .boundary import CatalogCursor, duckdb_errors, guarded
 from .layout import StorePaths, locked, try_lock
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
@@ -55,10 +55,8 @@ from .points import OpIndex
 __all__ = [
     "COMPLETE",
     "TABLES",
-    "CatalogCursor",
     "CatalogMirror",
     "CatalogWriter",
-    "duckdb_errors",
     "writer_alive",
 ]
 
@@ -127,45 +125,6 @@ def _create_schema(con: duckdb.DuckDBPyConnection) -> None:
 
 def _now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
-
-
-@contextmanager
-def duckdb_errors(what: str, error: type[TraceLakeError] = CatalogError) -> Iterator[None]:
-    """The DuckDB boundary: a ``duckdb.Error`` raised in the block leaves it as ``error``
-    (``CatalogError`` unless the failed statement is the caller's to answer for: the
-    query room names ``QueryError``), an ``OSError`` of the catalog's files as
-    ``CatalogError``; ``what`` opens the message, the original is the ``__cause__``."""
-    try:
-        yield
-    except (duckdb.Error, OSError) as exc:
-        raise _converted(exc, what, error) from exc
-
-
-def _converted(exc: BaseException, what: str, error: type[TraceLakeError]) -> TraceLakeError:
-    return (error if isinstance(exc, duckdb.Error) else CatalogError)(f"{what}: {exc}")
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _guarded(
-    what: str,
-) -> Callable[[Callable[Concatenate[Any, _P], _R]], Callable[Concatenate[Any, _P], _R]]:
-    """A method of a catalog object (one with ``paths``) behind the DuckDB boundary
-    (as :func:`duckdb_errors`); the message names the catalog file."""
-
-    def decorate(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
-        @functools.wraps(method)
-        def guarded(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-            try:
-                return method(self, *args, **kwargs)
-            except (duckdb.Error, OSError) as exc:
-                raise _converted(exc, f"{what} {self.paths.catalog}", CatalogError) from exc
-
-        return guarded
-
-    return decorate
 
 
 def writer_alive(paths: StorePaths, run_id: int) -> bool:
@@ -248,7 +207,7 @@ class CatalogWriter:
     @contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
-        DuckDB boundary (``_guarded``); a DuckDB failure anywhere rolls back and
+        DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
         throws the engine's connection away."""
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
             try:
@@ -297,7 +256,7 @@ class CatalogWriter:
         ).fetchall()
         return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
 
-    @_guarded("cannot register the run in the catalog")
+    @guarded("cannot register the run in the catalog")
     def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, int]:
         """Register a run as ``recording``; return its id and the descriptor of its
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
@@ -338,7 +297,7 @@ class CatalogWriter:
                 raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
         return run_id, fd
 
-    @_guarded("cannot commit the run to the catalog")
+    @guarded("cannot commit the run to the catalog")
     def commit(
         self,
         run_id: int,
@@ -386,14 +345,14 @@ class CatalogWriter:
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
         return info
 
-    @_guarded("cannot change the run's status in the catalog")
+    @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str) -> None:
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
             )
 
-    @_guarded("cannot delete the run from the catalog")
+    @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
         """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
         with self._transaction() as con:
@@ -408,7 +367,7 @@ class CatalogWriter:
             )
             return int(row[0])
 
-    @_guarded("cannot collect runs in the catalog")
+    @guarded("cannot collect runs in the catalog")
     def collect(self) -> list[int]:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
@@ -425,47 +384,6 @@ class CatalogWriter:
             return dead
 
 
-class CatalogCursor:
-    """The result of :meth:`CatalogMirror.query`: DuckDB's cursor with its reads behind
-    the DuckDB boundary (rows are fetched lazily, so a failure can come at the fetch)."""
-
-    __slots__ = ("_cursor", "_error", "_what")
-
-    def __init__(
-        self, cursor: duckdb.DuckDBPyConnection, what: str, error: type[TraceLakeError]
-    ) -> None:
-        self._cursor = cursor
-        self._what = what
-        self._error = error
-
-    @property
-    def description(self) -> Any:
-        """The result's columns, as DB-API describes them (name first)."""
-        return self._cursor.description
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        with duckdb_errors(self._what, self._error):
-            return self._cursor.fetchone()
-
-    def fetchmany(self, size: int = 1) -> list[tuple[Any, ...]]:
-        with duckdb_errors(self._what, self._error):
-            return self._cursor.fetchmany(size)
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        with duckdb_errors(self._what, self._error):
-            return self._cursor.fetchall()
-
-    def df(self) -> Any:
-        """The (rest of the) result as a pandas DataFrame."""
-        with duckdb_errors(self._what, self._error):
-            return self._cursor.df()
-
-    def to_arrow_table(self) -> Any:
-        """The (rest of the) result as an Arrow table."""
-        with duckdb_errors(self._what, self._error):
-            return self._cursor.to_arrow_table()
-
-
 class CatalogMirror:
     """A reader's in-memory copy of the catalog's complete runs, refreshed when the
     catalog changed. Holds no lock and no handle on the file between refreshes.
@@ -476,7 +394,7 @@ class CatalogMirror:
     Every method is behind the DuckDB boundary (:func:`duckdb_errors`); a refresh that
     failed changed nothing, and the next one tries again."""
 
-    @_guarded("cannot start the in-memory mirror of the catalog")
+    @guarded("cannot start the in-memory mirror of the catalog")
     def __init__(self, paths: StorePaths):
         self.paths = paths
         # The mirror never touches files itself (rows arrive as Arrow tables read through
@@ -522,7 +440,7 @@ class CatalogMirror:
         with open(self._watched[0]) as f:
             return f"{f.read()}|{'|'.join(parts)}"
 
-    @_guarded("cannot read the catalog")
+    @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
         ids; ``None``: of every complete run, from now on). A mirror loads a run's rows
@@ -691,7 +609,7 @@ class CatalogMirror:
             return cursor.sql(statement, params=params).to_arrow_table()
         return head if rest is None else pa.concat_tables([head, rest])
 
-    @_guarded("cannot read the catalog")
+    @guarded("cannot read the catalog")
     def _op_rows(self, run_ids: list[int]) -> Any:
         """The op index's columns of these runs' ops."""
         where, params = "", []
@@ -719,7 +637,7 @@ class CatalogMirror:
 
         return _typed(pa, rows, known[1])
 
-    @_guarded("cannot close the mirror of the catalog")
+    @guarded("cannot close the mirror of the catalog")
     def close(self) -> None:
         self.con.close()
 

@@ -23,13 +23,13 @@ from tracelake.recorder import ForwardRecording, OpTable, check_model
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
 
+from .boundary import CatalogCursor
 from .catalog import (
     COLLECTED,
     COMPLETE,
     FAILED,
     INTERRUPTED,
     RECORDING,
-    CatalogCursor,
     CatalogMirror,
     CatalogWriter,
     writer_alive,

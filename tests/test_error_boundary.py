@@ -20,7 +20,7 @@ from model_zoo import BUILDERS
 
 import tracelake as tl
 from tracelake.cli import main
-from tracelake.store import catalog
+from tracelake.store import boundary, catalog
 
 INJECTED = "injected: the disk went away"
 
@@ -281,13 +281,13 @@ def test_os_errors_opening_a_store_are_store_errors(tmp_path: Path) -> None:
 def test_only_the_catalog_module_converts_duckdb_errors() -> None:
     """One boundary: the catalog's error names a catalog file or a statement, the DuckDB
     original rides along, and ``duckdb_errors`` is what every such site uses."""
-    with pytest.raises(tl.CatalogError) as caught, catalog.duckdb_errors("reading x"):
+    with pytest.raises(tl.CatalogError) as caught, boundary.duckdb_errors("reading x"):
         raise duckdb.IOException("boom")
     assert str(caught.value) == "reading x: boom"
     assert isinstance(caught.value.__cause__, duckdb.IOException)
-    with pytest.raises(tl.QueryError), catalog.duckdb_errors("running", tl.QueryError):
+    with pytest.raises(tl.QueryError), boundary.duckdb_errors("running", tl.QueryError):
         raise duckdb.BinderException("no such column")
-    with pytest.raises(tl.CatalogError), catalog.duckdb_errors("running", tl.QueryError):
+    with pytest.raises(tl.CatalogError), boundary.duckdb_errors("running", tl.QueryError):
         raise PermissionError("catalog.lock")  # files are the catalog's, whoever asked
-    with pytest.raises(ValueError), catalog.duckdb_errors("running"):
+    with pytest.raises(ValueError), boundary.duckdb_errors("running"):
         raise ValueError("not DuckDB's: passes through")

@@ -4,7 +4,8 @@ Every error a public call raises on purpose is a ``TraceLakeError``; exceptions 
 libraries underneath are converted at one edge each, with ``raise ... from exc`` (the
 original is the error's ``__cause__``), so that callers only ever need to catch this tree:
 
-- DuckDB: ``store/catalog.py`` (``duckdb_errors``) and nowhere else: ``CatalogError``, or
+- DuckDB: ``store/boundary.py`` (``duckdb_errors``), around every DuckDB call of the
+  catalog (the only other module that imports DuckDB): ``CatalogError``, or
   ``QueryError`` where the statement that failed is the user's (``store.sql``, a query);
 - Zarr and the chunk files: ``store/tensors.py``, as ``ChunkCorruptError``;
 - Lark: ``query/parser.py``, as ``QuerySyntaxError``;
