@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import functools
 import html
+import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 import torch
 
 from tracelake.errors import QueryError
 from tracelake.recorder.stats import compute_stats
-from tracelake.store.run import LazyTensor, _Slot
+from tracelake.store.run import LazyTensor, TensorSlot
 
 from . import ast
 from .compiler import CompiledQuery, PointLookup, compile_query
@@ -34,7 +34,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Result", "describe", "run_query", "run_sql"]
 
-_READERS = 2  # the machine's cores: file reads, checksums and zstd release the GIL
+
+def _readers() -> int:
+    """Threads reading a result's own arrays: file reads, checksums and zstd release the
+    GIL, so one per core this process may use pays; more would only take turns."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
 
 
 def describe(value: Any) -> str:
@@ -191,8 +198,8 @@ class _Fetcher:
     """Reads the tensors of a result's rows: grouped by (run, array), each pack chunk
     decoded once (and cached across queries). Groups of own arrays (large tensors, read
     through zarr-python) are read in parallel; packed tensors in this thread, where a
-    read is mostly Python (two threads took 1.6x as long for 1,000 of them, chunks
-    cached or not)."""
+    read is mostly Python and holds the GIL, so threads would only take turns (slower,
+    not faster, chunks cached or not)."""
 
     def __init__(self, store: Store, table: pa.Table, names: Mapping[int, str]):
         self.store = store
@@ -224,11 +231,11 @@ class _Fetcher:
 
         def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
             for (run_id, name), rows in batch:
-                arrays = self.store._arrays(run_id, self.names.get(run_id))
+                arrays = self.store.arrays(run_id, self.names.get(run_id))
                 for row in rows:
                     _, offset, nbytes, shape, dtype = self.locations[row]
                     lazy = LazyTensor(
-                        arrays, _Slot(name, offset, nbytes, shape, dtype), self.labels[row]
+                        arrays, TensorSlot(name, offset, nbytes, shape, dtype), self.labels[row]
                     )
                     out[row] = lazy.read() if key is None else lazy[key]
 
@@ -238,7 +245,8 @@ class _Fetcher:
         ):  # packed, so small
             read(items)
         else:  # a few batches of groups: file reads, checksums and zstd release the GIL
-            batches = [items[i::_READERS] for i in range(min(_READERS, len(items)))]
+            readers = _readers()
+            batches = [items[i::readers] for i in range(min(readers, len(items)))]
             with ThreadPoolExecutor(max_workers=len(batches)) as pool:
                 list(pool.map(read, batches))
         return out
@@ -273,16 +281,13 @@ def _looked_up(
 
 def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     mirror.refresh(runs=())  # the run ids to compile in
     compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
     mirror.refresh(runs=compiled.runs)  # the rows the query reads
-    try:
-        table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
-        if table is None:
-            table = mirror.arrow(compiled.sql, compiled.params, refresh=False)
-    except duckdb.Error as exc:
-        raise QueryError(f"the query could not run: {exc}") from exc
+    table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
+    if table is None:
+        table = mirror.arrow(compiled.sql, compiled.params, refresh=False, error=QueryError)
     values: dict[str, list[Any]] = {}
     if compiled.tensors:
         fetcher = _Fetcher(store, table, mirror.run_names)
@@ -303,13 +308,7 @@ def run_sql(store: Store, text: str) -> pandas.DataFrame:
     mirror, where DuckDB's external access is off."""
     if not isinstance(text, str):
         raise TypeError(f"store.sql takes SQL text, not {type(text).__name__}")
-    try:
-        statements = duckdb.extract_statements(text)
-    except duckdb.Error as exc:
-        raise QueryError(f"invalid SQL: {exc}") from exc
-    if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
+    mirror = store.catalog
+    if not mirror.is_select(text):
         raise QueryError("store.sql runs exactly one read-only SELECT statement")
-    try:
-        return store._query(text).df()
-    except duckdb.Error as exc:
-        raise QueryError(f"the SQL could not run: {exc}") from exc
+    return mirror.query(text, error=QueryError).df()

@@ -5,7 +5,7 @@ Stages, each in its own module and none importing a later one:
 passes) → ``emit`` (what to keep); ``capture`` wires them for ``tl.trace``.
 """
 
-from .capture import ForwardRecording, record_forward, trace
+from .capture import ForwardRecording, check_model, record_forward, trace
 from .entries import ModuleEntry, OpEntry, OpTable, SourceLocation
 from .selectors import Selector, all_, func, in_module, label, module, none
 from .stats import Stats, compute_stats
@@ -22,6 +22,7 @@ __all__ = [
     "Trace",
     "TraceView",
     "all_",
+    "check_model",
     "compute_stats",
     "func",
     "in_module",

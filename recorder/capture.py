@@ -21,7 +21,7 @@ from .labels import Emitter, Labeller
 from .selectors import as_selector
 from .trace import Trace
 
-__all__ = ["record_forward", "trace"]
+__all__ = ["ForwardRecording", "check_model", "record_forward", "trace"]
 
 log = logging.getLogger("tracelake.recorder")
 
@@ -48,7 +48,10 @@ class _Warner:
         )
 
 
-def _check_model(model: object) -> torch.nn.Module:
+def check_model(model: object) -> torch.nn.Module:
+    """``model`` itself if tracelake can record it (a ``torch.nn.Module``), else a
+    ``TypeError`` saying what to do instead. Every entry point that records calls it
+    first (``tl.trace`` and the store's ``record`` / ``recording``)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"tracelake records torch.nn.Module forward passes; got {type(model).__name__}. "
@@ -110,7 +113,7 @@ def trace(
     statistics of ops that are not saved (saved ones always have them). Remaining
     positional and keyword arguments go to the model.
     """
-    model = _check_model(model)
+    model = check_model(model)
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")

@@ -2,14 +2,14 @@
 
 ``layout`` (the directory, locks, durability) · ``tensors`` (Zarr arrays, packs,
 codecs) · ``writer`` (the streaming write path) · ``catalog`` (DuckDB: writers'
-transactions, readers' mirror) · ``rows`` (catalog rows to and from recorder tables) ·
-``run`` (a stored run, read lazily) · ``compare`` (two recordings op by op) ·
-``verify`` · ``store`` (the facade).
+transactions, readers' mirror) · ``boundary`` (what DuckDB's errors become) ·
+``rows`` (catalog rows to and from recorder tables) · ``run`` (a stored run, read
+lazily) · ``compare`` (two recordings op by op) · ``verify`` · ``store`` (the facade).
 """
 
 from .compare import Comparison, PairMetrics, tensor_metrics
-from .run import LazyTensor, Run, StepView, StoredOpEntry
-from .store import Recording, Store, open_store
+from .run import LazyTensor, Run, StepView, StoredOpEntry, TensorSlot
+from .store import Recording, Store, last_opened, open_store
 from .verify import Problem, VerifyReport
 
 __all__ = [
@@ -22,7 +22,9 @@ __all__ = [
     "StepView",
     "Store",
     "StoredOpEntry",
+    "TensorSlot",
     "VerifyReport",
+    "last_opened",
     "open_store",
     "tensor_metrics",
 ]

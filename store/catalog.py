@@ -15,10 +15,17 @@ open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
 
 A writer killed at any moment leaves either its whole commit or none of it (DuckDB's
 write-ahead log is replayed by the next opener); the flock dies with the process.
+
+Every DuckDB call here runs behind the DuckDB boundary (``boundary.py``), so what
+leaves is a ``CatalogError`` (or, for a statement that is the caller's, the error class
+the caller names), with DuckDB's exception as its ``__cause__``. A transaction that
+fails is rolled back and its DuckDB connection thrown away, so the next operation
+starts clean.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,8 +39,15 @@ from typing import Any
 
 import duckdb
 
-from tracelake.errors import RunExistsError, StoreError
+from tracelake.errors import (
+    CatalogError,
+    QueryError,
+    RunExistsError,
+    StoreError,
+    TraceLakeError,
+)
 
+from .boundary import CatalogCursor, duckdb_errors, guarded
 from .layout import StorePaths, locked, try_lock
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
@@ -47,7 +61,13 @@ from .schema import (
     select_list,
 )
 
-__all__ = ["COMPLETE", "TABLES", "CatalogMirror", "CatalogWriter"]
+__all__ = [
+    "COMPLETE",
+    "TABLES",
+    "CatalogMirror",
+    "CatalogWriter",
+    "writer_alive",
+]
 
 COMPLETE = "complete"
 RECORDING = "recording"
@@ -57,7 +77,8 @@ INTERRUPTED = "interrupted"  # shown for 'recording' runs whose writer is gone
 COLLECTED = "collected"  # gc() removed its data; the row stays so that ids never repeat
 
 _ATTACHED = "tl_catalog"  # the catalog file's name inside a writer's DuckDB
-#: Results of fewer rows come back as Python rows (faster than Arrow below ~100 rows).
+#: Results of fewer rows come back as Python rows: for a few rows, DuckDB's Arrow export
+#: (a statement of its own) costs more than the rows (``benchmarks/`` times both).
 _FEW_ROWS = 64
 #: How many SQL texts a mirror keeps parsed.
 _PREPARED = 256
@@ -69,7 +90,7 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
-def _alive(paths: StorePaths, run_id: int) -> bool:
+def writer_alive(paths: StorePaths, run_id: int) -> bool:
     """Whether the process recording run ``run_id`` still holds its writing lock."""
     fd = try_lock(paths.writing_lock(run_id))
     if fd is None:
@@ -80,9 +101,10 @@ def _alive(paths: StorePaths, run_id: int) -> bool:
 
 class _Engine:
     """The in-memory DuckDB into which writers attach the catalog file, one transaction
-    at a time: starting a DuckDB costs ~35 ms, attaching a file ~3, and every run takes
-    two transactions. One per process (like the chunk cache of tensors.py), made on
-    first use, and made again in a forked child (a parent's DuckDB is not for it)."""
+    at a time: starting a DuckDB costs far more than attaching a file, and every run
+    takes two transactions. One per process (like the chunk cache of tensors.py), made
+    on first use, made again in a forked child (a parent's DuckDB is not for it) and
+    after a transaction failed (a DuckDB that failed once is not trusted again)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -98,18 +120,42 @@ class _Engine:
             con = duckdb.connect(":memory:")
             # A commit larger than this is checkpointed into the file at once instead of
             # written to the write-ahead log first (and checkpointed again on detach):
-            # a 20,000-op run's commit ~65 ms faster. Atomic all the same: the file's
+            # each row is written once, not twice. Atomic all the same: the file's
             # header moves to the new blocks last.
             con.execute("SET checkpoint_threshold = '1KB'")
-            # One thread: a writer's statements are small, and on a loaded machine a
-            # second one made a 20,000-op run's inserts ~1.5x slower, not faster (and
-            # four writers at once each had one more thread to share the cores with).
+            # One thread: a writer's statements are small, so a second thread only adds
+            # coordination (slower, not faster, on a loaded machine), and writers of
+            # several processes at once would each bring one more to share the cores.
             con.execute("SET threads = 1")
             self._con = (pid, con)
         return self._con[1]
 
+    def reset(self) -> None:
+        """Forget the connection (after a failure): the next transaction makes a new one.
+        Closing it lets go of any file it still had attached."""
+        if self._con is not None and self._con[0] == os.getpid():  # (not a parent's)
+            with contextlib.suppress(duckdb.Error):
+                self._con[1].close()
+        self._con = None
+        self.attached = False
+
 
 _ENGINE = _Engine()
+
+
+def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
+    """Detach the catalog file from the engine: a checkpoint, then no handle left.
+    ``quietly``: another error is on its way out (it says more than this one would);
+    a failed detach then throws the engine's connection away instead."""
+    try:
+        con.execute("USE memory")
+        con.execute(f"DETACH {_ATTACHED}")
+    except duckdb.Error:
+        if not quietly:
+            raise
+        _ENGINE.reset()
+        return
+    _ENGINE.attached = False
 
 
 class CatalogWriter:
@@ -123,36 +169,41 @@ class CatalogWriter:
 
     @contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """One transaction on the catalog file. Callers are public methods behind the
+        DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
+        throws the engine's connection away."""
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
-            con = _ENGINE.connection()
-            if _ENGINE.attached:  # forget what a failed transaction left attached
-                con.execute("USE memory")
-                con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
-            path = str(self.paths.catalog).replace("'", "''")
-            if not self.paths.catalog.exists():
-                self._has_schema = False
             try:
+                con = _ENGINE.connection()
+                if _ENGINE.attached:  # forget what a failed transaction left attached
+                    con.execute("USE memory")
+                    con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
+                path = str(self.paths.catalog).replace("'", "''")
+                if not self.paths.catalog.exists():
+                    self._has_schema = False
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
                 _ENGINE.attached = True
-            except duckdb.Error as exc:
-                raise StoreError(f"cannot open the catalog {self.paths.catalog}: {exc}") from exc
-            try:
-                con.execute(f"USE {_ATTACHED}")
-                con.execute("BEGIN TRANSACTION")
                 try:
-                    if not self._has_schema:  # once per writer and file, in the
-                        create_schema(con)  # transaction: one commit, not one a table
-                    yield con
-                    con.execute("COMMIT")
+                    con.execute(f"USE {_ATTACHED}")
+                    con.execute("BEGIN TRANSACTION")
+                    try:
+                        if not self._has_schema:  # once per writer and file, in the
+                            create_schema(con)  # transaction: one commit, not one a table
+                        yield con
+                        con.execute("COMMIT")
+                    except BaseException:
+                        with contextlib.suppress(duckdb.Error):  # the first error says more
+                            con.execute("ROLLBACK")
+                        raise
+                    self._has_schema = True
+                    self._bump()
                 except BaseException:
-                    con.execute("ROLLBACK")
+                    _detach(con, quietly=True)
                     raise
-                self._has_schema = True
-                self._bump()
-            finally:
-                con.execute("USE memory")
-                con.execute(f"DETACH {_ATTACHED}")  # checkpoints, and lets go of the file
-                _ENGINE.attached = False
+                _detach(con, quietly=False)
+            except duckdb.Error:
+                _ENGINE.reset()
+                raise
 
     def _bump(self) -> None:
         """Tell readers the catalog changed: a new value every time, even for deletes
@@ -166,8 +217,9 @@ class CatalogWriter:
             "SELECT id, status FROM runs WHERE name = ? AND status IN (?, ?)",
             [name, COMPLETE, RECORDING],
         ).fetchall()
-        return [(i, s) for i, s in rows if s == COMPLETE or _alive(self.paths, i)]
+        return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
 
+    @guarded("cannot register the run in the catalog")
     def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, int]:
         """Register a run as ``recording``; return its id and the descriptor of its
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
@@ -208,6 +260,7 @@ class CatalogWriter:
                 raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
         return run_id, fd
 
+    @guarded("cannot commit the run to the catalog")
     def commit(
         self,
         run_id: int,
@@ -255,12 +308,14 @@ class CatalogWriter:
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
         return info
 
+    @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str) -> None:
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
             )
 
+    @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
         """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
         with self._transaction() as con:
@@ -275,6 +330,7 @@ class CatalogWriter:
             )
             return int(row[0])
 
+    @guarded("cannot collect runs in the catalog")
     def collect(self) -> list[int]:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
@@ -282,7 +338,7 @@ class CatalogWriter:
             rows = con.execute(
                 "SELECT id, status FROM runs WHERE status NOT IN (?, ?)", [COMPLETE, COLLECTED]
             ).fetchall()
-            dead = [i for i, s in rows if s != RECORDING or not _alive(self.paths, i)]
+            dead = [i for i, s in rows if s != RECORDING or not writer_alive(self.paths, i)]
             if dead:
                 marks = ", ".join("?" * len(dead))
                 for table in RUN_TABLES:
@@ -293,17 +349,23 @@ class CatalogWriter:
 
 class CatalogMirror:
     """A reader's in-memory copy of the catalog's complete runs, refreshed when the
-    catalog changed. Holds no lock and no handle on the file between refreshes."""
+    catalog changed. Holds no lock and no handle on the file between refreshes.
 
+    What the query room reads (``Store.catalog`` hands it over): ``refresh``,
+    ``run_ids`` / ``run_names``, ``query`` / ``arrow`` (``error=QueryError`` for the
+    user's statements), ``is_select``, ``points`` (the op index), ``knows`` / ``typed``.
+    Every method is behind the DuckDB boundary (:func:`duckdb_errors`); a refresh that
+    failed changed nothing, and the next one tries again."""
+
+    @guarded("cannot start the in-memory mirror of the catalog")
     def __init__(self, paths: StorePaths):
         self.paths = paths
         # The mirror never touches files itself (rows arrive as Arrow tables read through
         # a separate, short-lived read-only connection), so user SQL on it can run with
         # DuckDB's external access off: no file reads, no ATTACH of files, no extensions.
         # The rows live in an in-memory database that DuckDB compresses at each
-        # checkpoint: 1,000 runs of 877 ops took 409 MiB plain, 51 MiB so, and scans of
-        # them (queries that filter by label or function) ran ~1.5x faster; the first
-        # load takes ~1-2 s longer.
+        # checkpoint: a fraction of the memory, and scans (queries that filter by label
+        # or function) read less; only the first load pays for compressing.
         self.con = duckdb.connect(":memory:")
         self._compressed = _attach_compressed(self.con)
         self.con.execute("SET enable_external_access = false")
@@ -341,6 +403,7 @@ class CatalogMirror:
         with open(self._watched[0]) as f:
             return f"{f.read()}|{'|'.join(parts)}"
 
+    @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
         ids; ``None``: of every complete run, from now on). A mirror loads a run's rows
@@ -356,10 +419,7 @@ class CatalogMirror:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
-            try:
-                src = duckdb.connect(str(self.paths.catalog), read_only=True)
-            except duckdb.Error as exc:
-                raise StoreError(f"cannot read the catalog {self.paths.catalog}: {exc}") from exc
+            src = duckdb.connect(str(self.paths.catalog), read_only=True)
             try:
                 present = present_columns(src)
                 table = src.sql(
@@ -403,10 +463,11 @@ class CatalogMirror:
                     insert(con, name, incoming[name])
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):  # the first error says more
+                con.execute("ROLLBACK")
             raise
-        if self._compressed and (gone or new):
-            con.execute(f"CHECKPOINT {_MIRROR_DB}")  # compresses the row groups that changed
+        # What the mirror holds now, before anything else may fail: a failed checkpoint
+        # must not make the next refresh load these rows again.
         if gone:
             self.points.drop(gone)
         self.points.add(new)
@@ -415,15 +476,34 @@ class CatalogMirror:
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
         self._gen = gen
+        if self._compressed and (gone or new):
+            con.execute(f"CHECKPOINT {_MIRROR_DB}")  # compresses the row groups that changed
 
     def query(
-        self, sql: str, params: list[Any] | None = None, runs: Collection[int] | None = None
-    ) -> duckdb.DuckDBPyConnection:
+        self,
+        sql: str,
+        params: list[Any] | None = None,
+        runs: Collection[int] | None = None,
+        *,
+        error: type[TraceLakeError] = CatalogError,
+    ) -> CatalogCursor:
         """Run ``sql`` on the refreshed mirror, in a cursor of its own (DuckDB lets one
         connection have one unfinished result at a time). ``runs``: the only runs whose
-        rows ``sql`` reads (``()``: the ``runs`` table alone); ``None``: any."""
+        rows ``sql`` reads (``()``: the ``runs`` table alone); ``None``: any. A failure of
+        the statement is raised as ``error``; one of reading the catalog as
+        ``CatalogError``."""
         self.refresh(runs)
-        return self._cursor().execute(sql, params or [])
+        what = "the SQL could not run" if error is not CatalogError else "cannot read the catalog"
+        with duckdb_errors(what, error):
+            return CatalogCursor(self._cursor().execute(sql, params or []), what, error)
+
+    @staticmethod
+    def is_select(sql: str) -> bool:
+        """Whether ``sql`` is exactly one SELECT statement, by DuckDB's own parser; text
+        DuckDB cannot split into statements raises ``QueryError``."""
+        with duckdb_errors("invalid SQL", QueryError):
+            statements = duckdb.extract_statements(sql)
+        return len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor, on the mirror's database (a cursor starts on DuckDB's own)."""
@@ -439,20 +519,31 @@ class CatalogMirror:
             cursor = self._local.cursor = self._cursor()
         return cursor
 
-    def arrow(self, sql: str, params: list[Any] | None = None, refresh: bool = True) -> Any:
+    def arrow(
+        self,
+        sql: str,
+        params: list[Any] | None = None,
+        refresh: bool = True,
+        *,
+        error: type[TraceLakeError] = CatalogError,
+    ) -> Any:
         """``sql``'s result as an Arrow table (``refresh=False``: on the rows as of the
-        last refresh, e.g. the ones ``run_ids`` describes).
+        last refresh, e.g. the ones ``run_ids`` describes). A failure of the statement is
+        raised as ``error``; one of reading the catalog as ``CatalogError``.
 
         A query's SQL is the same text whatever values it binds, so each text is parsed
         by DuckDB once and the first result's schema kept. A small result then comes back
         as rows typed by that schema: DuckDB's Arrow export runs a statement of its own,
-        which costs more than the rows (~0.5 ms, a fetch of one tensor's location takes
-        about 1 ms in all)."""
-        import pyarrow as pa
-
+        which costs more than a few rows (for a point lookup, most of its time)."""
         if refresh:
             self.refresh()
-        params = params or []
+        what = "the query could not run" if error is not CatalogError else "cannot read the catalog"
+        with duckdb_errors(what, error):
+            return self._arrow(sql, params or [])
+
+    def _arrow(self, sql: str, params: list[Any]) -> Any:
+        import pyarrow as pa
+
         cursor = self._reader()
         key = (sql, tuple(type(p) for p in params))  # what fixes the result's types
         known = self._prepared.get(key)
@@ -486,6 +577,7 @@ class CatalogMirror:
             return cursor.sql(statement, params=params).to_arrow_table()
         return head if rest is None else pa.concat_tables([head, rest])
 
+    @guarded("cannot read the catalog")
     def _op_rows(self, run_ids: list[int]) -> Any:
         """The op index's columns of these runs' ops."""
         where, params = "", []
@@ -513,6 +605,7 @@ class CatalogMirror:
 
         return _typed(pa, rows, known[1])
 
+    @guarded("cannot close the mirror of the catalog")
     def close(self) -> None:
         self.con.close()
 

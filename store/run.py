@@ -16,11 +16,15 @@ from tracelake.recorder.trace import TraceView
 from .rows import load_step
 from .tensors import RunArrays, parse_dtype
 
-__all__ = ["LazyTensor", "Run", "StoredOpEntry", "index_tensor"]
+__all__ = ["LazyTensor", "Run", "StepView", "StoredOpEntry", "TensorSlot", "index_tensor"]
 
 
-class _Slot:
-    """Where one saved tensor of a run lives."""
+class TensorSlot:
+    """Where one saved tensor of a run lives: its array, its byte offset in that array
+    when it is packed with others (``None``: the array is its own), its size, shape and
+    dtype, as the ``tensors`` table (and the ``__array`` ... columns of a compiled
+    query) give them. With a run's :class:`~tracelake.store.tensors.RunArrays`, what a
+    :class:`LazyTensor` needs."""
 
     __slots__ = ("array", "dtype", "nbytes", "offset", "shape")
 
@@ -37,7 +41,7 @@ class LazyTensor:
     chunks that selection needs and returns a torch tensor; ``entry.array[...]`` reads it
     all. Basic indexing: ints, slices (negative bounds and steps too) and ``...``."""
 
-    def __init__(self, arrays: RunArrays, slot: _Slot, label: str):
+    def __init__(self, arrays: RunArrays, slot: TensorSlot, label: str):
         self._arrays = arrays
         self._slot = slot
         self.label = label
@@ -128,7 +132,7 @@ class _RunTensors:
     def __init__(
         self,
         arrays: RunArrays,
-        slots: dict[int, _Slot],
+        slots: dict[int, TensorSlot],
         op_slots: dict[int, int],
         stats: dict[int, Stats],
         labels: list[str],
@@ -162,12 +166,15 @@ class _RunTensors:
 class StoredOpEntry(OpEntry):
     """An :class:`OpEntry` of a stored run; ``array`` is the lazy, indexable tensor."""
 
-    __slots__ = ()
+    __slots__ = ("_source",)
+
+    def __init__(self, table: Any, tensors: _RunTensors, index: int):
+        super().__init__(table, tensors, index)
+        self._source = tensors
 
     @property
     def array(self) -> LazyTensor | None:
-        tensors = self._tensors
-        return tensors.lazy(self.index) if isinstance(tensors, _RunTensors) else None
+        return self._source.lazy(self.index)
 
 
 class StepView(TraceView):
@@ -180,14 +187,20 @@ class StepView(TraceView):
             if m._output_slots is not None:
                 m._tensors = tensors  # type: ignore[assignment]
         super().__init__(table, tensors, modules)
+        self._op_table = table
+        self._source = tensors
         self.run = run
         self.step = step
 
-    def _entry(self, index: int) -> OpEntry:
-        return StoredOpEntry(self._table, self._tensors, index)
+    def _entry(self, index: int) -> OpEntry:  # the view's hook: entries of its class
+        return StoredOpEntry(self._op_table, self._source, index)
 
     def __repr__(self) -> str:
-        return f"<Step {self.step} of run {self.run.name!r}: {self._summary()}>"
+        saved = sum(1 for op in self if op.saved)
+        return (
+            f"<Step {self.step} of run {self.run.name!r}: {len(self)} ops ({saved} saved), "
+            f"{len(self.modules)} module calls>"
+        )
 
 
 class Run:
@@ -207,16 +220,16 @@ class Run:
         self._arrays = arrays
         self._query = query
         self._steps: dict[int, StepView] = {}
-        self._slots: dict[int, _Slot] | None = None
+        self._slots: dict[int, TensorSlot] | None = None
 
-    def _load_slots(self) -> dict[int, _Slot]:
+    def _load_slots(self) -> dict[int, TensorSlot]:
         if self._slots is None:
             rows = self._query(
                 'SELECT slot, "array", byte_offset, nbytes, shape, dtype FROM tensors '
                 "WHERE run_id = ?",
                 [self.id],
             ).fetchall()
-            self._slots = {r[0]: _Slot(*r[1:]) for r in rows}
+            self._slots = {r[0]: TensorSlot(*r[1:]) for r in rows}
         return self._slots
 
     def step(self, k: int) -> StepView:

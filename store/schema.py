@@ -12,9 +12,8 @@ declarations say.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 
 from tracelake.recorder.record import (
@@ -29,6 +28,9 @@ from tracelake.recorder.record import (
     Table,
     list_of,
 )
+
+if TYPE_CHECKING:  # the catalog's connections; DuckDB itself is catalog.py's to import
+    import duckdb
 
 __all__ = [
     "RUNS",

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -18,11 +19,11 @@ import pyarrow as pa
 import torch
 
 from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
-from tracelake.recorder import ForwardRecording, OpTable
-from tracelake.recorder.capture import _check_model
+from tracelake.recorder import ForwardRecording, OpTable, check_model
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
 
+from .boundary import CatalogCursor
 from .catalog import (
     COLLECTED,
     COMPLETE,
@@ -31,7 +32,7 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
-    _alive,
+    writer_alive,
 )
 from .compare import Comparison, compare
 from .layout import StorePaths, fsync_tree, validate_name
@@ -41,11 +42,14 @@ from .tensors import RunArrays
 from .verify import VerifyReport, verify_run
 from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
 
-__all__ = ["Recording", "Store", "open_store"]
+__all__ = ["Recording", "Store", "last_opened", "open_store"]
+
+log = logging.getLogger("tracelake.store")
 
 _STATS_CHOICES = ("saved", "all")
 
-
+#: The store ``tl.open`` opened last: a process-wide fact by nature (what a notebook
+#: magic without a path queries). Read it through :func:`last_opened` only.
 _LAST: list[Store] = []
 
 
@@ -57,10 +61,21 @@ def open_store(path: str | os.PathLike[str], create: bool = True) -> Store:
 
 
 def last_opened() -> Store:
-    """The store ``tl.open`` opened last in this process (for notebook magics)."""
+    """The store ``tl.open`` opened last in this process: what the ``%tlq`` magic
+    queries when it names no store. ``StoreError`` if none was opened yet."""
     if not _LAST:
         raise StoreError("no store is open yet: tl.open(path) first, or name the store")
     return _LAST[0]
+
+
+@contextlib.contextmanager
+def _os_errors(what: str) -> Any:
+    """The filesystem boundary of the store's own file work (the run directories): an
+    ``OSError`` leaves as ``StoreError``, the original its ``__cause__``."""
+    try:
+        yield
+    except OSError as exc:
+        raise StoreError(f"{what}: {exc}") from exc
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -113,7 +128,7 @@ class Recording:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
         if model is not None:
-            _check_model(model)
+            check_model(model)
         self.store = store
         self.name = validate_name(name) if name is not None else None
         self.model = model
@@ -146,8 +161,13 @@ class Recording:
             "meta": self._meta,
         }
         self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite, info)
-        arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
-        self._writer = TensorWriter(arrays, self._max_inflight)
+        try:
+            with _os_errors(f"cannot create the arrays of run {self.name!r}"):
+                arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
+            self._writer = TensorWriter(arrays, self._max_inflight)
+        except BaseException:
+            self._fail()  # no block runs, so no __exit__ will
+            raise
         if self.model is not None:
             self._hooks = [
                 self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
@@ -203,7 +223,7 @@ class Recording:
 
     def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Record one forward pass of ``model`` as the next step; return its output."""
-        model = _check_model(model)
+        model = check_model(model)
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
         recording.start(args, kwargs)
@@ -272,7 +292,8 @@ class Recording:
             merged["tensors"] = merged["tensors"].filter(
                 pa.array([slot not in writer.lost for slot in range(len(writer.slots))])
             )
-        nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
+        with _os_errors(f"cannot make run {self.name!r} durable"):
+            nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {
             "steps": len(self._steps),
             "op_count": merged["ops"].num_rows,
@@ -305,11 +326,16 @@ class Recording:
                     entry._input_slots = entry._output_slots = entry._structure = None
 
     def _fail(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
+        """Give the run up (called while its error is on the way out, which says more
+        than a second one). A run whose status could not be set stays ``recording``
+        without a live writer: listed as interrupted, reclaimed by ``gc()`` all the same."""
         try:
+            if self._writer is not None:
+                self._writer.abort()
             if self.run_id >= 0:
                 self.store._catalog.set_status(self.run_id, FAILED)
+        except StoreError as exc:
+            log.warning("could not mark run %r failed: %s", self.name, exc)
         finally:
             self._release()
 
@@ -329,7 +355,8 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], create: bool = True):
         self.paths = StorePaths(path)
-        self.paths.check(create)
+        with _os_errors(f"cannot open the store at {str(self.paths.root)!r}"):
+            self.paths.check(create)
         # The catalog file is made by the first transaction that needs it (a new store's
         # first run, usually): until then readers see no runs (no ``catalog.gen`` yet),
         # and a new store costs no transaction of its own.
@@ -342,18 +369,20 @@ class Store:
         return str(self.paths.root)
 
     @property
-    def _catalog_mirror(self) -> CatalogMirror:
-        """This reader's copy of the catalog, made on first use."""
+    def catalog(self) -> CatalogMirror:
+        """This reader's copy of the catalog (made on first use), for the query room and
+        tools: ``refresh``, ``run_ids``, ``query`` / ``arrow`` on the catalog tables,
+        with DuckDB's errors converted (see :class:`~tracelake.store.catalog.CatalogMirror`)."""
         if self._mirror is None:
             self._mirror = CatalogMirror(self.paths)
         return self._mirror
 
     def _query(
         self, sql: str, params: list[Any] | None = None, runs: Collection[int] | None = None
-    ) -> Any:
+    ) -> CatalogCursor:
         """``sql`` on the catalog mirror; ``runs``: the only runs whose rows it reads
         (``()``: the runs table alone), so that the mirror copies no others (None: any)."""
-        return self._catalog_mirror.query(sql, params, runs)
+        return self.catalog.query(sql, params, runs)
 
     def _run_query(self, run_id: int) -> Callable[..., Any]:
         """``_query`` for SQL that reads the rows of run ``run_id`` only."""
@@ -394,7 +423,7 @@ class Store:
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
         """
-        model = _check_model(model)
+        model = check_model(model)
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),
@@ -420,8 +449,10 @@ class Store:
             return None
         return dict(zip([d[0] for d in cursor.description], row, strict=True))
 
-    def _arrays(self, run_id: int, name: str | None = None) -> RunArrays:
-        """The arrays of run ``run_id``, kept open (zarr metadata read once)."""
+    def arrays(self, run_id: int, name: str | None = None) -> RunArrays:
+        """The arrays of run ``run_id`` (``name``: the run's, for error messages; looked
+        up when omitted), kept open: zarr metadata is read once. For the query room,
+        which reads the tensors of many runs' rows at once."""
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
             if name is None:
@@ -431,7 +462,7 @@ class Store:
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
-        return Run(info, self._arrays(info["id"], info["name"]), self._run_query(info["id"]))
+        return Run(info, self.arrays(info["id"], info["name"]), self._run_query(info["id"]))
 
     def __getitem__(self, name: str) -> Run:
         if not isinstance(name, str):
@@ -457,9 +488,8 @@ class Store:
         return iter(self.runs()["name"].tolist())
 
     def __len__(self) -> int:
-        return int(
-            self._query("SELECT count(*) FROM runs WHERE status = ?", [COMPLETE], ()).fetchone()[0]
-        )
+        row = self._query("SELECT count(*) FROM runs WHERE status = ?", [COMPLETE], ()).fetchone()
+        return int(row[0]) if row is not None else 0
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and
@@ -474,7 +504,7 @@ class Store:
         ).df()
         if all and len(df):
             df["status"] = [
-                INTERRUPTED if s == RECORDING and not _alive(self.paths, i) else s
+                INTERRUPTED if s == RECORDING and not writer_alive(self.paths, i) else s
                 for i, s in zip(df["id"], df["status"], strict=True)
             ]
         df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
@@ -515,18 +545,20 @@ class Store:
         directories the catalog does not know. Returns what was removed."""
         dead = self._catalog.collect()
         freed = 0
-        for run_id in dead:
-            freed += _remove(self.paths.run_dir(run_id))
+        with _os_errors(f"cannot reclaim space in {self.path!r}"):
+            for run_id in dead:  # first: the catalog forgot them, so no later gc would
+                freed += _remove(self.paths.run_dir(run_id))
         known = {int(r[0]) for r in self._query("SELECT id FROM runs", None, ()).fetchall()}
         orphans = 0
-        for entry in self.paths.runs.iterdir():
-            if (
-                entry.name.isdigit()
-                and int(entry.name) not in known | set(dead)
-                and not _alive(self.paths, int(entry.name))
-            ):
-                freed += _remove(entry)
-                orphans += 1
+        with _os_errors(f"cannot reclaim space in {self.path!r}"):
+            for entry in self.paths.runs.iterdir():
+                if (
+                    entry.name.isdigit()
+                    and int(entry.name) not in known | set(dead)
+                    and not writer_alive(self.paths, int(entry.name))
+                ):
+                    freed += _remove(entry)
+                    orphans += 1
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
     def verify(self) -> VerifyReport:
@@ -556,6 +588,12 @@ class Store:
 
 
 def _remove(path: Any) -> int:
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Remove a run's directory; return the bytes it held (files another process removes
+    meanwhile count nothing)."""
+    size = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if f.is_file():
+                size += f.stat().st_size
     shutil.rmtree(path, ignore_errors=True)
     return size

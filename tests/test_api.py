@@ -14,6 +14,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(tl.__all__) == sorted(
         [
             "AmbiguousLabelError",
+            "CatalogError",
             "ChunkCorruptError",
             "InvalidRunNameError",
             "LabelError",
@@ -63,6 +64,7 @@ def test_every_error_is_a_tracelake_error() -> None:
     assert issubclass(tl.RunNotFoundError, KeyError)
     assert issubclass(tl.InvalidRunNameError, ValueError)
     assert issubclass(tl.ChunkCorruptError, tl.StoreError)
+    assert issubclass(tl.CatalogError, tl.StoreError)
 
 
 def test_import_defines_names_and_does_nothing_else() -> None:

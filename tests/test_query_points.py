@@ -56,7 +56,7 @@ ITEMS = [
 
 def _both(store: tl.Store, text: str, **params: object):
     """The DuckDB result and the op index's of one query on the store's mirror."""
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     mirror.refresh()
     compiled = compile_query(text, params, mirror.run_ids)
     assert compiled.point is not None, text
@@ -108,7 +108,7 @@ def test_store_query_uses_the_index_and_reads_the_same_tensors(
     text = "select run, step, out, out[1] as row1 from ops where run = :r and label = :l"
     first = store.query(text, r="steps", l="relu_1_2")  # DuckDB: the result's types
     assert [row["step"] for row in first] == [0, 1, 2]
-    mirror = store._catalog_mirror
+    mirror = store.catalog
 
     def no_sql(*_: object, **__: object) -> None:
         raise AssertionError("the point lookup ran SQL")
@@ -146,7 +146,7 @@ def test_store_query_uses_the_index_and_reads_the_same_tensors(
     ],
 )
 def test_other_queries_are_not_point_lookups(store: tl.Store, text: str) -> None:
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     mirror.refresh()
     assert compile_query(text, None, mirror.run_ids).point is None
     assert compile_query("select out from ops where run = 'a' and label = 'x'").point is None, (

@@ -27,7 +27,7 @@ def root(tmp_path: Path) -> Path:
 
 
 def _loaded(store: tl.Store) -> set[str]:
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     return {mirror.run_names[i] for i in mirror._loaded}
 
 
@@ -77,7 +77,7 @@ def test_a_query_loads_the_runs_it_names(root: Path, text: str, loads: set[str])
 )
 def test_other_queries_read_every_run(root: Path, text: str) -> None:
     store = tl.open(root, create=False)
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     mirror.refresh(runs=())
     assert compile_query(text, None, mirror.run_ids).runs is None
     store.query(text)

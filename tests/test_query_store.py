@@ -100,7 +100,7 @@ def test_catalog_only_queries_and_meta(store_and_hooks) -> None:
     )
     assert [r["label"] for r in graph] == ["linear_2_3", "linear_3_5"]
     # the run's name became its id, bound like any value
-    ft = store._catalog_mirror.run_ids["ft"]
+    ft = store.catalog.run_ids["ft"]
     assert "?" in graph.sql and ft in graph.params and "ft" not in graph.sql
     table = store.query("select run, label, out from ops where run = 'base'").arrow()
     assert "out.shape" in table.column_names and table.num_rows == 7
@@ -145,7 +145,7 @@ def test_conditions_on_run_filter_by_id_as_the_join_did(
     res = store.query(text, **params)
     assert {r["run"] for r in res} == expected
     joined = compile_query(text, params)  # compiled without the run ids: the join
-    rows = store._catalog_mirror.arrow(joined.sql, joined.params).to_pylist()
+    rows = store.catalog.arrow(joined.sql, joined.params).to_pylist()
     assert sorted((r["run"], r["label"]) for r in rows) == sorted(
         (r["run"], r["label"]) for r in res
     )
@@ -186,7 +186,7 @@ def test_mirror_results_small_and_large_are_duckdbs_own_arrow(store_and_hooks, l
     result's schema (below 64 rows), or rows then Arrow: always what DuckDB's own Arrow
     export gives, types included (lists, structs, timestamps, HUGEINT sums)."""
     store, _ = store_and_hooks
-    mirror = store._catalog_mirror
+    mirror = store.catalog
     texts = [
         (
             "SELECT t.label, t.shape, t.modules, t.run_id, t.mean, t.saved, r.created, "

@@ -12,6 +12,7 @@ store["baseline"]["relu_1_2"].out
 
 from tracelake.errors import (
     AmbiguousLabelError,
+    CatalogError,
     ChunkCorruptError,
     InvalidRunNameError,
     LabelError,
@@ -58,6 +59,7 @@ def load_ipython_extension(ipython: object) -> None:
 
 __all__ = [
     "AmbiguousLabelError",
+    "CatalogError",
     "ChunkCorruptError",
     "InvalidRunNameError",
     "LabelError",

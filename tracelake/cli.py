@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except (tl.TraceLakeError, tl.RecorderError) as exc:
+    except tl.TraceLakeError as exc:  # every failure of the store or a query, DuckDB's too
         print(f"tracelake {args.command}: {exc}", file=sys.stderr)
         return 1
 

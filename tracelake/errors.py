@@ -1,8 +1,18 @@
 """The one exception hierarchy of tracelake.
 
 Every error a public call raises on purpose is a ``TraceLakeError``; exceptions of the
-libraries underneath (torch, duckdb, zarr, lark) are converted at the edge with
-``raise ... from exc`` so that callers only ever need to catch this tree::
+libraries underneath are converted at one edge each, with ``raise ... from exc`` (the
+original is the error's ``__cause__``), so that callers only ever need to catch this tree:
+
+- DuckDB: ``store/boundary.py`` (``duckdb_errors``), around every DuckDB call of the
+  catalog (the only other module that imports DuckDB): ``CatalogError``, or
+  ``QueryError`` where the statement that failed is the user's (``store.sql``, a query);
+- Zarr and the chunk files: ``store/tensors.py``, as ``ChunkCorruptError``;
+- Lark: ``query/parser.py``, as ``QuerySyntaxError``;
+- the filesystem: the store's files (``store/layout.py``, the catalog's locks) as
+  ``StoreError`` subclasses.
+
+::
 
     TraceLakeError
     ├── RecorderError              capture could not start or a trace was misused
@@ -12,6 +22,8 @@ libraries underneath (torch, duckdb, zarr, lark) are converted at the edge with
     ├── StoreError                 a store could not be opened, written or read
     │   ├── StoreNotFoundError     no store at that path (``tl.open(path, create=False)``)
     │   ├── StoreFormatError       the store was written by a newer tracelake, or is damaged
+    │   ├── CatalogError           the catalog (DuckDB) could not be read or changed; the
+    │   │                          change, if any, was rolled back
     │   ├── RunNotFoundError (KeyError)   no complete run has that name
     │   ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
     │   ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
@@ -32,6 +44,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "AmbiguousLabelError",
+    "CatalogError",
     "ChunkCorruptError",
     "InvalidRunNameError",
     "LabelError",
@@ -107,6 +120,12 @@ class StoreNotFoundError(StoreError):
 class StoreFormatError(StoreError):
     """The store's format is newer than this tracelake understands, or its files are not
     a tracelake store."""
+
+
+class CatalogError(StoreError):
+    """The catalog could not be read or changed: DuckDB failed (an I/O error, a damaged
+    or locked file, an internal error). A change that failed was rolled back, so the
+    store is as it was; the DuckDB exception is the ``__cause__``."""
 
 
 class RunNotFoundError(StoreError, LabelError):

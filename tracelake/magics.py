@@ -32,7 +32,7 @@ def _split(line: str, cell: str | None) -> tuple[str | None, str]:
 
 
 def tlq(line: str, cell: str | None = None) -> Any:
-    from tracelake.store.store import Store, last_opened
+    from tracelake.store import Store, last_opened
 
     path, text = _split(line, cell)
     try:
