@@ -103,7 +103,7 @@ CASES: list[tuple[str, str, Callable[[tl.Store, Any, Any], Any], type[Exception]
     ("record: commit", "UPDATE runs SET status = ?, finished = ?, steps", _record, tl.CatalogError),
     # the commit fails, and so does marking the run failed: the first error is raised
     ("recording: commit", "UPDATE runs SET status", _recording, tl.CatalogError),
-    ("runs", "\"seq\" FROM runs", lambda s, m, x: s.runs(), tl.CatalogError),
+    ("runs", '"seq" FROM runs', lambda s, m, x: s.runs(), tl.CatalogError),
     (
         "runs all",
         "SELECT id, name, status, created",
