@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -220,23 +221,48 @@ def _writes(name: str) -> bool:
 
 
 #: func -> (name, writes), decided once per function object and process: torch's
-#: functions live as long as torch, so the next recording starts warm. Bounded, in case a
-#: program makes new function objects on the fly.
+#: functions live as long as torch, so the next recording starts warm. A user function
+#: that dispatches through ``handle_torch_function`` lands here too; _trim_funcs forgets
+#: the functions only this dict still holds (a notebook cell's old definitions).
 _FUNCS: dict[Any, tuple[str, bool]] = {}
 _FUNCS_MAX = 10_000
+
+
+def _cacheable(func: Any) -> bool:
+    """Whether ``func`` goes into ``_FUNCS``: not a user's Python function, whose
+    ``__globals__`` and closure could hold a whole notebook namespace (models included)
+    and which would be held alive in a reference cycle the sweep cannot see."""
+    return not isinstance(func, types.FunctionType) or (func.__module__ or "").startswith("torch.")
+
+
+def _trim_funcs(sweep_at: int) -> int:
+    """Between recordings: forget the functions nothing but ``_FUNCS`` holds once it has
+    ``sweep_at`` entries, then everything past ``_FUNCS_MAX``; return the next size at
+    which to sweep (twice what is left: the sweeps' cost stays proportional to the
+    entries added)."""
+    if len(_FUNCS) < sweep_at:
+        return sweep_at
+    for func in list(_FUNCS):
+        # References: _FUNCS's key, the list's, the loop variable and getrefcount's argument.
+        if sys.getrefcount(func) <= 4:
+            _FUNCS.pop(func, None)
+    if len(_FUNCS) > _FUNCS_MAX:
+        _FUNCS.clear()
+    return max(_SWEEP_MIN, 2 * len(_FUNCS))
 
 
 class _Mode(TorchFunctionMode):
     """The private interception mode. torch disables it while its handler runs, so the
     recorder's own torch calls (copies, statistics) are never recorded."""
 
+    _sweep_funcs_at: ClassVar[int] = _SWEEP_MIN
+
     def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
         super().__init__()
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
-        if len(_FUNCS) > _FUNCS_MAX:
-            _FUNCS.clear()
+        _Mode._sweep_funcs_at = _trim_funcs(_Mode._sweep_funcs_at)
         self._funcs = _FUNCS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -244,7 +270,9 @@ class _Mode(TorchFunctionMode):
         known = self._funcs.get(func)
         if known is None:
             name = func_name(func)
-            known = self._funcs[func] = (name, _writes(name))
+            known = (name, _writes(name))
+            if _cacheable(func):
+                self._funcs[func] = known
         name, writes = known
         if kwargs:
             # One rule says what writes in place: the name (above), out=, and
