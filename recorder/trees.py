@@ -109,47 +109,54 @@ class Structure(NamedTuple):
 # -- flattening -----------------------------------------------------------------------
 
 
+class _Bases:
+    """The classes of :data:`OPENABLE` that are loaded, looked up again only when one of
+    its modules appears in (or leaves) ``sys.modules``."""
+
+    modules: tuple[Any, ...] = ()
+    bases: tuple[type, ...] = ()
+
+
 def _openable_bases() -> tuple[type, ...]:
-    bases: list[type] = []
-    for module_name, names in OPENABLE:
-        module = sys.modules.get(module_name)
-        if module is not None:
-            for name in names:
-                cls = getattr(module, name, None)
-                if isinstance(cls, type):
-                    bases.append(cls)
-    return tuple(bases)
+    modules = tuple(sys.modules.get(name) for name, _ in OPENABLE)
+    if modules != _Bases.modules:
+        bases: list[type] = []
+        for module, (_, names) in zip(modules, OPENABLE, strict=True):
+            if module is not None:
+                for name in names:
+                    cls = getattr(module, name, None)
+                    if isinstance(cls, type):
+                        bases.append(cls)
+        _Bases.modules, _Bases.bases = modules, tuple(bases)
+    return _Bases.bases
 
 
 def is_openable(cls: type) -> bool:
     """Whether instances of ``cls`` are opened: a subclass of a class in :data:`OPENABLE`
     (from a module already imported) that pytree does not know."""
     bases = _openable_bases()
-    return (
-        bool(bases)
-        and issubclass(cls, bases)
-        and cls not in pytree.SUPPORTED_NODES
-        and hasattr(cls, "__dict__")
-    )
+    return bool(bases) and issubclass(cls, bases) and cls not in pytree.SUPPORTED_NODES
 
 
 def _node_key(cls: type) -> Any:
     # pytree files every namedtuple under ``namedtuple`` (its context is the class).
+    if cls is tuple or cls is list or cls is dict:
+        return cls
     return collections.namedtuple if pytree.is_namedtuple_class(cls) else cls
 
 
 def _is_node(value: Any) -> bool:
+    if isinstance(value, _PLAIN):
+        return False
     cls = type(value)
-    return _node_key(cls) in pytree.SUPPORTED_NODES or (
-        not isinstance(value, _PLAIN) and is_openable(cls)
-    )
+    return _node_key(cls) in pytree.SUPPORTED_NODES or is_openable(cls)
 
 
 def _open(obj: Any) -> tuple[tuple[str, ...], list[Any], tuple[tuple[str, Any], ...]]:
     names: list[str] = []
     children: list[Any] = []
     static: list[tuple[str, Any]] = []
-    for name, value in vars(obj).items():
+    for name, value in obj.__dict__.items():
         if isinstance(value, _Tensor) or _is_node(value):
             names.append(name)
             children.append(value)
@@ -175,7 +182,7 @@ def _walk(node: Any, leaves: list[Any], build: bool) -> pytree.TreeSpec | None:
         else:
             specs = [_walk(child, leaves, build) for child in children]
             return pytree.TreeSpec(key, context, specs) if build else None  # type: ignore[arg-type]
-    elif not isinstance(node, _PLAIN) and is_openable(cls):
+    elif not isinstance(node, _PLAIN) and is_openable(cls) and hasattr(node, "__dict__"):
         names, children, static = _open(node)
         specs = [_walk(child, leaves, build) for child in children]
         return opened_spec(cls, names, static, specs) if build else None  # type: ignore[arg-type]
