@@ -113,14 +113,21 @@ def flatten_tensors(obj: Any) -> list[torch.Tensor]:
     caches) are looked into (see :mod:`.trees`)."""
     if isinstance(obj, _Tensor):
         return [obj]
-    # The common module argument or output: a flat tuple or list of tensors.
+    # The common cases: a flat tuple or list (module arguments, torch.Size, several
+    # outputs) of tensors and plain values, which are leaves whatever the container.
     if isinstance(obj, (tuple, list)):
+        found = []
         for item in obj:
-            if not isinstance(item, _Tensor):
+            if isinstance(item, _Tensor):
+                found.append(item)
+            elif not isinstance(item, _PLAIN):
                 break
         else:
-            return list(obj)
+            return found
     return [leaf for leaf in leaves_of(obj) if isinstance(leaf, _Tensor)]
+
+
+_PLAIN = (type(None), bool, int, float, str)
 
 
 def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:

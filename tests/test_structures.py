@@ -82,7 +82,7 @@ def test_a_node_whose_flatten_fails_is_a_leaf() -> None:
         assert flatten_tensors([_A, picky]) == [_A]
         assert flatten([_A, picky]).leaves == (_A, picky)
     finally:
-        pytree.SUPPORTED_NODES.pop(Picky)
+        pytree._deregister_pytree_node(Picky)
 
 
 # -- ModuleEntry.out in memory ----------------------------------------------------------
