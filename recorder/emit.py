@@ -19,6 +19,7 @@ from tracelake.errors import RecorderError
 from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
 from .stats import Stats, StatsGatherer, compute_stats
+from .trees import Structure, flatten
 
 __all__ = [
     "MemoryEmitter",
@@ -181,24 +182,25 @@ class TensorSlots:
         self.freed = True
 
 
-def structure(obj: Any, slots: list[int], depth: int = 0) -> Any:
-    """``obj``'s shape with its tensors replaced, in flatten order, by :class:`SlotRef`.
+def structure(obj: Any, slots: list[int]) -> Structure:
+    """``obj`` flattened through pytree (:func:`.trees.flatten`), its tensor leaves
+    replaced, in order, by :class:`SlotRef` to ``slots``. Other leaves are kept when they
+    are plain values (None, bool, int, float, str), else replaced by ``None``: a trace
+    holds no reference to the user's objects."""
+    spec, leaves = flatten(obj)
+    numbers = iter(slots)
+    kept = tuple(
+        SlotRef(next(numbers))
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        if isinstance(leaf, _PLAIN)
+        else None
+        for leaf in leaves
+    )
+    return Structure(spec, kept)
 
-    Tuples, lists and dicts (model-output dataclasses included) keep their shape as plain
-    containers; other non-tensor leaves are kept when they are plain values, else ``None``.
-    """
-    if isinstance(obj, torch.Tensor):
-        return SlotRef(slots.pop(0))
-    if depth > 8:
-        return None
-    if isinstance(obj, (tuple, list)):
-        items = [structure(item, slots, depth + 1) for item in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, dict):
-        return {key: structure(value, slots, depth + 1) for key, value in obj.items()}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return None
+
+_PLAIN = (type(None), bool, int, float, str)
 
 
 class SelectingEmitter:

@@ -17,6 +17,7 @@ import torch
 
 from . import compiled
 from .record import Stats, position
+from .trees import Structure, plain_spec
 
 __all__ = [
     "ModuleEntry",
@@ -352,9 +353,12 @@ class ModuleEntry:
     """One call of a submodule, keyed by its ``named_modules()`` path.
 
     ``label`` is the path, with ``:N`` when the module was called several times.
-    ``out`` has the structure the module returned (tensor, tuple, list or dict) with each
-    tensor replaced by a detached copy; ``outputs`` / ``inputs`` are the flat tuples of
-    saved tensors; ``output_labels`` / ``input_labels`` name the entries that produced them.
+    ``out`` is what the module returned, rebuilt through ``torch.utils._pytree`` with the
+    same types (tuples, namedtuples, dicts, ``ModelOutput``, transformers caches...) and
+    each tensor replaced by a detached copy; other leaves are kept when they are plain
+    values (None, bool, int, float, str), else ``None``. ``outputs`` / ``inputs`` are the
+    flat tuples of saved tensors; ``output_labels`` / ``input_labels`` name the entries
+    that produced them.
     """
 
     path: str
@@ -373,7 +377,7 @@ class ModuleEntry:
     _op_range: tuple[int, int] = (0, 0)
     _input_slots: tuple[int, ...] | None = None
     _output_slots: tuple[int, ...] | None = None
-    _structure: Any = None
+    _structure: Structure | None = None
     _tensors: TensorSource | None = field(default=None, repr=False)
 
     @property
@@ -399,7 +403,7 @@ class ModuleEntry:
 
     @property
     def out(self) -> Any:
-        if self._output_slots is None or self._tensors is None:
+        if self._output_slots is None or self._tensors is None or self._structure is None:
             return None
         return _fill(self._structure, self._tensors)
 
@@ -408,13 +412,14 @@ class ModuleEntry:
         return f"<ModuleEntry {self.label}: {self.type}, {state}>"
 
 
-def _fill(structure: Any, tensors: TensorSource) -> Any:
-    if isinstance(structure, SlotRef):
-        return tensors.slot_tensor(structure.slot)
-    if isinstance(structure, tuple):
-        return tuple(_fill(item, tensors) for item in structure)
-    if isinstance(structure, list):
-        return [_fill(item, tensors) for item in structure]
-    if isinstance(structure, dict):
-        return {key: _fill(value, tensors) for key, value in structure.items()}
-    return structure
+def _fill(structure: Structure, tensors: TensorSource) -> Any:
+    """Rebuild a module's output from its structure and the saved tensors. A stored
+    structure whose types cannot be rebuilt here comes back as plain containers."""
+    leaves = [
+        tensors.slot_tensor(leaf.slot) if isinstance(leaf, SlotRef) else leaf
+        for leaf in structure.leaves
+    ]
+    try:
+        return structure.spec.unflatten(leaves)
+    except Exception:  # a type's unflatten that rejects what a store gave back
+        return plain_spec(structure.spec).unflatten(leaves)

@@ -9,8 +9,11 @@ both are removed in ``finally`` even when the forward pass raises.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -23,11 +26,15 @@ from tracelake.errors import NestedTraceError
 from . import compiled
 from .compiled import _hot
 from .record import ROW_DEFAULTS
+from .trees import leaves_of
 
 __all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
 
 _Tensor = torch.Tensor
 _NO_KWARGS: dict[str, Any] = {}
+#: SourceFinder's cache: the size at which the first sweep runs, and a hard bound.
+_SWEEP_MIN = 1024
+_CODES_MAX = 65536
 
 
 class Events(Protocol):
@@ -101,54 +108,79 @@ def func_name(func: Any) -> str:
     return name
 
 
-def flatten_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors inside ``obj`` (tensor, tuple, list or dict, nested), in order."""
-    if isinstance(obj, torch.Tensor):
+def flatten_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside ``obj``, in pytree order, at any depth: every pytree node (tuples,
+    lists, dicts, namedtuples, ``ModelOutput``...) and opened objects (transformers
+    caches) are looked into (see :mod:`.trees`)."""
+    if isinstance(obj, _Tensor):
         return [obj]
-    found: list[torch.Tensor] = []
-    if depth > 8:
-        return found
+    # The common cases: a flat tuple or list (module arguments, torch.Size, several
+    # outputs) of tensors and plain values, which are leaves whatever the container.
     if isinstance(obj, (tuple, list)):
+        found = []
         for item in obj:
-            found.extend(flatten_tensors(item, depth + 1))
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            found.extend(flatten_tensors(item, depth + 1))
-    return found
+            if isinstance(item, _Tensor):
+                found.append(item)
+            elif not isinstance(item, _PLAIN):
+                break
+        else:
+            return found
+    return [leaf for leaf in leaves_of(obj) if isinstance(leaf, _Tensor)]
+
+
+_PLAIN = (type(None), bool, int, float, str)
 
 
 def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
     """Folders whose frames are never "user code" (torch, the recorder, store and query),
-    and the facade's own files (its demo model is user code, so it stays out)."""
-    import tracelake
+    and the facade's own files (its demo model is user code, so it stays out).
 
+    The facade's folder comes from its import spec, not from importing it: the recorder
+    does not depend on the facade."""
     here = os.path.dirname(os.path.abspath(__file__))
     top = os.path.dirname(here)
     roots = [os.path.dirname(torch.__file__)] + [
         os.path.join(top, sub) for sub in ("recorder", "store", "query")
     ]
-    facade = os.path.dirname(os.path.abspath(tracelake.__file__))
-    files = frozenset(
-        os.path.join(facade, name)
-        for name in os.listdir(facade)
-        if name.endswith(".py") and name != "demo.py"
-    )
+    files: frozenset[str] = frozenset()
+    spec = importlib.util.find_spec(__name__.split(".", 1)[0])
+    locations = spec.submodule_search_locations if spec is not None else None
+    if locations:
+        facade = os.path.abspath(next(iter(locations)))
+        files = frozenset(
+            os.path.join(facade, name)
+            for name in os.listdir(facade)
+            if name.endswith(".py") and name != "demo.py"
+        )
     return tuple(r.rstrip(os.sep) + os.sep for r in roots), files
 
 
 class SourceFinder:
     """Finds the first frame outside torch and tracelake; classifies each code object once
-    per process (the folders never change, and the classification of a code object
-    cannot either), so a new recording starts warm."""
+    (the folders never change, and the classification of a code object cannot either),
+    so a new recording starts warm.
+
+    The cache is shared by recordings and kept across them; :meth:`trim`, run before each
+    recording, forgets the code objects nothing else holds any more (the functions of a
+    notebook cell that was re-run), so it follows the code that is alive instead of
+    growing with every definition a session ever made."""
 
     _roots: ClassVar[tuple[str, ...] | None] = None
     _files: ClassVar[frozenset[str]] = frozenset()
     #: id(code) -> False for internal code, else the call sites seen in that code by
     #: bytecode offset: one ``(code, offset)`` tuple per site, shared by every call it
-    #: issues (a loop over layers issues the same sites again and again). ``_seen`` keeps
-    #: each classified code alive, so its id is never reused by another code.
+    #: issues (a loop over layers issues the same sites again and again). The compiled
+    #: hot path reads this dict and calls :meth:`classify` on a miss.
     codes: ClassVar[dict[int, Any]] = {}
-    _seen: ClassVar[list[Any]] = []
+    #: id(code) -> code, for every key of ``codes``: an entry keeps its code alive, so
+    #: the id is never reused by another code while the entry exists.
+    _seen: ClassVar[dict[int, Any]] = {}
+    #: ``codes`` and ``_seen`` change together under this lock (recordings in other
+    #: threads may classify while one trims).
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    #: trim() sweeps once ``codes`` reaches this size, then sets it to twice what is left:
+    #: the sweeps' cost stays proportional to the entries added.
+    _sweep_at: ClassVar[int] = _SWEEP_MIN
 
     @classmethod
     def classify(cls, code: Any) -> Any:
@@ -160,9 +192,33 @@ class SourceFinder:
             or filename in cls._files
             or filename.startswith("<frozen")
         )
-        cls._seen.append(code)
-        sites = cls.codes[id(code)] = False if internal else {}
+        sites: Any = False if internal else {}
+        with cls._lock:
+            cls.codes[id(code)] = sites
+            cls._seen[id(code)] = code
         return sites
+
+    @classmethod
+    def trim(cls) -> None:
+        """Forget the code objects that only this cache still holds, and past
+        ``_CODES_MAX`` entries the oldest ones. Forgetting is always safe: an entry is
+        made again when its code is met again."""
+        if len(cls.codes) < cls._sweep_at:
+            return
+        with cls._lock:
+            codes, seen = cls.codes, cls._seen
+            for key in list(seen):
+                code = seen[key]
+                sites = codes[key]
+                # References this cache holds: _seen's and one per site tuple; two more
+                # are getrefcount's argument and the variable ``code``.
+                if sys.getrefcount(code) <= 3 + (len(sites) if sites else 0):
+                    del codes[key], seen[key]
+                del code, sites
+            if len(seen) > _CODES_MAX:  # still too many: forget the oldest half
+                for key in list(seen)[: len(seen) - _CODES_MAX // 2]:
+                    del codes[key], seen[key]
+            cls._sweep_at = max(_SWEEP_MIN, 2 * len(codes))
 
 
 def _writes(name: str) -> bool:
@@ -173,23 +229,48 @@ def _writes(name: str) -> bool:
 
 
 #: func -> (name, writes), decided once per function object and process: torch's
-#: functions live as long as torch, so the next recording starts warm. Bounded, in case a
-#: program makes new function objects on the fly.
+#: functions live as long as torch, so the next recording starts warm. A user function
+#: that dispatches through ``handle_torch_function`` lands here too; _trim_funcs forgets
+#: the functions only this dict still holds (a notebook cell's old definitions).
 _FUNCS: dict[Any, tuple[str, bool]] = {}
 _FUNCS_MAX = 10_000
+
+
+def _cacheable(func: Any) -> bool:
+    """Whether ``func`` goes into ``_FUNCS``: not a user's Python function, whose
+    ``__globals__`` and closure could hold a whole notebook namespace (models included)
+    and which would be held alive in a reference cycle the sweep cannot see."""
+    return not isinstance(func, types.FunctionType) or (func.__module__ or "").startswith("torch.")
+
+
+def _trim_funcs(sweep_at: int) -> int:
+    """Between recordings: forget the functions nothing but ``_FUNCS`` holds once it has
+    ``sweep_at`` entries, then everything past ``_FUNCS_MAX``; return the next size at
+    which to sweep (twice what is left: the sweeps' cost stays proportional to the
+    entries added)."""
+    if len(_FUNCS) < sweep_at:
+        return sweep_at
+    for func in list(_FUNCS):
+        # References: _FUNCS's key, the list's, the loop variable and getrefcount's argument.
+        if sys.getrefcount(func) <= 4:
+            _FUNCS.pop(func, None)
+    if len(_FUNCS) > _FUNCS_MAX:
+        _FUNCS.clear()
+    return max(_SWEEP_MIN, 2 * len(_FUNCS))
 
 
 class _Mode(TorchFunctionMode):
     """The private interception mode. torch disables it while its handler runs, so the
     recorder's own torch calls (copies, statistics) are never recorded."""
 
+    _sweep_funcs_at: ClassVar[int] = _SWEEP_MIN
+
     def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
         super().__init__()
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
-        if len(_FUNCS) > _FUNCS_MAX:
-            _FUNCS.clear()
+        _Mode._sweep_funcs_at = _trim_funcs(_Mode._sweep_funcs_at)
         self._funcs = _FUNCS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -197,7 +278,9 @@ class _Mode(TorchFunctionMode):
         known = self._funcs.get(func)
         if known is None:
             name = func_name(func)
-            known = self._funcs[func] = (name, _writes(name))
+            known = (name, _writes(name))
+            if _cacheable(func):
+                self._funcs[func] = known
         name, writes = known
         if kwargs:
             # One rule says what writes in place: the name (above), out=, and
@@ -326,6 +409,7 @@ class Interceptor:
             raise NestedTraceError("this interceptor is already in use")
         self.refuse_nesting()
         self._entered = True
+        SourceFinder.trim()
         try:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))
             self._handles.append(

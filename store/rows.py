@@ -32,7 +32,6 @@ from tracelake.recorder.entries import (
     SITE,
     ModuleEntry,
     OpTable,
-    SlotRef,
     SourceLocation,
 )
 from tracelake.recorder.record import (
@@ -51,6 +50,7 @@ from tracelake.recorder.record import (
 )
 
 from .schema import TENSORS, arrow_schema, ident
+from .structure import decode_structure, encode_structure
 from .tensors import dtype_name, parse_dtype
 
 __all__ = [
@@ -90,36 +90,6 @@ def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]
     finally:
         if enabled:
             gc.enable()
-
-
-def encode_structure(obj: Any) -> Any:
-    """A module output's structure as JSON: tensors become ``{"$t": slot}``."""
-    if isinstance(obj, SlotRef):
-        return {"$t": obj.slot}
-    if isinstance(obj, tuple):
-        return {"$tuple": [encode_structure(x) for x in obj]}
-    if isinstance(obj, list):
-        return [encode_structure(x) for x in obj]
-    if isinstance(obj, dict):
-        return {"$dict": [[encode_structure(k), encode_structure(v)] for k, v in obj.items()]}
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {"$float": repr(obj)}
-    return obj
-
-
-def decode_structure(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [decode_structure(x) for x in obj]
-    if isinstance(obj, dict):
-        if "$t" in obj:
-            return SlotRef(int(obj["$t"]))
-        if "$tuple" in obj:
-            return tuple(decode_structure(x) for x in obj["$tuple"])
-        if "$dict" in obj:
-            return {decode_structure(k): decode_structure(v) for k, v in obj["$dict"]}
-        if "$float" in obj:
-            return float(obj["$float"])
-    return obj
 
 
 def distinct_codes(values: Sequence[Any], identity: bool = False) -> tuple[list[Any], np.ndarray]:

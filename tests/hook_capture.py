@@ -3,6 +3,8 @@ the store are compared against, bit for bit."""
 
 from __future__ import annotations
 
+import copy
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +43,29 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
         )
 
 
+def _cache_layers(obj: Any) -> list[Any] | None:
+    """The layers of a transformers cache (its tensors are ``keys`` and ``values``)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is not None and isinstance(obj, cache_utils.Cache):
+        return list(obj.layers)
+    return None
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
 def flatten(obj: Any) -> list[torch.Tensor]:
-    """Tensor leaves of ``obj``: inside tuples, lists and dict values, depth-first."""
+    """Tensor leaves of ``obj``: inside tuples, lists, dict values (``ModelOutput``s too)
+    and transformers caches (each layer's keys, then values), depth-first."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     found: list[torch.Tensor] = []
-    if isinstance(obj, (tuple, list)):
+    layers = _cache_layers(obj)
+    if layers is not None:
+        for layer in layers:
+            found.extend(t for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    elif isinstance(obj, (tuple, list)):
         for item in obj:
             found.extend(flatten(item))
     elif isinstance(obj, dict):
@@ -56,14 +75,27 @@ def flatten(obj: Any) -> list[torch.Tensor]:
 
 
 def clone_leaves(obj: Any) -> Any:
-    """``obj``'s structure with each tensor leaf replaced by ``t.detach().clone()``."""
+    """``obj`` with each tensor leaf replaced by ``t.detach().clone()``, of the same types
+    (namedtuples, ``ModelOutput``s and caches too); other leaves kept when plain, else None."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
+    layers = _cache_layers(obj)
+    if layers is not None:
+        cache = copy.copy(obj)
+        cache.layers = [copy.copy(layer) for layer in layers]
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                if isinstance(getattr(layer, name, None), torch.Tensor):
+                    setattr(layer, name, getattr(layer, name).detach().clone())
+        return cache
+    if _is_namedtuple(obj):
+        return type(obj)(*(clone_leaves(item) for item in obj))
     if isinstance(obj, (tuple, list)):
         items = [clone_leaves(item) for item in obj]
         return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, dict):  # model-output dataclasses too: only the values matter here
-        return {key: clone_leaves(value) for key, value in obj.items()}
+    if isinstance(obj, dict):
+        items = {key: clone_leaves(value) for key, value in obj.items()}
+        return items if type(obj) is dict else type(obj)(**items)  # ModelOutput
     return obj if obj is None or isinstance(obj, (bool, int, float, str)) else None
 
 
