@@ -54,6 +54,8 @@ __all__ = ["ByteStore", "MemoryBackend", "Pending", "ZarrAdapter", "check_key", 
 
 def check_key(key: str) -> str:
     """``key`` if it names an object inside a store, else :class:`InvalidKeyError`."""
+    if key in _GOOD_KEYS:  # every read checks its key: the common ones once
+        return key
     if (
         not isinstance(key, str)
         or not key
@@ -66,7 +68,14 @@ def check_key(key: str) -> str:
             f"invalid storage key {key!r}: keys are relative, '/'-separated, with no empty, "
             "'.' or '..' segment"
         )
+    if len(_GOOD_KEYS) >= _GOOD_KEYS_MAX:
+        _GOOD_KEYS.clear()
+    _GOOD_KEYS.add(key)
     return key
+
+
+_GOOD_KEYS: set[str] = set()  # keys that passed: a set of str, whatever thread adds
+_GOOD_KEYS_MAX = 1 << 16
 
 
 def check_prefix(prefix: str) -> str:

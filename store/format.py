@@ -86,9 +86,12 @@ _ZSTD_STREAM_DTYPES = frozenset(
 # -- keys ------------------------------------------------------------------------------------
 
 
-def chunk_key(array: str, index: Sequence[int] | str) -> str:
-    """The key of chunk (or shard) ``index`` of ``array`` (Zarr v3 default encoding)."""
-    return f"{array}/c/{index if isinstance(index, str) else '/'.join(map(str, index))}"
+def chunk_key(array: str, index: Sequence[int] | str | int) -> str:
+    """The key of chunk (or shard) ``index`` of ``array`` (Zarr v3 default encoding;
+    an ``int``: shard ``index`` of a pack)."""
+    if isinstance(index, int | str):
+        return f"{array}/c/{index}"
+    return f"{array}/c/{'/'.join(map(str, index))}"
 
 
 def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[int, ...]]:

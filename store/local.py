@@ -173,7 +173,10 @@ class LocalBackend(ByteStore):
     def put(self, key: str, pieces: Sequence[Any], pending: Pending | None = None) -> None:
         if pending is not None and not isinstance(pending, Unsynced):
             raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
-        _write_all(self.path(key), pieces, pending)
+        try:
+            _write_all(self.path(key), pieces, pending)
+        except OSError as exc:
+            raise StoreError(f"cannot write {key} in {self._root}: {exc}") from exc
 
     def _read(self, key: str, start: int, nbytes: int | None, from_end: bool = False) -> bytes:
         path = self._file(key)

@@ -157,7 +157,7 @@ class RunArrays:
         with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose shards
             if array.shape[0] < start + CHUNK_BYTES:
                 array.resize((start + CHUNK_BYTES,))
-        self.backend.put(chunk_key(name, (index,)), encode_shard(data, pack_codec(name)), pending)
+        self.backend.put(chunk_key(name, index), encode_shard(data, pack_codec(name)), pending)
 
     def write_array(
         self,
@@ -291,7 +291,7 @@ class RunArrays:
         Packs are read here rather than through zarr-python, whose per-read overhead
         dominates reading a small tensor; the decoding is the one the array's metadata
         declares, and ``verify()`` reads every shard through zarr-python."""
-        key = chunk_key(name, (shard,))
+        key = chunk_key(name, shard)
         version = self._shard_version(key, label)
         data = _CHUNKS.get((version, j))
         if data is not None:

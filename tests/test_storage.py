@@ -167,6 +167,13 @@ class TestLocalBackend(ByteStoreTests):
             "r/a/c/0",
         ]
 
+    def test_write_failures_are_store_errors(self, tmp_path: Path) -> None:
+        store = LocalBackend(tmp_path)
+        store.put("a", [b"x"])
+        with pytest.raises(StoreError, match="cannot write a/b") as err:
+            store.put("a/b", [b"y"])  # its "directory" is a file
+        assert isinstance(err.value.__cause__, OSError)
+
     def test_writes_are_fdatasynced(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         synced: list[int] = []
         real = os.fdatasync
