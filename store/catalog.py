@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 
@@ -66,6 +66,8 @@ __all__ = [
     "TABLES",
     "CatalogMirror",
     "CatalogWriter",
+    "ChangeToken",
+    "FileChangeToken",
     "writer_alive",
 ]
 
@@ -347,6 +349,39 @@ class CatalogWriter:
             return dead
 
 
+class ChangeToken(Protocol):
+    """What a catalog backend offers readers: a value that moves whenever the catalog
+    may have changed (readers compare it whole), ``None`` while nothing was ever
+    committed. A catalog that is not a local file supplies its own."""
+
+    def token(self) -> str | None: ...
+
+
+class FileChangeToken:
+    """The token of a catalog in a local DuckDB file: the writers' generation file
+    (``catalog.gen``, rewritten after every change), and the database and its log as
+    the filesystem sees them, so that a writer killed between its commit and its bump is
+    still noticed."""
+
+    def __init__(self, paths: StorePaths):
+        wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+        self._watched = (str(paths.gen), str(paths.catalog), str(wal))
+
+    def token(self) -> str | None:
+        parts = []
+        for path in self._watched:  # before every query: plain strings and os calls
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                parts.append("-")
+                continue
+            parts.append(f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}")
+        if parts[0] == "-":
+            return None  # nothing was ever committed
+        with open(self._watched[0]) as f:
+            return f"{f.read()}|{'|'.join(parts)}"
+
+
 class CatalogMirror:
     """A reader's in-memory copy of the catalog's complete runs, refreshed when the
     catalog changed. Holds no lock and no handle on the file between refreshes.
@@ -375,8 +410,7 @@ class CatalogMirror:
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
         self._complete: set[int] = set()  # the complete runs, as of the last refresh
         self._everything = False  # whether every complete run's rows are to be loaded
-        wal = paths.catalog.with_name(paths.catalog.name + ".wal")
-        self._watched = (str(paths.gen), str(paths.catalog), str(wal))
+        self.changes: ChangeToken = FileChangeToken(paths)
         #: The complete runs' ids by name, and names by id, as of the last refresh
         #: (queries filter ops by run id rather than join ``runs`` for a name).
         self.run_ids: dict[str, int] = {}
@@ -387,21 +421,7 @@ class CatalogMirror:
         self.points = OpIndex(self._op_rows)
 
     def _token(self) -> str | None:
-        """What changes whenever the catalog may have: the writers' generation file, and
-        the database and its log as the filesystem sees them (so that a writer killed
-        between its commit and its bump is still noticed)."""
-        parts = []
-        for path in self._watched:  # before every query: plain strings and os calls
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                parts.append("-")
-                continue
-            parts.append(f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}")
-        if parts[0] == "-":
-            return None  # nothing was ever committed
-        with open(self._watched[0]) as f:
-            return f"{f.read()}|{'|'.join(parts)}"
+        return self.changes.token()
 
     @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:

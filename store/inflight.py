@@ -39,8 +39,8 @@ class Buffers:
 
     At most ``cap`` bytes are in flight: ``hold`` and ``take`` wait while more would be
     (one item larger than the cap still goes, alone). Written buffers are kept for reuse
-    while in flight + kept stays within the cap (fresh memory costs page faults: copying
-    32 MiB into it took 33 ms, into a reused buffer 5.6), so the writer never holds more
+    while in flight + kept stays within the cap (fresh memory costs page faults, several
+    times the copy itself; a reused buffer costs none), so the writer never holds more
     than ``cap`` bytes at once. Buffers are anonymous maps (huge pages where the system
     has them), returned to the system as soon as they are dropped."""
 
@@ -85,10 +85,9 @@ class Buffers:
                 self._free[size].pop()
                 self.kept -= size
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # 2 MiB pages, allocated in one call rather than fault by fault: copying 32 MiB
-        # into fresh memory took 35 ms with 4 KiB pages faulted in one by one, 10-70 with
-        # huge pages faulted in (70 when the kernel had to compact memory for each), 11
-        # with both advices (the second: MADV_POPULATE_WRITE, Linux 5.14).
+        # Huge pages, populated in one call rather than fault by fault (the second advice:
+        # MADV_POPULATE_WRITE, Linux 5.14): huge pages faulted in one by one can make the
+        # kernel compact memory for each, and 4 KiB pages faulted one by one cost most.
         for advice in _ADVICE:
             with contextlib.suppress(OSError):
                 memory.madvise(advice)

@@ -11,7 +11,7 @@ import torch
 
 from tracelake.errors import ChunkCorruptError
 
-from .tensors import parse_dtype
+from .dtypes import parse_dtype
 
 if TYPE_CHECKING:
     from .run import Run
@@ -85,9 +85,7 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
             _check_array_shape(run, arrays, array, shape, labels, report)
         else:
             by_array.setdefault(array, []).append((offset, nbytes, labels))
-    on_disk = (
-        {p.name for p in arrays.path.iterdir() if p.is_dir()} if arrays.path.exists() else set()
-    )
+    on_disk = set(arrays.names())
     for name in sorted(on_disk - set(by_array)):
         report.problems.append(Problem(run.name, "-", f"array {name} is not in the catalog"))
     for name, spans in by_array.items():
@@ -152,7 +150,7 @@ def _check_chunks(
         if packed:  # only the bytes tensors occupy: the shard holds no inner chunk past them
             selection = (slice(selection[0].start, min(selection[0].stop, end)),)
         try:
-            if not (arrays.path / name / "c" / key).exists():
+            if not arrays.has_chunk(name, key):
                 raise ChunkCorruptError(run.name, "?", f"{name}/c/{key}", "missing")
             array[selection]
         except Exception as exc:

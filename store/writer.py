@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -39,17 +38,11 @@ from tracelake.recorder.stats import (
     segment_moments,
 )
 
+from .dtypes import numpy_dtype
+from .format import ALIGN, CHUNK_BYTES, pack_codec, pack_stream
 from .inflight import Buffers, Live, Overwritten, alias_version, storage_holders
 from .rows import distinct_codes
-from .tensors import (
-    ALIGN,
-    CHUNK_BYTES,
-    RunArrays,
-    Unsynced,
-    numpy_dtype,
-    pack_codec,
-    pack_stream,
-)
+from .tensors import RunArrays
 
 __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 
@@ -59,9 +52,9 @@ _TENSOR = torch.Tensor
 _memmove = ctypes.memmove
 # Fields of TensorWriter.slots: one plain tuple per saved tensor (array, byte offset or
 # -1, nbytes, shape, dtype, step), appended on the forward thread, so built as cheaply as
-# Python allows, and of plain values only (the garbage collector then stops tracking it:
-# a torch.Size in it kept 20,000 tuples per run under watch, and a full collection
-# of the process, ~250 ms, came with every few runs).
+# Python allows, and of plain values only: the garbage collector then stops tracking
+# them (a torch.Size in each kept every tuple of a run under watch, and made full
+# collections of the process frequent and slow).
 ARRAY: Final = 0
 NBYTES: Final = 2
 _OFFSET, _NBYTES, _DTYPE = (operator.itemgetter(k) for k in (1, 2, 4))
@@ -112,7 +105,7 @@ class TensorWriter:
         self.step = 0
         self.bytes_written = 0
         self._buffers = Buffers(max_inflight)
-        self._unsynced = Unsynced()  # files written, durable by the end of close()
+        self._unsynced = arrays.pending()  # writes made durable by the end of close()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
         self._pending: set[Future[None]] = set()
         self._errors: list[BaseException] = []
@@ -157,8 +150,9 @@ class TensorWriter:
                 and tensor.is_contiguous()
                 and not tensor.is_neg()
             ):
-                # The tensor's bytes as they are: ~1.5 us with the ctypes call, where
-                # numpy's copy took ~4 and torch's copy_ into a view of the buffer ~10.
+                # The tensor's bytes as they are, by one ctypes memmove: the cheapest
+                # copy per call from Python (numpy's copy and torch's copy_ into a view
+                # of the buffer both cost several times more per small tensor).
                 _memmove(stream.address + start, tensor.data_ptr(), nbytes)
             else:
                 region = torch.from_numpy(stream.buffer[start : start + nbytes])
@@ -191,9 +185,10 @@ class TensorWriter:
 
     def _save_large(self, tensor: torch.Tensor, nbytes: int) -> int:
         """A tensor of a chunk or more, with an array of its own. A plain contiguous CPU
-        tensor is not copied: the workers write it from where it is (copying 32 MiB cost
-        the forward 6-7 ms, 11-70 more into fresh memory), and it is copied only if
-        something may write it before they are done: an in-place op the recorder sees
+        tensor is not copied: the workers write it from where it is (a copy would cost the
+        forward time in proportion to its size, more still into fresh memory), and it is
+        copied only if something may write it before they are done: an in-place op the
+        recorder sees
         (``before_write``), or the end of the step while anything else holds it
         (``settle``). A write the recorder cannot see moves its version counter: that
         tensor is then dropped, with a warning, never stored wrong."""
@@ -340,7 +335,7 @@ class TensorWriter:
         except OSError as exc:
             self._errors.append(exc)
         for slot in self.lost:  # what was written of them is not theirs
-            shutil.rmtree(self.arrays.path / f"t{slot}", ignore_errors=True)
+            self.arrays.delete(f"t{slot}")
         if self._errors:
             raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
 
@@ -368,7 +363,9 @@ class TensorWriter:
 
     def codec(self, array: str) -> str:
         """The codec of an array this writer wrote (own arrays are named ``t<slot>``)."""
-        return self.codecs.get(int(array[1:]), "raw") if array[0] == "t" else pack_codec(array)
+        if array[0] == "t":
+            return self.codecs.get(int(array[1:]), "raw")
+        return pack_codec(array).name
 
     def location(self, slot: int) -> Location:
         return Location(*self.slots[slot], codec=self.codec(self.slots[slot][ARRAY]))

@@ -24,7 +24,7 @@ import os, signal, sys
 import duckdb
 import torch
 import tracelake as tl
-from tracelake.store import catalog, tensors
+from tracelake.store import catalog, local
 from model_zoo import BUILDERS
 
 root, moment = sys.argv[1], sys.argv[2]
@@ -40,7 +40,7 @@ elif moment == "mid-write":  # a worker thread dies half way through writing a f
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(bytes(p) for p in pieces)[:100])
         die()
-    tensors._write_all = half
+    local._write_all = half
 elif moment == "before-commit":  # tensors durable, catalog untouched
     catalog.CatalogWriter.commit = die
 elif moment == "mid-commit":  # rows inserted, the status update and COMMIT not yet run

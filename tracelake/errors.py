@@ -27,6 +27,8 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   ├── RunNotFoundError (KeyError)   no complete run has that name
     │   ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
     │   ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
+    │   ├── ObjectNotFoundError (KeyError)   no stored object has that key (array bytes)
+    │   ├── InvalidKeyError (ValueError)   a storage key that could leave its store
     │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
     └── QueryError                 a query could not be parsed, compiled or run
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
@@ -46,9 +48,11 @@ __all__ = [
     "AmbiguousLabelError",
     "CatalogError",
     "ChunkCorruptError",
+    "InvalidKeyError",
     "InvalidRunNameError",
     "LabelError",
     "NestedTraceError",
+    "ObjectNotFoundError",
     "QueryCompileError",
     "QueryError",
     "QuerySyntaxError",
@@ -147,6 +151,23 @@ class RunExistsError(StoreError):
 
 class InvalidRunNameError(StoreError, ValueError):
     """A run name tracelake refuses (empty, too long, or with control characters)."""
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """A storage backend holds no object under the key asked for (a ``KeyError`` too)."""
+
+    def __init__(self, key: str, where: str = ""):
+        self.key = key
+        self.message = f"no stored object {key!r}" + (f" in {where}" if where else "")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return self.message
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A storage key refused: empty, absolute, or with ``.``/``..``/empty segments, so
+    that no key can name a file outside its store."""
 
 
 class ChunkCorruptError(StoreError):

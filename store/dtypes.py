@@ -1,0 +1,58 @@
+"""Torch dtypes in the store: their names, and their bytes as numpy sees them.
+
+**Bits, not values:** dtypes numpy lacks (bfloat16, float8, ...) are stored as unsigned
+integers of the same width and the torch dtype is recorded beside them (the array
+attribute ``torch_dtype`` and the catalog), so every dtype round-trips bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tracelake.errors import StoreError
+
+__all__ = ["dtype_name", "numpy_dtype", "parse_dtype", "tensor_bits", "tensor_from_bytes"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StoreError(f"the store names a dtype this torch lacks: {name!r}")
+    return dtype
+
+
+@functools.cache
+def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """numpy's dtype for ``dtype`` when numpy has one, else ``None`` (store the bits)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+
+
+def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as numpy, in numpy's dtype or as same-width unsigned bits."""
+    if numpy_dtype(tensor.dtype) is None:
+        tensor = tensor.view(_BITS[tensor.element_size()])
+        return tensor.numpy().view(_NUMPY_BITS[tensor.element_size()])
+    return tensor.numpy()
+
+
+def tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` from its raw bytes (an owned uint8 array)."""
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+    if dtype.itemsize != 1 or dtype is not torch.uint8:
+        raw = raw.view(dtype)
+    return raw.reshape(tuple(shape))

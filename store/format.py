@@ -1,0 +1,245 @@
+"""The Zarr v3 layout of a run's arrays: the one owner of keys, shards and chunk bytes.
+
+One Zarr v3 group per run, readable by plain zarr-python:
+
+- **Small tensors** (under :data:`CHUNK_BYTES`) are packed, :data:`ALIGN`-byte aligned,
+  into a few 1-D ``uint8`` arrays per run (:func:`pack_stream`), sharded: one shard
+  object of :data:`CHUNK_BYTES` written at a time, holding inner chunks of
+  :data:`INNER_BYTES`, so reading one small tensor decodes one inner chunk, not a
+  shard. The catalog records array, byte offset, shape and dtype. (One Zarr array per
+  op would cost its metadata objects and their creation per op.)
+- **Large tensors** get their own N-d array (``t<slot>``), chunked along the leading
+  dimensions to about :data:`CHUNK_BYTES` (:func:`chunk_shape`) so that a slice reads
+  few chunks; edge chunks are stored full size, as Zarr v3 requires.
+- Every chunk is its array's codec chain applied to its C-order bytes
+  (:class:`~.codecs.Chain`: [zstd →] crc32c). A shard (``sharding_indexed``,
+  ``index_location: end``) is its inner chunks one after the other, then the index
+  (``(offset, nbytes)`` little-endian uint64 per inner chunk, all ones where absent)
+  and the index's CRC32C.
+
+Chunks are encoded here rather than by zarr-python's pipeline (its synchronous API
+funnels every call through one event-loop thread and copies each chunk to append the
+checksum; ``benchmarks/zarr_pipelines.py`` measures the difference); array metadata is
+still written by zarr-python, from the specs below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .codecs import CRC32C, RAW, ZSTD, Buffer, Chain
+
+__all__ = [
+    "ALIGN",
+    "CHUNK_BYTES",
+    "INNER_BYTES",
+    "INNER_PER_SHARD",
+    "SHARD_INDEX_BYTES",
+    "chunk_grid",
+    "chunk_key",
+    "chunk_shape",
+    "decode_inner",
+    "encode_chunk",
+    "encode_shard",
+    "inner_span",
+    "own_array_spec",
+    "pack_array_spec",
+    "pack_codec",
+    "pack_stream",
+    "parse_shard_index",
+    "selection_chunks",
+]
+
+#: Chunk size of packs (one shard), and the size from which a tensor gets its own array.
+CHUNK_BYTES = 4 << 20
+#: Inner chunk of a pack's shards: what reading one small tensor decodes.
+INNER_BYTES = 64 << 10
+#: Alignment of tensors inside a pack (so that any dtype can be viewed in place).
+ALIGN = 64
+INNER_PER_SHARD = CHUNK_BYTES // INNER_BYTES
+#: The shard index and its checksum, at the end of every shard.
+SHARD_INDEX_BYTES = INNER_PER_SHARD * 16 + CRC32C.SIZE
+_ABSENT = np.iinfo(np.uint64).max
+#: Own arrays write every chunk, even all-zero ones: a missing chunk object always
+#: means damage.
+_ZARR_CONFIG: Any = {"write_empty_chunks": True}
+#: Half floats, integers and bools usually compress; float32/64 activations rarely do.
+_ZSTD_STREAM_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    }
+)
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def chunk_key(array: str, index: Sequence[int] | str | int) -> str:
+    """The key of chunk (or shard) ``index`` of ``array`` (Zarr v3 default encoding;
+    an ``int``: shard ``index`` of a pack)."""
+    if isinstance(index, int | str):
+        return f"{array}/c/{index}"
+    return f"{array}/c/{'/'.join(map(str, index))}"
+
+
+def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every chunk index of an array of ``shape`` chunked by ``chunks``, in C order."""
+    return _product([range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)])
+
+
+def selection_chunks(key: tuple[Any, ...], chunks: Sequence[int]) -> list[str] | None:
+    """Chunk indexes (``"i/j"``) a normalised basic selection touches (``None`` when
+    there are too many to list cheaply; zarr's checksums still guard what is read)."""
+    ranges = []
+    count = 1
+    for k, c in zip(key, chunks, strict=True):
+        if isinstance(k, int):
+            ranges.append(range(k // c, k // c + 1))
+        else:
+            start, stop, step = k.start, k.stop, k.step or 1
+            if stop <= start:
+                return []
+            last = start + ((stop - 1 - start) // step) * step
+            ranges.append(range(start // c, last // c + 1))
+        count *= len(ranges[-1])
+        if count > 4096:
+            return None
+    return ["/".join(map(str, idx)) for idx in _product(ranges)]
+
+
+def _product(ranges: list[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+# -- packs -----------------------------------------------------------------------------------
+
+
+def pack_stream(dtype: torch.dtype) -> str:
+    """Which pack a small tensor of ``dtype`` goes to."""
+    return "pack_zstd" if dtype in _ZSTD_STREAM_DTYPES else "pack_raw"
+
+
+def pack_codec(name: str) -> Chain:
+    """The codec chain of pack ``name`` (it follows the pack's name)."""
+    return ZSTD if name.startswith("pack_zstd") else RAW
+
+
+def pack_array_spec(name: str) -> dict[str, Any]:
+    """``zarr.create_array`` arguments of pack ``name``, before its first shard."""
+    return {
+        "shape": (CHUNK_BYTES,),
+        "chunks": (INNER_BYTES,),
+        "shards": (CHUNK_BYTES,),
+        "dtype": "uint8",
+        "fill_value": 0,
+        "compressors": pack_codec(name).zarr_codecs(),
+        "attributes": {"tracelake": "pack"},
+    }
+
+
+def encode_shard(data: np.ndarray, codec: Chain) -> list[Buffer]:
+    """Shard of a pack holding ``data`` (1-D uint8, up to CHUNK_BYTES): the inner chunks
+    covering it (the last padded to full size), then the index and its checksum. A last,
+    partly filled shard simply has fewer inner chunks."""
+    index = np.full((INNER_PER_SHARD, 2), _ABSENT, dtype="<u8")
+    pieces: list[Buffer] = []
+    offset = 0
+    for j in range(-(-data.nbytes // INNER_BYTES)):
+        part = data[j * INNER_BYTES : (j + 1) * INNER_BYTES]
+        if part.nbytes < INNER_BYTES:
+            full = np.zeros(INNER_BYTES, dtype=np.uint8)
+            full[: part.nbytes] = part
+            part = full
+        encoded = codec.encode(part)
+        size = sum(memoryview(p).nbytes for p in encoded)
+        index[j] = (offset, size)
+        offset += size
+        pieces += encoded
+    table = index.tobytes()
+    pieces += [table, CRC32C.checksum(table)]
+    return pieces
+
+
+def parse_shard_index(raw: bytes) -> np.ndarray | None:
+    """The (INNER_PER_SHARD, 2) index from a shard's last SHARD_INDEX_BYTES, or ``None``
+    when they are short or fail their checksum."""
+    table = CRC32C.strip(raw) if len(raw) == SHARD_INDEX_BYTES else None
+    if table is None:
+        return None
+    return np.frombuffer(table, dtype="<u8").reshape(-1, 2)
+
+
+def inner_span(index: np.ndarray, j: int) -> tuple[int, int] | None:
+    """(byte offset, stored size) of inner chunk ``j`` in its shard, ``None`` if absent."""
+    offset, nbytes = (int(v) for v in index[j])
+    return None if offset == _ABSENT else (offset, nbytes)
+
+
+def decode_inner(raw: bytes, nbytes: int, codec: Chain) -> np.ndarray | None:
+    """An inner chunk's bytes from the ``nbytes`` stored for it, ``None`` when they are
+    short or fail their checksum."""
+    return codec.decode(raw) if len(raw) == nbytes else None
+
+
+# -- own arrays ------------------------------------------------------------------------------
+
+
+def chunk_shape(shape: Sequence[int], itemsize: int, target: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunks of about ``target`` bytes: whole trailing dimensions, then part of the next
+    one, leading dimensions one at a time, so that ``x[i]`` and ``x[i, :, a:b]`` read
+    few chunks."""
+    chunks = [1] * len(shape)
+    inner = itemsize
+    for axis in range(len(shape) - 1, -1, -1):
+        size = max(int(shape[axis]), 1)
+        if inner * size <= target:
+            chunks[axis] = size
+            inner *= size
+        else:
+            chunks[axis] = max(1, target // inner)
+            break
+    return tuple(chunks)
+
+
+def own_array_spec(
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    dtype: np.dtype,
+    codec: Chain,
+    attributes: dict[str, Any],
+) -> dict[str, Any]:
+    """``zarr.create_array`` arguments of a large tensor's own array."""
+    return {
+        "shape": shape,
+        "chunks": chunks,
+        "dtype": dtype,
+        "fill_value": 0,
+        "compressors": codec.zarr_codecs(),
+        "config": _ZARR_CONFIG,
+        "attributes": attributes,
+    }
+
+
+def encode_chunk(part: np.ndarray, chunks: tuple[int, ...], codec: Chain) -> list[Buffer]:
+    """One chunk of an own array: ``part`` (an edge chunk is padded with zeros to the
+    full ``chunks`` shape) as C-order bytes through ``codec``."""
+    if part.shape != chunks:
+        full = np.zeros(chunks, dtype=part.dtype)
+        full[tuple(slice(0, n) for n in part.shape)] = part
+        part = full
+    return codec.encode(np.ascontiguousarray(part).reshape(-1).view(np.uint8))

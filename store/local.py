@@ -1,0 +1,279 @@
+"""The local-filesystem :class:`~.backend.ByteStore`: one file per object under a root.
+
+Writes are the fast path of recording. Each object is written with one ``writev`` (the
+payload and its checksum are separate pieces, never joined into a copy), its writeback
+is started at once (``posix_fadvise``) so that the device writes while the workers
+encode the next chunks, and it is made durable with ``fdatasync`` either on the spot or
+by :class:`Unsynced`, a thread that syncs the oldest files first so that no worker waits
+on a device cache flush while it could encode. Names become durable in :meth:`commit`,
+which fsyncs every file and directory under the root; a run is committed to the catalog
+only after that.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+import stat
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tracelake.errors import ObjectNotFoundError, StoreError
+
+from .backend import ByteStore, Pending, check_key, check_prefix
+from .layout import fsync_tree
+
+__all__ = ["LocalBackend", "Unsynced"]
+
+_START_WRITEBACK = hasattr(os, "posix_fadvise")
+_WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
+
+
+class Unsynced:
+    """Files written whose data is not durable yet. Their writeback starts at once; a
+    thread of its own makes them durable, oldest first, so that no worker waits on an
+    ``fdatasync`` while it could encode; at most ``window`` wait, then ``add`` waits
+    too. ``close`` makes them all durable and raises what syncing raised. Safe to share
+    between threads; ``background=False``: the thread that adds one too many syncs the
+    oldest itself."""
+
+    def __init__(self, window: int = 16, background: bool = True):
+        self.window = window
+        self._fds: deque[int] = deque()
+        self._busy = 0  # being made durable now
+        self._error: OSError | None = None
+        self._cond = threading.Condition()
+        self._background = background
+        self._thread: threading.Thread | None = None
+
+    def add(self, fd: int) -> None:
+        if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with self._cond:
+            self._fds.append(fd)
+            if not self._background:
+                due = [self._fds.popleft() for _ in range(len(self._fds) - self.window)]
+            else:
+                due = []
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, daemon=True, name="tracelake-sync"
+                    )
+                    self._thread.start()
+                self._cond.notify_all()
+                self._cond.wait_for(
+                    lambda: len(self._fds) + self._busy <= self.window or self._error is not None
+                )
+        _all_durable(due)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._fds) or self._thread is None)
+                if not self._fds:
+                    return  # closed, nothing left
+                fd = self._fds.popleft()
+                self._busy += 1
+            try:
+                _durable(fd)
+            except OSError as exc:
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def close(self, durable: bool = True) -> None:
+        """Make every file durable (or, not ``durable``: just close them)."""
+        with self._cond:
+            if not durable:
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds.clear()
+            thread, self._thread = self._thread, None
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()  # it drains what is left, then ends
+        with self._cond:
+            due = list(self._fds)
+            self._fds.clear()
+            error, self._error = self._error, None
+        if durable:
+            _all_durable(due)
+        if error is not None and durable:
+            raise error
+
+
+def _all_durable(fds: list[int]) -> None:
+    try:
+        for k, fd in enumerate(fds):
+            _durable(fd)
+            fds[k] = -1
+    finally:
+        for fd in fds:  # an error above: close the rest, durable or not
+            if fd >= 0:
+                os.close(fd)
+
+
+def _durable(fd: int) -> None:
+    """Wait for ``fd``'s data to be on disk, let the kernel drop its pages (a capture
+    larger than RAM stays cheap), close it."""
+    try:
+        os.fdatasync(fd)
+        if _START_WRITEBACK:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _write_all(path: Path, pieces: Sequence[Any], pending: Unsynced | None = None) -> None:
+    """Write ``pieces`` as the file ``path``, made durable here (on the calling worker
+    thread, while the forward pass goes on) or handed to ``pending``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        views = [memoryview(p).cast("B") for p in pieces]
+        while views:
+            written = os.writev(fd, views[:_WRITEV_MAX])
+            while views and written >= views[0].nbytes:  # short writes: finish them
+                written -= views[0].nbytes
+                views.pop(0)
+            if written:
+                views[0] = views[0][written:]
+    except BaseException:
+        os.close(fd)
+        raise
+    if pending is None:
+        _durable(fd)
+    else:
+        pending.add(fd)
+
+
+class LocalBackend(ByteStore):
+    """Objects as files under ``root`` (keys are their relative paths)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self._root = str(self.root)  # reads build paths with plain string joins
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self._root!r})"
+
+    def path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self._root, check_key(key))
+
+    def put(self, key: str, pieces: Sequence[Any], pending: Pending | None = None) -> None:
+        if pending is not None and not isinstance(pending, Unsynced):
+            raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
+        try:
+            _write_all(self.path(key), pieces, pending)
+        except OSError as exc:
+            raise StoreError(f"cannot write {key} in {self._root}: {exc}") from exc
+
+    def _read(self, key: str, start: int, nbytes: int | None, from_end: bool = False) -> bytes:
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                if from_end:
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(max(size - (nbytes or 0), 0))
+                    return f.read()
+                if start:
+                    f.seek(start)
+                return f.read() if nbytes is None else f.read(nbytes)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(key, self._root) from None
+        except OSError as exc:
+            raise StoreError(f"cannot read {path}: {exc}") from exc
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        if start < 0 or (end is not None and end < start):
+            raise ValueError(f"invalid byte range [{start}, {end}): use 0 <= start <= end")
+        return self._read(key, start, None if end is None else end - start)
+
+    def get_suffix(self, key: str, nbytes: int) -> bytes:
+        if nbytes < 0:
+            raise ValueError(f"invalid suffix length {nbytes}")
+        return self._read(key, 0, nbytes, from_end=True)
+
+    def _stat(self, key: str) -> os.stat_result:
+        try:
+            st = os.stat(self._file(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFoundError(key, self._root) from None
+        except OSError as exc:
+            raise StoreError(f"cannot read {key} in {self._root}: {exc}") from exc
+        if not stat.S_ISREG(st.st_mode):  # a "directory" of keys is not an object
+            raise ObjectNotFoundError(key, self._root)
+        return st
+
+    def size(self, key: str) -> int:
+        return self._stat(key).st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._file(key))
+
+    def version(self, key: str) -> Any:
+        """The file's identity as the filesystem sees it: a rewrite (new inode) or a
+        change in place (mtime, size) gives a new token."""
+        st = self._stat(key)
+        return (self._root, key, st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        prefix = check_prefix(prefix)
+        top = os.path.join(self._root, prefix) if prefix else self._root
+        if os.path.isfile(top):
+            return [prefix]
+        keys = []
+        for dirpath, _dirs, files in os.walk(top):
+            rel = os.path.relpath(dirpath, self._root)
+            base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            keys += [base + name for name in files]
+        return sorted(keys)
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        prefix = check_prefix(prefix)
+        try:
+            return sorted(os.listdir(os.path.join(self._root, prefix) if prefix else self._root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._file(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot delete {key} in {self._root}: {exc}") from exc
+
+    def delete_prefix(self, prefix: str) -> None:
+        prefix = check_prefix(prefix)
+        top = Path(self._root, prefix) if prefix else self.root
+        if top.is_file():
+            top.unlink()
+        elif prefix:
+            shutil.rmtree(top, ignore_errors=True)
+        else:  # the whole store: its contents, not its root
+            for entry in list(top.iterdir()) if top.is_dir() else []:
+                self.delete_prefix(entry.name)
+
+    def commit(self) -> int:
+        """fsync every file and directory under the root (a new file's name is durable
+        only once its directory is)."""
+        return fsync_tree(self.root) if self.root.exists() else 0
+
+    def pending(self, window: int = 16, background: bool = True) -> Unsynced:
+        return Unsynced(window, background)
+
+    def zarr_store(self, prefix: str = "") -> Any:
+        """The directory itself: zarr-python's own local store reads and writes it."""
+        prefix = check_prefix(prefix)
+        return os.path.join(self._root, prefix) if prefix else self._root

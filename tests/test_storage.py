@@ -1,0 +1,321 @@
+"""The storage seam: one conformance suite run against every ByteStore implementation
+(in the spirit of zarr-python's ``StoreTests``), codecs as objects, and a whole run's
+arrays written and read through the memory backend."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hook_capture import assert_bitwise
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracelake.errors import ChunkCorruptError, InvalidKeyError, ObjectNotFoundError, StoreError
+from tracelake.store.backend import ByteStore, MemoryBackend
+from tracelake.store.catalog import FileChangeToken
+from tracelake.store.codecs import CHAINS, RAW, ZSTD, choose_codec, codec_named
+from tracelake.store.format import CHUNK_BYTES, chunk_key
+from tracelake.store.layout import StorePaths
+from tracelake.store.local import LocalBackend
+from tracelake.store.tensors import RunArrays
+from tracelake.store.writer import TensorWriter
+
+ESCAPING = ["", "/etc/passwd", "../x", "a/../../x", "a//b", "./a", "a/.", "a\\..\\b", "a\x00b"]
+
+
+class ByteStoreTests:
+    """What every backend must do. Subclasses provide ``make``."""
+
+    make: Callable[[Path], ByteStore]
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> ByteStore:
+        return type(self).make(tmp_path / "objects")
+
+    def test_put_get_round_trip(self, store: ByteStore) -> None:
+        store.put("a/c/0", [b"hello ", np.frombuffer(b"world", dtype=np.uint8), memoryview(b"!")])
+        assert store.get("a/c/0") == b"hello world!"
+        assert store.size("a/c/0") == 12 and store.exists("a/c/0")
+        store.put("a/c/0", [b"new"])  # overwrite: the whole object
+        assert store.get("a/c/0") == b"new"
+        store.put("empty", [])
+        assert store.get("empty") == b"" and store.size("empty") == 0
+
+    def test_ranges(self, store: ByteStore) -> None:
+        data = bytes(range(100))
+        store.put("k", [data])
+        assert store.get("k", 10, 20) == data[10:20]
+        assert store.get("k", 90) == data[90:]
+        assert store.get_suffix("k", 7) == data[-7:]
+        assert store.get("k", 95, 200) == data[95:]  # past the end: clipped
+        assert store.get("k", 150, 160) == b""
+        assert store.get_suffix("k", 1000) == data  # longer than the object: all of it
+        assert store.get_suffix("k", 0) == b""
+        for bad in ((-1, 5), (10, 5)):
+            with pytest.raises(ValueError):
+                store.get("k", *bad)
+        with pytest.raises(ValueError):
+            store.get_suffix("k", -1)
+
+    def test_missing_keys_raise_a_tracelake_error(self, store: ByteStore) -> None:
+        for call in (store.get, store.size, store.version, lambda k: store.get_suffix(k, 4)):
+            with pytest.raises(ObjectNotFoundError, match="no stored object 'nope/c/0'") as err:
+                call("nope/c/0")
+            assert isinstance(err.value, KeyError) and isinstance(err.value, StoreError)
+        assert not store.exists("nope/c/0")
+        store.put("dir/x", [b"1"])
+        with pytest.raises(ObjectNotFoundError):
+            store.get("dir")  # a "directory" of keys is not an object
+
+    def test_list_by_prefix_and_list_dir(self, store: ByteStore) -> None:
+        assert store.list() == [] and store.list_dir() == []
+        for key in ("zarr.json", "a/zarr.json", "a/c/0", "a/c/1", "ab/c/0"):
+            store.put(key, [key.encode()])
+        assert store.list() == ["a/c/0", "a/c/1", "a/zarr.json", "ab/c/0", "zarr.json"]
+        assert store.list("a") == ["a/c/0", "a/c/1", "a/zarr.json"]  # not "ab/..."
+        assert store.list("a/") == store.list("a")
+        assert store.list("a/c/0") == ["a/c/0"]
+        assert store.list("missing") == []
+        assert store.list_dir() == ["a", "ab", "zarr.json"]
+        assert store.list_dir("a") == ["c", "zarr.json"]
+        assert store.list_dir("a/c") == ["0", "1"]
+
+    def test_delete_object_and_prefix(self, store: ByteStore) -> None:
+        for key in ("a/zarr.json", "a/c/0", "a/c/1", "ab/c/0"):
+            store.put(key, [b"x"])
+        store.delete("a/c/0")
+        store.delete("a/c/0")  # missing: nothing to do
+        assert store.list("a") == ["a/c/1", "a/zarr.json"]
+        store.delete_prefix("a")
+        assert store.list() == ["ab/c/0"]
+        store.delete_prefix("nothing/here")
+        store.delete_prefix("")
+        assert store.list() == []
+
+    def test_durable_commit(self, store: ByteStore) -> None:
+        pending = store.pending(window=2)
+        for k in range(5):
+            store.put(f"p/{k}", [bytes([k]) * 100], pending)
+        pending.close()
+        assert [store.get(f"p/{k}") for k in range(5)] == [bytes([k]) * 100 for k in range(5)]
+        store.put("q", [b"abc"])
+        assert store.commit() == 503
+
+    def test_version_moves_when_the_object_does(self, store: ByteStore) -> None:
+        store.put("v", [b"one"])
+        first = store.version("v")
+        assert store.version("v") == first and hash(first) == hash(store.version("v"))
+        store.put("v", [b"two, longer"])
+        assert store.version("v") != first
+        other = type(self).make(Path(str(getattr(store, "root", "/nonexistent")) + "-other"))
+        other.put("v", [b"one"])
+        assert other.version("v") != store.version("v")  # unique in the process
+
+    @pytest.mark.parametrize("key", ESCAPING)
+    def test_keys_cannot_escape(self, store: ByteStore, key: str) -> None:
+        for call in (
+            lambda: store.put(key, [b"x"]),
+            lambda: store.get(key),
+            lambda: store.exists(key),
+            lambda: store.delete(key),
+        ):
+            with pytest.raises(InvalidKeyError):
+                call()
+        if key:  # "" is the whole store as a prefix
+            with pytest.raises(InvalidKeyError):
+                store.delete_prefix(key)
+            with pytest.raises(InvalidKeyError):
+                store.list(key)
+
+    def test_zarr_reads_and_writes_the_same_bytes(self, store: ByteStore) -> None:
+        zarr.create_group(store.zarr_store(), zarr_format=3)
+        values = np.arange(24, dtype=np.float32).reshape(4, 6)
+        array = zarr.create_array(
+            store.zarr_store("x"), shape=(4, 6), chunks=(2, 6), dtype="float32", fill_value=0
+        )
+        array[:] = values
+        assert sorted(store.list("x")) == ["x/c/0/0", "x/c/1/0", "x/zarr.json"]
+        assert json.loads(store.get("x/zarr.json"))["shape"] == [4, 6]
+        assert_bitwise(
+            torch.from_numpy(np.asarray(zarr.open_array(store.zarr_store("x"), mode="r")[:])),
+            torch.from_numpy(values),
+            "zarr round trip",
+        )
+
+
+class TestLocalBackend(ByteStoreTests):
+    make = LocalBackend
+
+    def test_files_are_where_the_keys_say(self, tmp_path: Path) -> None:
+        store = LocalBackend(tmp_path / "r")
+        store.put("a/c/0", [b"xyz"])
+        assert (tmp_path / "r" / "a" / "c" / "0").read_bytes() == b"xyz"
+        for key in ESCAPING[1:]:
+            with pytest.raises(InvalidKeyError):
+                store.put(key, [b"escaped"])
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+            "r",
+            "r/a",
+            "r/a/c",
+            "r/a/c/0",
+        ]
+
+    def test_write_failures_are_store_errors(self, tmp_path: Path) -> None:
+        store = LocalBackend(tmp_path)
+        store.put("a", [b"x"])
+        with pytest.raises(StoreError, match="cannot write a/b") as err:
+            store.put("a/b", [b"y"])  # its "directory" is a file
+        assert isinstance(err.value.__cause__, OSError)
+
+    def test_writes_are_fdatasynced(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        synced: list[int] = []
+        real = os.fdatasync
+        monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+        store = LocalBackend(tmp_path)
+        store.put("now", [b"1"])
+        assert len(synced) == 1
+        pending = store.pending(window=1, background=False)
+        store.put("later/0", [b"2"], pending)
+        store.put("later/1", [b"3"], pending)  # one too many: the oldest is synced
+        assert len(synced) == 2
+        pending.close()
+        assert len(synced) == 3
+
+
+class TestMemoryBackend(ByteStoreTests):
+    make = staticmethod(lambda _path: MemoryBackend())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.binary(max_size=300),
+    start=st.integers(0, 400),
+    length=st.integers(0, 400),
+)
+def test_ranges_are_slices_in_every_backend(data: bytes, start: int, length: int) -> None:
+    memory = MemoryBackend()
+    memory.put("k", [data])
+    assert memory.get("k", start, start + length) == data[start : start + length]
+    assert memory.get_suffix("k", length) == data[max(len(data) - length, 0) :]
+
+
+# -- codecs ---------------------------------------------------------------------------------
+
+
+def test_codecs_are_objects_that_know_their_metadata() -> None:
+    assert codec_named("raw") is RAW and codec_named("zstd") is ZSTD
+    assert set(CHAINS) == {"raw", "zstd"}
+    with pytest.raises(StoreError, match="'lz4'"):
+        codec_named("lz4")
+    names = {c: [z.to_dict() for z in c.zarr_codecs()] for c in (RAW, ZSTD)}
+    assert names[RAW] == [{"name": "crc32c"}]
+    assert names[ZSTD] == [
+        {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
+        {"name": "crc32c"},
+    ]
+    data = np.frombuffer(b"abc" * 1000, dtype=np.uint8)
+    for chain in (RAW, ZSTD):
+        stored = b"".join(bytes(memoryview(p).cast("B")) for p in chain.encode(data))
+        decoded = chain.decode(stored)
+        assert decoded is not None and decoded.tobytes() == data.tobytes()
+        damaged = bytearray(stored)
+        damaged[0] ^= 1
+        assert chain.decode(bytes(damaged)) is None
+        assert chain.decode(b"ab") is None
+    assert choose_codec(data) is ZSTD
+    assert choose_codec(np.random.default_rng(0).integers(0, 255, 10_000, dtype=np.uint8)) is RAW
+
+
+# -- a whole run through a backend ----------------------------------------------------------
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 5, generator=g),
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.randn(CHUNK_BYTES // 4 + 1000, generator=g),  # its own array, an edge chunk
+        (torch.arange(CHUNK_BYTES // 2 + 64) % 5).to(torch.int16),  # its own, zstd
+        torch.randn(300, generator=g),
+    ]
+
+
+def _write_run(arrays: RunArrays) -> TensorWriter:
+    writer = TensorWriter(arrays, max_inflight=4 * CHUNK_BYTES)
+    for tensor in _tensors():
+        writer.save(tensor)
+    writer.close()
+    return writer
+
+
+def _read(arrays: RunArrays, writer: TensorWriter, slot: int) -> torch.Tensor:
+    loc = writer.location(slot)
+    if loc.offset >= 0:
+        return arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
+    return arrays.read_array(loc.array, loc.dtype, loc.shape, "x")
+
+
+def test_a_run_written_to_memory_reads_back_and_matches_disk(tmp_path: Path) -> None:
+    memory = MemoryBackend()
+    arrays = RunArrays(memory, "m", create=True)
+    writer = _write_run(arrays)
+    for slot, tensor in enumerate(_tensors()):
+        assert_bitwise(_read(arrays, writer, slot), tensor, f"slot {slot}")
+    assert {writer.codec(loc.array) for loc in writer.locations} == {"raw", "zstd"}
+    # zarr-python reads the same objects, checksums included
+    for name in arrays.names():
+        np.asarray(arrays.array(name)[:])
+    # the same run on disk: the same keys holding the same bytes
+    local = LocalBackend(tmp_path / "run")
+    _write_run(RunArrays(local, "l", create=True))
+    assert local.list() == memory.list()
+    for key in memory.list():
+        assert local.get(key) == memory.get(key), key
+    assert arrays.commit() == local.commit()
+
+
+def test_a_changed_shard_is_never_read_from_the_cache() -> None:
+    memory = MemoryBackend()
+    arrays = RunArrays(memory, "m", create=True)
+    writer = _write_run(arrays)
+    loc = writer.location(0)
+    _read(arrays, writer, 0)  # cached now
+    key = chunk_key(loc.array, (0,))
+    damaged = bytearray(memory.get(key))
+    damaged[loc.offset + 1] ^= 0xFF
+    memory.put(key, [bytes(damaged)])
+    with pytest.raises(ChunkCorruptError, match="checksum"):
+        _read(arrays, writer, 0)
+    memory.delete(key)
+    with pytest.raises(ChunkCorruptError, match="missing"):
+        _read(arrays, writer, 0)
+
+
+def test_lost_arrays_are_deleted_through_the_backend() -> None:
+    memory = MemoryBackend()
+    arrays = RunArrays(memory, "m", create=True)
+    _write_run(arrays)
+    name = next(n for n in arrays.names() if n.startswith("t"))
+    arrays.delete(name)
+    assert memory.list(name) == [] and name not in arrays.names()
+
+
+def test_the_catalog_change_token_moves_with_the_catalog(tmp_path: Path) -> None:
+    paths = StorePaths(tmp_path)
+    token = FileChangeToken(paths)
+    assert token.token() is None  # nothing committed yet
+    paths.gen.write_text("1")
+    first = token.token()
+    assert first is not None and token.token() == first
+    paths.catalog.write_bytes(b"changed without a bump")
+    assert token.token() != first
