@@ -24,7 +24,9 @@ each writes its results with ``--json`` (``write_results`` below, the one owner 
 format). Every round runs each benchmark once per side, the side that goes first
 alternating between rounds; one torch thread. The tables give each measure's median over
 rounds per side, their ratio, and the range of the per-round (paired) ratios; ``worse?``
-marks a measure worse in every round (three or more) by more than the before side's own spread.
+marks a measure whose every "after" value is worse than every "before" value (three rounds
+or more). That is a pointer, not a verdict: with three rounds and nothing changed it
+happens to one measure in twenty, so rerun such a benchmark alone with more rounds.
 
 Default settings are small so that two sides x three rounds fit in about ten minutes on a
 busy two-core machine: capture ``--models gpt2,chain --no-torchlens --repeats 5``; store
@@ -66,11 +68,10 @@ def write_results(path: str, measures: Iterable[tuple[str, float | None, str]]) 
     """Write a benchmark's results for ab.py: (name, value, "lower" | "higher" is better),
     with the ``tracelake`` that produced them."""
     import tracelake
-    from tracelake.recorder import compiled
 
     doc = {
         "tracelake": tracelake.__file__,
-        "compiled": bool(compiled.ENABLED),
+        "compiled": _compiled(),
         "measures": [
             {"name": name, "value": value, "better": better}
             for name, value, better in measures
@@ -80,12 +81,22 @@ def write_results(path: str, measures: Iterable[tuple[str, float | None, str]]) 
     Path(path).write_text(json.dumps(doc, indent=1))
 
 
+def _compiled() -> bool | None:
+    """Whether the recorder's compiled hot path is in use (None: this code cannot say)."""
+    try:
+        from tracelake.recorder import compiled
+    except ImportError:
+        return None
+    return bool(getattr(compiled, "ENABLED", None))
+
+
 @dataclass
 class Side:
     name: str  # "before" / "after"
     label: str  # the revision or "working tree"
     site: Path | None  # prepended to PYTHONPATH; None: the installed tracelake
-    values: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bench, measure
+    # bench -> measure -> round -> value
+    values: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -138,17 +149,17 @@ def prepare_tree(where: Path) -> Path:
 
 def describe(side: Side, cwd: Path) -> str:
     """Which tracelake this side imports: checked before anything is timed."""
-    code = (
-        "import json, tracelake; from tracelake.recorder import compiled; "
-        "print(json.dumps([tracelake.__file__, bool(compiled.ENABLED)]))"
-    )
-    proc = _run([sys.executable, "-c", code], env=side.env(), cwd=cwd)
+    code = "import ab, json, tracelake; print(json.dumps([tracelake.__file__, ab._compiled()]))"
+    env = side.env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE)) if p)
+    proc = _run([sys.executable, "-c", code], env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{side.name}: import tracelake failed:\n{proc.stderr}")
     path, hot = json.loads(proc.stdout)
     if side.site is not None and not Path(path).is_relative_to(side.site):
         sys.exit(f"{side.name}: imports {path}, not its own code under {side.site}")
-    return f"{side.name} ({side.label}): {path} ({'compiled' if hot else 'pure Python'})"
+    hot_path = {True: "compiled", False: "pure Python", None: "hot path unknown"}[hot]
+    return f"{side.name} ({side.label}): {path} ({hot_path})"
 
 
 def run_bench(side: Side, bench: str, args: list[str], work: Path, rnd: int) -> str | None:
@@ -170,7 +181,7 @@ def run_bench(side: Side, bench: str, args: list[str], work: Path, rnd: int) -> 
         return f"{bench} ({side.name}) imported {doc['tracelake']}, not its own code"
     per = side.values.setdefault(bench, {})
     for m in doc["measures"]:
-        per.setdefault(m["name"], []).append(float(m["value"]))
+        per.setdefault(m["name"], {})[rnd] = float(m["value"])
         BETTER[m["name"]] = m["better"]
     return None
 
@@ -179,18 +190,16 @@ def _fmt(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
 
 
-def _row(name: str, before: list[float], after: list[float]) -> list[str]:
+def _row(name: str, by_round_b: dict[int, float], by_round_a: dict[int, float]) -> list[str]:
+    before, after = list(by_round_b.values()), list(by_round_a.values())
     b, a = statistics.median(before), statistics.median(after)
-    if b <= 0 or a <= 0 or not before or not after:
+    if b <= 0 or a <= 0:
         return [name, _fmt(b), _fmt(a), "-", "-", ""]
-    paired = [y / x for x, y in zip(before, after, strict=False) if x > 0 and y > 0]
-    worse = (lambda r: r > 1) if BETTER.get(name) == "lower" else (lambda r: r < 1)
-    own = (max(before) - min(before)) / b if len(before) > 1 else 0.0
-    flag = (
-        "worse?"
-        if len(paired) >= 3 and all(worse(r) for r in paired) and abs(a / b - 1) > own
-        else ""
-    )
+    paired = [by_round_a[r] / x for r, x in by_round_b.items() if r in by_round_a and x > 0]
+    paired = [r for r in paired if r > 0]
+    lower = BETTER.get(name) == "lower"
+    apart = min(after) > max(before) if lower else max(after) < min(before)
+    flag = "worse?" if apart and min(len(before), len(after)) >= 3 else ""
     spread = f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-"
     return [name, _fmt(b), _fmt(a), f"{a / b:.2f}", spread, flag]
 
@@ -209,6 +218,10 @@ def render(bench: str, args: list[str], before: Side, after: Side, rounds: int) 
     missing = sorted(set(b_vals) ^ set(a_vals))
     if missing:
         lines.append(f"\n(measured on one side only: {', '.join(missing)})")
+    lines.append(
+        "\nper-round ratios: after/before within one round (the range over rounds); worse?: "
+        "every after value worse than every before value (a pointer: see the docstring)"
+    )
     return head + "\n".join(lines)
 
 
