@@ -147,7 +147,7 @@ def prepare_tree(where: Path) -> Path:
     return site
 
 
-def describe(side: Side, cwd: Path) -> str:
+def describe(side: Side, cwd: Path) -> tuple[str, bool | None]:
     """Which tracelake this side imports: checked before anything is timed."""
     code = "import ab, json, tracelake; print(json.dumps([tracelake.__file__, ab._compiled()]))"
     env = side.env()
@@ -159,7 +159,7 @@ def describe(side: Side, cwd: Path) -> str:
     if side.site is not None and not Path(path).is_relative_to(side.site):
         sys.exit(f"{side.name}: imports {path}, not its own code under {side.site}")
     hot_path = {True: "compiled", False: "pure Python", None: "hot path unknown"}[hot]
-    return f"{side.name} ({side.label}): {path} ({hot_path})"
+    return f"{side.name} ({side.label}): {path} ({hot_path})", hot
 
 
 def run_bench(side: Side, bench: str, args: list[str], work: Path, rnd: int) -> str | None:
@@ -256,8 +256,13 @@ def compare(ns: argparse.Namespace, benches: list[str], work: Path) -> None:
         after = Side("after", "installed", None)
     else:
         after = Side("after", ns.after, prepare_rev(ns.after, work / "after"))
+    hot = set()
     for side in (before, after):
-        print(describe(side, work), flush=True)
+        text, side_hot = describe(side, work)
+        print(text, flush=True)
+        hot.add(side_hot)
+    if len(hot) > 1:  # e.g. one side's _hot.c failed to compile: the sides differ in kind
+        print("WARNING: the two sides do not run the same recorder hot path", flush=True)
     load = os.getloadavg()[0]
     args = {b: shlex.split(getattr(ns, f"{b}_args")) for b in benches}
     errors = []
