@@ -4,10 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test bench lint clean
+# What lint checks; CI (.ci/run) runs `make check`, so this file is its one definition.
+LINT_PATHS := tracelake recorder store query tests benchmarks
+TYPED_PATHS := tracelake recorder store query
 
-# recorder/_hot.c is compiled by the editable install: a change to it needs a reinstall.
-$(STAMP): pyproject.toml recorder/_hot.c
+.PHONY: setup demo test bench lint check clean
+
+# recorder/_hot.c (and any header beside it) is compiled by the editable install: a change
+# to it needs a reinstall.
+$(STAMP): pyproject.toml recorder/_hot.c $(wildcard recorder/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel on this disk. Installed later, a bare `torch`
@@ -21,6 +26,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tracelake demo --store demo.tl
 
+# pytest exits 5 when it collects no tests: make fails on it like on any failure.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
@@ -29,8 +35,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/capture_overhead.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check tracelake recorder store query tests benchmarks
-	$(BIN)/mypy tracelake recorder store query
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy $(TYPED_PATHS)
+
+# Everything CI checks: lint and the tests.
+check: lint test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,7 +1,8 @@
 """Capture overhead of tracelake (and alternatives) relative to a plain forward pass.
 
 Run: ``python benchmarks/capture_overhead.py [--repeats 9] [--models gpt2,mlp,cnn,chain]
-[--markdown] [--no-torchlens]``. Conditions, measured in one process on one model and input:
+[--markdown] [--no-torchlens] [--json PATH]``. Conditions, measured in one process on one
+model and input:
 
 * ``plain``: ``model(*args)``.
 * ``bare mode``: a TorchFunctionMode that only calls through: the floor of any op-level
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--no-torchlens", action="store_true", help="skip TorchLens")
+    parser.add_argument("--json", help="also write the results to this file (for ab.py)")
     ns = parser.parse_args(argv)
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
     if unknown := sorted(set(models) - set(ALL_MODELS)):
@@ -417,6 +419,23 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(render_targets(rows, ns.markdown))
     print(f"\n(total benchmark time {time.perf_counter() - started:.1f} s)")
+    if ns.json:
+        write_json(ns.json, rows)
+
+
+def write_json(path: str, rows: list[Row]) -> None:
+    """CPU ms per call of every condition (the controls show this machine's noise), and
+    for tracelake's conditions the paired ratio to plain and the cost per op."""
+    from ab import write_results
+
+    measures = []
+    for r in rows:
+        measures.append((f"{r.model} {r.condition}: ms", r.median_ms, "lower"))
+        if r.condition.startswith("tracelake"):
+            measures.append((f"{r.model} {r.condition}: x plain", r.ratio, "lower"))
+            if r.us_per_op is not None:
+                measures.append((f"{r.model} {r.condition}: µs/op", r.us_per_op, "lower"))
+    write_results(path, measures)
 
 
 if __name__ == "__main__":

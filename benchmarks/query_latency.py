@@ -1,7 +1,7 @@
 """Query latency on a store of 1,000 runs with about a million ops.
 
 Run: ``python benchmarks/query_latency.py [--runs 1000] [--ops 1000] [--dir DIR]
-[--repeats 50] [--markdown]``. The store is built once with the real writer
+[--repeats 50] [--markdown] [--json PATH]``. The store is built once with the real writer
 (``store.record``, every op saved) in ``--dir`` (default ``/tmp/tl-query-bench``) and
 reused by later runs with the same size. Each run records a chain of ``--ops``
 elementwise ops on a (32, 32) float32 tensor: 4 KiB per activation, so the store holds
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default="/tmp/tl-query-bench")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="also write the results to this file (for ab.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(args.dir)
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for line in [header, *lines]:
             print(f"{line[0]:<40} {line[1]:>10} {line[2]:>10} {line[3]:>10}  {line[4]}")
+    if args.json:
+        from ab import write_results
+
+        write_results(
+            args.json, [(f"{name}: median ms", med * 1e3, "lower") for name, med, _, _ in rows]
+        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 activations on disk, side by side in one run.
 
 Run: ``python benchmarks/store_write.py [--repeats 5] [--models gpt2,wide,chain]
-[--markdown] [--dir DIR]``. Conditions, each measured on the same model and input:
+[--markdown] [--dir DIR] [--no-torchlens] [--json PATH]``. Conditions, each measured on
+the same model and input:
 
 * ``plain``: ``model(*args)``, nothing kept: the floor.
 * ``tracelake``: ``store.record(model, *args)`` into a fresh store, every op saved:
@@ -72,6 +73,7 @@ except ImportError:
 
 MiB = 1 << 20
 CHAIN_STEPS = 20
+NO_TORCHLENS = False  # --no-torchlens
 
 
 class Wide(nn.Module):
@@ -187,7 +189,7 @@ def build_conditions(
     ]
     if HAVE_SAFETENSORS:
         conds.append(Condition("hooks+safetensors", hooks_safetensors))
-    if HAVE_TORCHLENS and name != "chain":
+    if HAVE_TORCHLENS and name != "chain" and not NO_TORCHLENS:
         import copy
 
         own = copy.deepcopy(model)
@@ -312,7 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="gpt2,wide,chain")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--dir", default=None, help="where samples write (default: a temp dir)")
+    parser.add_argument("--no-torchlens", action="store_true", help="skip TorchLens")
+    parser.add_argument("--json", help="also write the results to this file (for ab.py)")
     args = parser.parse_args(argv)
+    global NO_TORCHLENS
+    NO_TORCHLENS = args.no_torchlens
     torch.set_num_threads(1)
     root = Path(args.dir or tempfile.mkdtemp(prefix="tl-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -327,6 +333,24 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(root, ignore_errors=True)
     print(f"torch {torch.__version__}, {args.repeats} rounds, load {os.getloadavg()[0]:.2f}")
     print(targets(rows))
+    if args.json:
+        write_json(args.json, rows)
+
+
+def write_json(path: str, rows: list[dict[str, Any]]) -> None:
+    """Seconds of every condition; for tracelake its throughput against the raw write of
+    the same round and its ops per second; the raw write's MiB/s shows the disk's mood."""
+    from ab import write_results
+
+    measures = []
+    for r in rows:
+        measures.append((f"{r['model']} {r['condition']}: s", r["seconds"], "lower"))
+        if r["condition"] == "tracelake":
+            measures.append((f"{r['model']} tracelake: x raw", r["x raw"], "higher"))
+            measures.append((f"{r['model']} tracelake: ops/s", r["ops/s"], "higher"))
+        if r["condition"] == "raw write":
+            measures.append((f"{r['model']} raw write: MiB/s", r["MiB/s"], "higher"))
+    write_results(path, measures)
 
 
 if __name__ == "__main__":
