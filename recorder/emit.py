@@ -220,6 +220,9 @@ class SelectingEmitter:
         self._gather = StatsGatherer() if self._stats_all else None
         #: False when no op entry needs anything: the labeller then skips on_entry.
         self.wants_ops = self._const is not False or self._stats_all
+        #: Whether every entry is selected (``tl.all()``): a subclass may then keep a
+        #: new tensor without asking the selector.
+        self.saves_all = self._const is True
 
     def _keep(self, tensor: torch.Tensor) -> int:
         raise NotImplementedError
@@ -244,6 +247,17 @@ class SelectingEmitter:
         elif self._gather is not None and not self._gather.add(index, tensor):
             self._stats[index] = compute_stats(tensor)
 
+    @property
+    def op_slots(self) -> dict[int, int]:
+        """Op entry -> the slot its saved tensor went to, for every saved op."""
+        return self._op_slot
+
+    @property
+    def unsaved_stats(self) -> dict[int, Stats]:
+        """Op entry -> statistics computed during the forward for ops not saved
+        (``stats="all"``)."""
+        return self._stats
+
     def finish_ops(self) -> None:
         """The forward pass is over: complete the statistics of unsaved ops."""
         if self._gather is not None:
@@ -257,17 +271,17 @@ class SelectingEmitter:
         self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[int]
     ) -> None:
         if self._selector.matches_module(entry):
-            entry._input_slots = tuple(map(self._slot_for, tensors, producers))
-            entry._tensors = self  # type: ignore[assignment]
+            entry.input_slots = tuple(map(self._slot_for, tensors, producers))
+            entry.tensor_source = self  # type: ignore[assignment]  # subclasses are sources
 
     def on_module_exit(
         self, entry: ModuleEntry, output: Any, tensors: list[torch.Tensor], producers: list[int]
     ) -> None:
         if self._selector.matches_module(entry):
             slots = list(map(self._slot_for, tensors, producers))
-            entry._output_slots = tuple(slots)
-            entry._structure = structure(output, slots)
-            entry._tensors = self  # type: ignore[assignment]
+            entry.output_slots = tuple(slots)
+            entry.structure = structure(output, slots)
+            entry.tensor_source = self  # type: ignore[assignment]  # subclasses are sources
 
 
 class MemoryEmitter(SelectingEmitter):
@@ -292,17 +306,6 @@ class MemoryEmitter(SelectingEmitter):
     def op_tensor(self, index: int) -> torch.Tensor | None:
         slot = self._op_slot.get(index)
         return None if slot is None else self.slots.get(slot)
-
-    @property
-    def op_slots(self) -> dict[int, int]:
-        """Op entry -> the slot its saved tensor went to, for every saved op."""
-        return self._op_slot
-
-    @property
-    def unsaved_stats(self) -> dict[int, Stats]:
-        """Op entry -> statistics computed during the forward for ops not saved
-        (``stats="all"``)."""
-        return self._stats
 
     def op_saved(self, index: int) -> bool:
         slot = self._op_slot.get(index)

@@ -359,6 +359,13 @@ class ModuleEntry:
     values (None, bool, int, float, str), else ``None``. ``outputs`` / ``inputs`` are the
     flat tuples of saved tensors; ``output_labels`` / ``input_labels`` name the entries
     that produced them.
+
+    What a store keeps of the call, and reads it back from: ``input_indices`` /
+    ``output_indices`` (the producing entries of the input and output tensors, -1 for
+    none), ``op_range`` (the entries executed inside the call: ``[start, end)``),
+    ``input_slots`` / ``output_slots`` (the tensor slots of the saved inputs and
+    outputs, None when not saved), ``structure`` (the output's tree, tensors as
+    :class:`SlotRef`) and ``tensor_source`` (where the slots' tensors are read).
     """
 
     path: str
@@ -372,13 +379,13 @@ class ModuleEntry:
     label: str = ""
     num_passes: int = 1
     kind: str = "module"
-    _input_indices: tuple[int, ...] = ()
-    _output_indices: tuple[int, ...] = ()
-    _op_range: tuple[int, int] = (0, 0)
-    _input_slots: tuple[int, ...] | None = None
-    _output_slots: tuple[int, ...] | None = None
-    _structure: Structure | None = None
-    _tensors: TensorSource | None = field(default=None, repr=False)
+    input_indices: tuple[int, ...] = ()
+    output_indices: tuple[int, ...] = ()
+    op_range: tuple[int, int] = (0, 0)
+    input_slots: tuple[int, ...] | None = None
+    output_slots: tuple[int, ...] | None = None
+    structure: Structure | None = None
+    tensor_source: TensorSource | None = field(default=None, repr=False)
 
     @property
     def module(self) -> str:
@@ -386,26 +393,26 @@ class ModuleEntry:
 
     @property
     def saved(self) -> bool:
-        return self._output_slots is not None
+        return self.output_slots is not None
 
     def _resolve(self, slots: tuple[int, ...] | None) -> tuple[torch.Tensor, ...] | None:
-        if slots is None or self._tensors is None:
+        if slots is None or self.tensor_source is None:
             return None
-        return tuple(self._tensors.slot_tensor(s) for s in slots)
+        return tuple(self.tensor_source.slot_tensor(s) for s in slots)
 
     @property
     def outputs(self) -> tuple[torch.Tensor, ...] | None:
-        return self._resolve(self._output_slots)
+        return self._resolve(self.output_slots)
 
     @property
     def inputs(self) -> tuple[torch.Tensor, ...] | None:
-        return self._resolve(self._input_slots)
+        return self._resolve(self.input_slots)
 
     @property
     def out(self) -> Any:
-        if self._output_slots is None or self._tensors is None or self._structure is None:
+        if self.output_slots is None or self.tensor_source is None or self.structure is None:
             return None
-        return _fill(self._structure, self._tensors)
+        return _fill(self.structure, self.tensor_source)
 
     def __repr__(self) -> str:
         state = "saved" if self.saved else "not saved"

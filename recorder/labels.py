@@ -303,7 +303,7 @@ class Labeller:
         entry = ModuleEntry(path, type(module).__name__, calls, len(self.module_entries))
         tensors = flatten_tensors(args)
         producers = [self._producer(t) for t in tensors]
-        entry._input_indices = tuple(producers)
+        entry.input_indices = tuple(producers)
         frame = _Frame(module, path, calls, start, entry)
         parent = self._stack[-1] if self._stack else None
         if parent is not None and parent.root is not None:
@@ -334,10 +334,10 @@ class Labeller:
         if frame.pass_num == 1:
             self._first_call[frame.path][1] = end
         entry = frame.entry
-        entry._op_range = (frame.start, end)
+        entry.op_range = (frame.start, end)
         tensors = flatten_tensors(output)
         producers = [self._producer(t) for t in tensors]
-        entry._output_indices = tuple(producers)
+        entry.output_indices = tuple(producers)
         self._emitter.on_module_exit(entry, output, tensors, producers)
 
     # -- the model's inputs and outputs --------------------------------------------------
@@ -399,8 +399,8 @@ class Labeller:
         for m in self.module_entries:
             m.num_passes = self._calls[m.path]
             m.label = m.path if m.num_passes == 1 else f"{m.path}:{m.pass_num}"
-            m.input_labels = named(m._input_indices)
-            m.output_labels = named(m._output_indices)
-            start, end = m._op_range
+            m.input_labels = named(m.input_indices)
+            m.output_labels = named(m.output_indices)
+            start, end = m.op_range
             if end > start:
                 m.first_op, m.last_op = labels[start], labels[end - 1]

@@ -135,6 +135,13 @@ class Table:
     def column_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.columns)
 
+    def column_type(self, name: str) -> ColumnType:
+        """The type of the catalog column ``name``."""
+        type_ = self.field(name).type
+        if type_ is None:
+            raise KeyError(f"{self.name}.{name} is not a catalog column")
+        return type_
+
     def field(self, name: str) -> Field:
         for f in self.fields:
             if f.name == name:

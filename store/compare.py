@@ -123,7 +123,10 @@ def _slices(entry: Any, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
 
 def entry_tensor(entry: Any) -> torch.Tensor:
     """An op entry's saved tensor, or a module output (a tensor already)."""
-    return entry.out if isinstance(entry, OpEntry) else entry
+    tensor = entry.out if isinstance(entry, OpEntry) else entry
+    if not isinstance(tensor, torch.Tensor):
+        raise StoreError(f"{getattr(entry, 'label', entry)!r} has no saved tensor to compare")
+    return tensor
 
 
 def tensor_metrics(

@@ -72,7 +72,7 @@ PLAIN_ROW_COLUMNS = tuple(
     f.name for f in OPS.fields if f.row and f.type is not None and f.name not in TRANSFORMED
 )
 #: Whether each statistics column holds integers (counts) rather than floats.
-_STAT_IS_INT = tuple(OPS.field(name).type.python is int for name in STAT_FIELDS)
+_STAT_IS_INT = tuple(OPS.column_type(name).python is int for name in STAT_FIELDS)
 
 
 def _transposed(rows: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
@@ -126,7 +126,7 @@ Written = Callable[[], tuple[tuple[np.ndarray, np.ndarray], Callable[[str], str]
 
 def run_tables(
     run_id: int,
-    steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+    steps: Sequence[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
     slots: list[Any],
     written: Written,
 ) -> dict[str, pa.Table]:
@@ -190,7 +190,7 @@ def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
 
 def _op_columns(
     run_id: int,
-    steps: list[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+    steps: Sequence[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
     tensors: dict[str, Any],
 ) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
     """The ``ops`` columns but the statistics, each op's tensor slot (-1: none), and the
@@ -255,7 +255,7 @@ def _op_columns(
         "modules": _taken(
             [[{"path": p, "pass": k} for p, k in st] for st in stacks],
             stack_of,
-            OPS.field("modules").type.arrow,
+            OPS.column_type("modules").arrow,
         ),
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
@@ -281,7 +281,7 @@ def _op_columns(
 
 def _add_stats(
     cols: dict[str, Any],
-    steps: list[tuple[OpTable, list[ModuleEntry], Any]],
+    steps: Sequence[tuple[OpTable, list[ModuleEntry], Any]],
     stats: tuple[np.ndarray, np.ndarray],
     slot_of: np.ndarray,
 ) -> None:
@@ -348,7 +348,7 @@ def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
         return [value(m) for _, m in modules]
 
     def saved(value: Callable[[ModuleEntry], Any]) -> list[Any]:
-        return [None if m._output_slots is None else value(m) for _, m in modules]
+        return [None if m.output_slots is None else value(m) for _, m in modules]
 
     columns = {
         "run_id": [run_id] * len(modules),
@@ -361,13 +361,13 @@ def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
         "num_passes": column(lambda m: m.num_passes),
         "first_op": column(lambda m: m.first_op),
         "last_op": column(lambda m: m.last_op),
-        "op_start": column(lambda m: m._op_range[0]),
-        "op_end": column(lambda m: m._op_range[1]),
-        "input_ops": column(lambda m: list(m._input_indices)),
-        "output_ops": column(lambda m: list(m._output_indices)),
-        "input_tensors": column(lambda m: None if m._input_slots is None else list(m._input_slots)),
-        "output_tensors": saved(lambda m: list(m._output_slots)),
-        "structure": saved(lambda m: json.dumps(encode_structure(m._structure))),
+        "op_start": column(lambda m: m.op_range[0]),
+        "op_end": column(lambda m: m.op_range[1]),
+        "input_ops": column(lambda m: list(m.input_indices)),
+        "output_ops": column(lambda m: list(m.output_indices)),
+        "input_tensors": column(lambda m: None if m.input_slots is None else list(m.input_slots)),
+        "output_tensors": saved(lambda m: list(m.output_slots or ())),
+        "structure": saved(lambda m: json.dumps(encode_structure(m.structure))),
     }
     return _assembled(arrow_schema(MODULES_TABLE), columns)
 
@@ -533,15 +533,15 @@ def load_step(
             first_op=first_op,
             last_op=last_op,
         )
-        entry._op_range = (op_start, op_end)
-        entry._input_indices = tuple(input_ops)
-        entry._output_indices = tuple(output_ops)
+        entry.op_range = (op_start, op_end)
+        entry.input_indices = tuple(input_ops)
+        entry.output_indices = tuple(output_ops)
         entry.input_labels = tuple(labels[i] for i in input_ops if i >= 0)
         entry.output_labels = tuple(labels[i] for i in output_ops if i >= 0)
         if output_tensors is not None:
-            entry._input_slots = tuple(input_tensors or ())
-            entry._output_slots = tuple(output_tensors)
-            entry._structure = decode_structure(json.loads(structure))
+            entry.input_slots = tuple(input_tensors or ())
+            entry.output_slots = tuple(output_tensors)
+            entry.structure = decode_structure(json.loads(structure))
         modules_out.append(entry)
     return table, modules_out, slots, stats
 

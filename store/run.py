@@ -184,8 +184,8 @@ class StepView(TraceView):
         self, run: Run, step: int, table: Any, tensors: _RunTensors, modules: list[ModuleEntry]
     ):
         for m in modules:
-            if m._output_slots is not None:
-                m._tensors = tensors  # type: ignore[assignment]
+            if m.output_slots is not None:
+                m.tensor_source = tensors
         super().__init__(table, tensors, modules)
         self._op_table = table
         self._source = tensors

@@ -322,8 +322,8 @@ class Recording:
                         stacklevel=4,
                     )
             for entry in modules:
-                if lost.intersection(entry._input_slots or (), entry._output_slots or ()):
-                    entry._input_slots = entry._output_slots = entry._structure = None
+                if lost.intersection(entry.input_slots or (), entry.output_slots or ()):
+                    entry.input_slots = entry.output_slots = entry.structure = None
 
     def _fail(self) -> None:
         """Give the run up (called while its error is on the way out, which says more

@@ -456,8 +456,8 @@ class StoreEmitter(SelectingEmitter):
         self._writer.before_write(tensor)
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
-        if self._const is True and same_as < 0:  # saving all, a new tensor: straight on
-            self._op_slot[index] = self._keep(tensor, self._rows[index][SHAPE])
+        if self.saves_all and same_as < 0:  # saving all, a new tensor: straight on
+            self.op_slots[index] = self._keep(tensor, self._rows[index][SHAPE])
         else:
             super().on_entry(index, tensor, same_as)
 
@@ -473,11 +473,3 @@ class StoreEmitter(SelectingEmitter):
     def _holds(self, slot: int, tensor: torch.Tensor) -> bool:
         version = self._versions.get(slot)
         return version is not None and version == tensor_version(tensor)
-
-    @property
-    def op_slots(self) -> dict[int, int]:
-        return self._op_slot
-
-    @property
-    def unsaved_stats(self) -> dict[int, Stats]:
-        return self._stats

@@ -67,6 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(ops_table(log, f"tl.trace(DemoNet(), ids): {len(log)} ops"))
     relu = log.find(func="relu")[0]
     scaled = log[relu.children[0]]
+    assert relu.out is not None and scaled.out is not None  # the demo saves everything
     untouched = torch.equal(relu.out * 0.5, scaled.out)
     console.print(
         f"\n{relu.label}: parents {list(relu.parents)}, source {relu.source}; its saved copy "
