@@ -168,6 +168,8 @@ class CatalogWriter:
     def __init__(self, paths: StorePaths):
         self.paths = paths
         self._has_schema = False
+        #: How readers learn that a transaction committed.
+        self.changes: ChangeToken = FileChangeToken(paths)
 
     @contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -198,7 +200,7 @@ class CatalogWriter:
                             con.execute("ROLLBACK")
                         raise
                     self._has_schema = True
-                    self._bump()
+                    self.changes.bump()
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -206,13 +208,6 @@ class CatalogWriter:
             except duckdb.Error:
                 _ENGINE.reset()
                 raise
-
-    def _bump(self) -> None:
-        """Tell readers the catalog changed: a new value every time, even for deletes
-        (readers compare it whole; what it says is for people)."""
-        tmp = self.paths.gen.with_name(f".gen.{os.getpid()}")
-        tmp.write_text(f"{_now().isoformat()} {os.getpid()} {os.urandom(8).hex()}")
-        os.replace(tmp, self.paths.gen)
 
     def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
         rows = con.execute(
@@ -356,6 +351,9 @@ class ChangeToken(Protocol):
 
     def token(self) -> str | None: ...
 
+    def bump(self) -> None:
+        """Move the token: a writer committed a change."""
+
 
 class FileChangeToken:
     """The token of a catalog in a local DuckDB file: the writers' generation file
@@ -365,7 +363,15 @@ class FileChangeToken:
 
     def __init__(self, paths: StorePaths):
         wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+        self._gen = paths.gen
         self._watched = (str(paths.gen), str(paths.catalog), str(wal))
+
+    def bump(self) -> None:
+        """A new value every time, even for deletes (readers compare it whole; what it
+        says is for people)."""
+        tmp = self._gen.with_name(f".gen.{os.getpid()}")
+        tmp.write_text(f"{_now().isoformat()} {os.getpid()} {os.urandom(8).hex()}")
+        os.replace(tmp, self._gen)
 
     def token(self) -> str | None:
         parts = []

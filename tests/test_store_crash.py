@@ -56,14 +56,14 @@ elif moment == "mid-commit":  # rows inserted, the status update and COMMIT not 
             return getattr(self.con, name)
     duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
 elif moment == "after-commit":  # committed, readers not yet told (1st bump: the reserve)
-    bump = catalog.CatalogWriter._bump
+    bump = catalog.FileChangeToken.bump
     calls = []
     def bump_then_die(self):
         calls.append(1)
         if len(calls) == 2:
             die()
         bump(self)
-    catalog.CatalogWriter._bump = bump_then_die
+    catalog.FileChangeToken.bump = bump_then_die
 store = tl.open(root)
 store.record(model, *inputs, name="c", meta={"moment": moment})
 print("survived")
