@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         assert res.tensors()[0].nbytes == 4096
 
     rows.append(("fetch one 4 KiB activation", *timed(fetch_one, args.repeats), 0.002))
-    mirror = store._catalog_mirror
+    # Store.catalog since the architecture change; _catalog_mirror before it (the A/B
+    # harness runs this one script on both codes).
+    mirror = getattr(store, "catalog", None) or store._catalog_mirror
 
     def fetch_one_afresh() -> None:
         _parsed.cache_clear()

@@ -156,12 +156,17 @@ class _Item:
     order: int
     stats: Stats | None
     saved: bool
+    #: Items of one group pair up in order (by call site first, when the two sides
+    #: made different numbers of calls): a key less its ordinal, or the whole key.
+    group: str = ""
+    site: Any = None
 
 
 _COLUMNS = (
     "step_a",
     "step_b",
     "key",
+    "key_b",
     "label_a",
     "label_b",
     "func",
@@ -340,6 +345,7 @@ def _compare_pair(
         "step_a": a.step if a else None,
         "step_b": b.step if b else None,
         "key": any_side.key,
+        "key_b": b.key if b else None,
         "label_a": a.label if a else None,
         "label_b": b.label if b else None,
         "func": any_side.func,
@@ -387,9 +393,25 @@ def _op_items(view: TraceView, step: int, on: str, keep: Selector | None) -> lis
                 order=op.index,
                 stats=op.stats,
                 saved=op.saved,
+                group=_group(op.key) if on == "key" else op.label,
+                site=_site(op),
             )
         )
     return items
+
+
+def _group(key: str) -> str:
+    """A key less its ordinal (``h.0.attn:view#2.1`` -> ``h.0.attn:view.1``)."""
+    head, sep, tail = key.rpartition("#")
+    if not sep:
+        return key
+    _, dot, out_index = tail.partition(".")
+    return f"{head}{dot}{out_index}"
+
+
+def _site(op: OpEntry) -> Any:
+    source = op.source
+    return None if source is None else (source.file, source.line)
 
 
 def _module_items(view: TraceView, step: int, keep: Selector | None) -> list[_Item]:
@@ -425,17 +447,37 @@ def _module_items(view: TraceView, step: int, keep: Selector | None) -> list[_It
 
 
 def _align(items_a: list[_Item], items_b: list[_Item]) -> list[tuple[_Item | None, _Item | None]]:
-    by_key_b: dict[str, _Item] = {}
+    """Pairs in ``a``'s order, then what only ``b`` has. Items pair within their group
+    (a key less its ordinal: one function's calls inside one module call) in order; where
+    the two sides made different numbers of such calls (a mask's extra ``view`` in the
+    same forward), calls pair by call site first, so that an extra call does not shift
+    every later one."""
+    groups_b: dict[str, list[_Item]] = {}
     for item in items_b:
-        by_key_b.setdefault(item.key, item)
-    used: set[str] = set()
-    pairs: list[tuple[_Item | None, _Item | None]] = []
+        groups_b.setdefault(item.group or item.key, []).append(item)
+    groups_a: dict[str, list[_Item]] = {}
     for item in items_a:
-        other = by_key_b.get(item.key) if item.key not in used else None
-        if other is not None:
-            used.add(item.key)
-        pairs.append((item, other))
-    pairs.extend((None, item) for item in items_b if item.key not in used)
+        groups_a.setdefault(item.group or item.key, []).append(item)
+    partner: dict[int, _Item] = {}
+    for group, mine in groups_a.items():
+        theirs = groups_b.get(group, [])
+        if len(mine) == len(theirs) or any(it.site is None for it in (*mine, *theirs)):
+            partner.update((id(x), y) for x, y in zip(mine, theirs, strict=False))
+            continue
+        by_site: dict[Any, list[_Item]] = {}
+        for item in theirs:
+            by_site.setdefault(item.site, []).append(item)
+        seen: dict[Any, int] = {}
+        for item in mine:
+            k = seen[item.site] = seen.get(item.site, -1) + 1
+            candidates = by_site.get(item.site, [])
+            if k < len(candidates):
+                partner[id(item)] = candidates[k]
+    paired = {id(y) for y in partner.values()}
+    pairs: list[tuple[_Item | None, _Item | None]] = [
+        (item, partner.get(id(item))) for item in items_a
+    ]
+    pairs.extend((None, item) for item in items_b if id(item) not in paired)
     return pairs
 
 

@@ -44,8 +44,9 @@ from tracelake.recorder import (
     trace,
 )
 from tracelake.recorder import all_ as all
-from tracelake.store import Run, Store
+from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
+from tracelake.store.compare import compare
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,7 @@ __all__ = [
     "AmbiguousLabelError",
     "CatalogError",
     "ChunkCorruptError",
+    "Comparison",
     "InvalidRunNameError",
     "LabelError",
     "ModuleEntry",
@@ -85,6 +87,7 @@ __all__ = [
     "TraceLakeWarning",
     "__version__",
     "all",
+    "compare",
     "func",
     "in_module",
     "label",
