@@ -228,3 +228,39 @@ def test_tensor_metrics_in_float64_and_by_slices() -> None:
     assert tensor_metrics(nan, nan).allclose
     with pytest.raises(ValueError, match="shapes differ"):
         tensor_metrics(torch.zeros(2), torch.zeros(3))
+
+
+def test_tracelake_diff_command(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    model, (x,) = mlp()
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, name="a")
+    store.record(_perturbed(model, "2.weight"), x, name="b")
+    store.record(model, x, name="same")
+
+    def diff(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tracelake.cli", "diff", str(tmp_path / "s.tl"), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    table = diff("a", "b")
+    assert table.returncode == 0 and "linear_2_3" in table.stdout and "False" in table.stdout
+    first = diff("a", "b", "--first", "--exit-code", "--format", "json")
+    assert first.returncode == 1
+    (row,) = json.loads(first.stdout)
+    assert row["label_a"] == "linear_2_3" and row["allclose"] is False
+    assert diff("a", "same", "--exit-code").returncode == 0
+    rows = json.loads(diff("a", "b", "--format", "json", "--where", "func = 'relu'").stdout)
+    assert [r["func"] for r in rows] == ["relu", "relu"]
+    out = tmp_path / "d.parquet"
+    assert diff("a", "b", "--format", "parquet", "-o", str(out)).returncode == 0
+    assert pq.read_table(out).num_rows == len(store["a"])
+    assert diff("a", "nope").returncode == 1  # a run that does not exist: a clear error

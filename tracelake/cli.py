@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -273,6 +274,92 @@ def _query(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The columns ``tracelake diff`` shows in a terminal (every column goes to files).
+_DIFF_SHOWN = (
+    "key",
+    "label_a",
+    "label_b",
+    "status",
+    "max_abs_diff",
+    "rel_l2",
+    "cosine",
+    "allclose",
+)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such floats are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _diff(args: argparse.Namespace) -> int:
+    store = tl.open(args.store, create=False)
+    comparison = store.compare(
+        args.a,
+        args.b,
+        on=args.on,
+        where=args.where,
+        atol=args.atol,
+        rtol=args.rtol,
+        steps=tuple(args.steps) if args.steps else None,
+    )
+    if args.first:
+        found = comparison.first_divergence()
+        rows = [found] if found is not None else []
+    else:
+        rows = comparison.rows()
+    differs = any(r["status"] != "compared" or not r["allclose"] for r in rows)
+    if args.format == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not args.output:
+            print("tracelake diff: --format parquet needs -o FILE", file=sys.stderr)
+            return 2
+        table = (
+            comparison.arrow()
+            if not args.first
+            else pa.Table.from_pylist([{k: _finite(v) for k, v in r.items()} for r in rows])
+        )
+        pq.write_table(table, args.output)
+        return 1 if args.exit_code and differs else 0
+    out = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        if args.format == "json":
+            json.dump([{k: _finite(v) for k, v in r.items()} for r in rows], out, indent=1)
+            out.write("\n")
+        elif args.format == "csv":
+            import csv
+
+            writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["key"])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in r.items()})
+        else:
+            table = Table(title=f"{comparison!r}" if not args.first else "first divergence")
+            for column in _DIFF_SHOWN:
+                table.add_column(column, overflow="fold")
+            for r in rows:
+                table.add_row(*(_cell(r[c]) for c in _DIFF_SHOWN))
+            if args.first and not rows:
+                table.caption = "no divergence"
+            Console(file=out, width=None if out.isatty() else 160).print(table)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 1 if args.exit_code and differs else 0
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracelake", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracelake {tl.__version__}")
@@ -319,6 +406,24 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("-o", "--output", help="write to FILE instead of the terminal")
     query.set_defaults(handler=_query)
     command("verify", "check every chunk's checksum and the catalog's agreement", _verify)
+    diff = commands.add_parser("diff", help="compare two runs op by op (store.compare)")
+    diff.add_argument("store", help="the store's directory")
+    diff.add_argument("a", help="the reference run")
+    diff.add_argument("b", help="the run compared with it")
+    diff.add_argument("--on", choices=("key", "label", "module"), default="key")
+    diff.add_argument(
+        "--where", default=None, help="a query condition on ops, e.g. \"func = 'relu'\""
+    )
+    diff.add_argument("--atol", type=float, default=1e-8)
+    diff.add_argument("--rtol", type=float, default=1e-5)
+    diff.add_argument("--steps", type=int, nargs=2, metavar=("I", "J"), help="step I of a, J of b")
+    diff.add_argument("--first", action="store_true", help="only the first divergence")
+    diff.add_argument(
+        "--exit-code", action="store_true", help="exit 1 when anything differs (as git diff)"
+    )
+    diff.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
+    diff.add_argument("-o", "--output", help="write to FILE instead of the terminal")
+    diff.set_defaults(handler=_diff)
     return parser
 
 
