@@ -160,9 +160,11 @@ class _Item:
     #: made different numbers of calls): a key less its ordinal, or the whole key.
     group: str = ""
     site: Any = None
+    run: str = ""
 
 
 _COLUMNS = (
+    "run_b",
     "step_a",
     "step_b",
     "key",
@@ -342,6 +344,7 @@ def _compare_pair(
     any_side = a if a is not None else b
     assert any_side is not None
     row: dict[str, Any] = {
+        "run_b": b.run if b else None,
         "step_a": a.step if a else None,
         "step_b": b.step if b else None,
         "key": any_side.key,
@@ -519,6 +522,22 @@ def compare(
     with step k, for every step); ``tensors=False`` compares statistics only."""
     if on not in _ALIGNMENTS:
         raise ValueError(f"on= is one of {', '.join(map(repr, _ALIGNMENTS))}, not {on!r}")
+    many = isinstance(b, (list, tuple))
+    if many or (
+        not tensors
+        and on != "module"
+        and select is None
+        and where is None
+        and steps is None
+        and not isinstance(a, TraceView)
+        and not isinstance(b, TraceView)
+    ):
+        if many and (tensors or on == "module" or select or where or steps):
+            raise ValueError(
+                "comparing with several runs at once compares their statistics only: pass "
+                "tensors=False (and neither on='module', select=, where= nor steps=)"
+            )
+        return _stats_comparison(store, a, list(b) if many else [b], on)
     if select is not None and not isinstance(select, Selector):
         raise TypeError(f"select= takes a selector such as tl.func('relu'), not {select!r}")
     name_a, views_a = _steps(a, store)
@@ -543,11 +562,101 @@ def compare(
                 if on == "module"
                 else _op_items(view, step, on, select)
             )
+            for item in found:
+                item.run = side
             if allowed is not None:
                 found = [it for it in found if (side, it.step, it.order) in allowed]
             items.append(found)
         pairs.extend(_align(items[0], items[1]))
     return Comparison(name_a, name_b, pairs, on, atol, rtol, tensors)
+
+
+class StatsComparison(Comparison):
+    """A statistics-only comparison of one run against one or more others, answered by
+    one query of the catalog: no tensor is read, and no run is loaded op by op. Pairs
+    are made by equal ``key`` (or ``label``) and step; rows come run by run, each in the
+    reference's execution order, with what only one side has."""
+
+    def __init__(self, name_a: str, names_b: list[str], table: pa.Table, on: str):
+        super().__init__(name_a, ", ".join(names_b), [], on, 0.0, 0.0, False)
+        self._table = table
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self._table.to_pylist()
+
+    def df(self) -> pandas.DataFrame:
+        return self._table.to_pandas()
+
+    def arrow(self) -> pa.Table:
+        return self._table
+
+    def first_divergence(
+        self, atol: float | None = None, rtol: float | None = None
+    ) -> dict[str, Any] | None:
+        """The first shape mismatch (statistics cannot tell more)."""
+        for row in self.rows():
+            if row["status"] == "shape mismatch":
+                return row
+        return None
+
+    def summary(self) -> dict[str, int]:
+        counts = self._table.group_by("status").aggregate([("status", "count")]).to_pylist()
+        return {r["status"]: r["status_count"] for r in counts}
+
+    def _row(self, k: int) -> dict[str, Any]:
+        return self._table.slice(k, 1).to_pylist()[0]
+
+    def _grouped(self, column: str) -> pandas.DataFrame:
+        frame = self.df()
+        return frame.groupby(["run_b", column], sort=False, dropna=True).agg(
+            ops=("key", "size"),
+            **{f"max_abs_d_{n}": (f"d_{n}", lambda v: v.abs().max()) for n in ("mean", "l2")},
+        )
+
+
+def _stats_sql(on: str) -> str:
+    """One query: the reference run's ops against each other run's, by ``on`` and step,
+    with what only one side has (the reference's rows repeated per other run)."""
+    metric_nulls = ", ".join(f"NULL AS {f.name}" for f in fields(PairMetrics))
+    diffs = ", ".join(f'b."{n}" - a."{n}" AS "d_{n}"' for n in _STAT_DIFFS)
+    return f"""
+    WITH others AS (SELECT unnest(?::INTEGER[]) AS run_id),
+    a AS (SELECT o.run_id AS other, x.* FROM ops x, others o WHERE x.run_id = ?),
+    b AS (SELECT * FROM ops WHERE run_id IN (SELECT run_id FROM others))
+    SELECT rb.name AS run_b, a.step AS step_a, b.step AS step_b,
+           coalesce(a.key, b.key) AS key, b.key AS key_b,
+           a.label AS label_a, b.label AS label_b,
+           coalesce(a.func, b.func) AS func, coalesce(a.module, b.module) AS module,
+           coalesce(a.block, b.block) AS block,
+           CASE WHEN b.run_id IS NULL THEN 'only a' WHEN a.run_id IS NULL THEN 'only b'
+                WHEN a.shape <> b.shape THEN 'shape mismatch' ELSE 'not saved' END AS status,
+           CASE WHEN a.run_id IS NOT NULL AND b.run_id IS NOT NULL AND a.shape <> b.shape
+                THEN 'shape ' || CAST(a.shape AS VARCHAR) || ' vs ' || CAST(b.shape AS VARCHAR)
+           END AS reason,
+           a.shape AS shape_a, b.shape AS shape_b, a.dtype AS dtype_a, b.dtype AS dtype_b,
+           {metric_nulls}, {diffs}
+    FROM a FULL JOIN b ON a."{on}" = b."{on}" AND a.step = b.step AND a.other = b.run_id
+    JOIN runs rb ON rb.id = coalesce(a.other, b.run_id)
+    ORDER BY rb.name, coalesce(a.step, b.step), a.idx NULLS LAST, b.idx
+    """
+
+
+def _stats_comparison(store: Any, a: Any, bs: list[Any], on: str) -> StatsComparison:
+    if store is None:
+        raise StoreError("comparing stored runs' statistics needs a store: store.compare(...)")
+    if on not in ("key", "label"):
+        raise ValueError("statistics-only comparisons align on='key' or on='label'")
+    names = [x if isinstance(x, str) else getattr(x, "name", None) for x in (a, *bs)]
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError("compare stored runs by name or Run; in-memory traces need tensors=True")
+    ids = [store[n].id for n in names]  # RunNotFoundError, with suggestions, for a typo
+    catalog = store.catalog
+    catalog.refresh(ids)  # these runs' rows only
+    table = catalog.arrow(_stats_sql(on), [ids[1:], ids[0]], refresh=False)
+    return StatsComparison(names[0], names[1:], table, on)
 
 
 def _pick(views: list[TraceView], k: int, name: str) -> TraceView:

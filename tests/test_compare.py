@@ -264,3 +264,24 @@ def test_tracelake_diff_command(tmp_path: Path) -> None:
     assert diff("a", "b", "--format", "parquet", "-o", str(out)).returncode == 0
     assert pq.read_table(out).num_rows == len(store["a"])
     assert diff("a", "nope").returncode == 1  # a run that does not exist: a clear error
+
+
+def test_statistics_of_many_runs_against_one_in_one_query(tmp_path: Path) -> None:
+    model, (x,) = mlp()
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, name="base")
+    store.record(_perturbed(model, "2.weight"), x, name="ft")
+    store.record(model, x[:2], name="half")
+    one = store.compare("base", "ft", tensors=False)
+    python = store.compare("base", "ft", select=tl.all(), tensors=False).df()
+    sql = one.df()
+    assert list(sql["key"]) == list(python["key"])
+    for name in ("d_mean", "d_std", "d_l2", "d_absmax"):
+        assert sql[name].tolist() == pytest.approx(python[name].tolist(), abs=1e-12)
+    many = store.compare("base", ["ft", "half"], tensors=False)
+    assert many.summary() == {"not saved": len(store["base"]), "shape mismatch": len(store["base"])}
+    assert many.first_divergence()["run_b"] == "half"
+    with pytest.raises(ValueError, match="statistics only"):
+        store.compare("base", ["ft", "half"])
+    with pytest.raises(tl.RunNotFoundError):
+        store.compare("base", ["ft", "nope"], tensors=False)
