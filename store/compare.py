@@ -649,9 +649,14 @@ def _stats_comparison(store: Any, a: Any, bs: list[Any], on: str) -> StatsCompar
         raise StoreError("comparing stored runs' statistics needs a store: store.compare(...)")
     if on not in ("key", "label"):
         raise ValueError("statistics-only comparisons align on='key' or on='label'")
-    names = [x if isinstance(x, str) else getattr(x, "name", None) for x in (a, *bs)]
-    if not all(isinstance(n, str) for n in names):
-        raise TypeError("compare stored runs by name or Run; in-memory traces need tensors=True")
+    names: list[str] = []
+    for side in (a, *bs):
+        name = side if isinstance(side, str) else getattr(side, "name", None)
+        if not isinstance(name, str) or isinstance(side, TraceView):
+            raise TypeError(
+                "compare stored runs by name or Run; in-memory traces need tensors=True"
+            )
+        names.append(name)
     ids = [store[n].id for n in names]  # RunNotFoundError, with suggestions, for a typo
     catalog = store.catalog
     catalog.refresh(ids)  # these runs' rows only
