@@ -59,9 +59,20 @@ class PairMetrics:
 
 
 class _Sums:
-    """Running float64 sums over slices of a pair of tensors."""
+    """Running sums over slices of a pair of tensors, reported in float64.
 
-    def __init__(self) -> None:
+    Both sides of one floating dtype are subtracted in that dtype (exactly rounded, and
+    exactly zero where they are equal); other pairs (fp32 vs bf16, integers, complex)
+    are taken in float64 first. The differences' reductions (largest, sum of absolute
+    values, sum of squares) are one pass each. The sides' own norms, and from them the
+    cosine, come from their recorded statistics (``norms``, float64 at record time)
+    where given, else from the slices; ``allclose`` is settled from the largest
+    difference alone unless it is borderline. NaNs where both sides have one count as
+    equal."""
+
+    def __init__(self, atol: float, rtol: float, absmax_a: float | None = None) -> None:
+        self.atol, self.rtol = atol, rtol
+        self.absmax_a = absmax_a
         self.n = 0
         self.max_abs = 0.0
         self.sum_abs = 0.0
@@ -71,40 +82,82 @@ class _Sums:
         self.dot = 0.0
         self.close = True
 
-    def add(self, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> None:
-        a, b = _real64(a), _real64(b)
+    def add(self, a: torch.Tensor, b: torch.Tensor, own_norms: bool = True) -> None:
+        a, b = _comparable(a, b)
         if not a.numel():
             return
+        self.n += a.numel()
+        d = torch.sub(a, b)
+        low, high = torch.aminmax(d)
+        biggest = max(-float(low), float(high))
+        if math.isnan(biggest):  # NaN or inf among them: the careful way
+            self._add_nonfinite(a.double(), b.double(), own_norms)
+            return
+        self.max_abs = max(self.max_abs, biggest)
+        self.sum_abs += float(torch.linalg.vector_norm(d, 1))
+        self.sum_sq_diff += float(torch.linalg.vector_norm(d, 2)) ** 2
+        if own_norms:
+            self.sum_sq_a += float(torch.linalg.vector_norm(a, 2)) ** 2
+            self.sum_sq_b += float(torch.linalg.vector_norm(b, 2)) ** 2
+            self.dot += float(torch.dot(a, b))
+        if self.close and biggest > self.atol:
+            bound = self.absmax_a
+            if bound is not None and biggest > self.atol + self.rtol * bound:
+                self.close = False
+            else:
+                self.close = bool((d.abs() <= self.atol + self.rtol * a.abs()).all())
+
+    def _add_nonfinite(self, a: torch.Tensor, b: torch.Tensor, own_norms: bool) -> None:
         both_nan = a.isnan() & b.isnan()
         diff = (a - b).abs().masked_fill(both_nan, 0.0)
         a0, b0 = a.masked_fill(both_nan, 0.0), b.masked_fill(both_nan, 0.0)
-        self.n += diff.numel()
         self.max_abs = max(self.max_abs, float(diff.max()))
         if diff.isnan().any():
             self.max_abs = math.nan
         self.sum_abs += float(diff.sum())
         self.sum_sq_diff += float((diff * diff).sum())
-        self.sum_sq_a += float((a0 * a0).sum())
-        self.sum_sq_b += float((b0 * b0).sum())
-        self.dot += float((a0 * b0).sum())
+        if own_norms:
+            self.sum_sq_a += float((a0 * a0).sum())
+            self.sum_sq_b += float((b0 * b0).sum())
+            self.dot += float((a0 * b0).sum())
         if self.close:
-            self.close = bool((diff <= atol + rtol * a0.abs()).all())
+            self.close = bool((diff <= self.atol + self.rtol * a0.abs()).all())
 
-    def metrics(self) -> PairMetrics:
+    def metrics(self, norms: tuple[float, float] | None = None) -> PairMetrics:
+        """The metrics; ``norms``: both sides' L2 norms when known (then the slices'
+        own were not summed)."""
         if not self.n:
             return PairMetrics(0.0, 0.0, 0.0, None, True)
-        norm_a, norm_b = math.sqrt(self.sum_sq_a), math.sqrt(self.sum_sq_b)
         dist = math.sqrt(self.sum_sq_diff)
+        if norms is None:
+            norm_a, norm_b = math.sqrt(self.sum_sq_a), math.sqrt(self.sum_sq_b)
+            dot = self.dot
+        else:
+            norm_a, norm_b = norms
+            # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b, with both norms exact to float64
+            dot = (norm_a * norm_a + norm_b * norm_b - self.sum_sq_diff) / 2
         rel = dist / norm_a if norm_a else (0.0 if dist == 0 else math.inf)
-        cosine = self.dot / (norm_a * norm_b) if norm_a and norm_b else None
+        cosine = dot / (norm_a * norm_b) if norm_a and norm_b else None
+        if cosine is not None and not math.isnan(cosine):
+            cosine = min(1.0, max(-1.0, cosine))
         return PairMetrics(self.max_abs, self.sum_abs / self.n, rel, cosine, self.close)
 
 
+def _comparable(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides flat, on the CPU, of one dtype their difference is exact enough in."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if a.device.type != "cpu" or b.device.type != "cpu":
+        a, b = a.cpu(), b.cpu()
+    same = a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64)
+    if same:
+        return a, b
+    return _real64(a), _real64(b)
+
+
 def _real64(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
-    return t.to(device="cpu", dtype=torch.float64).reshape(-1)
+    return t.to(dtype=torch.float64).reshape(-1)
 
 
 def _slices(entry: Any, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
@@ -135,8 +188,8 @@ def tensor_metrics(
     """:class:`PairMetrics` of two tensors of one shape (any dtypes)."""
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    sums = _Sums()
-    sums.add(a, b, atol, rtol)
+    sums = _Sums(atol, rtol)
+    sums.add(a, b)
     return sums.metrics()
 
 
@@ -364,10 +417,11 @@ def _compare_pair(
     metrics: PairMetrics | None = None
     if status == "compared":
         assert a is not None and b is not None
-        sums = _Sums()
+        norms = _norms(a.stats, b.stats)
+        sums = _Sums(atol, rtol, a.stats.absmax if a.stats is not None else None)
         for x, y in zip(_slices(a.entry, a.shape), _slices(b.entry, b.shape), strict=True):
-            sums.add(x, y, atol, rtol)
-        metrics = sums.metrics()
+            sums.add(x, y, own_norms=norms is None)
+        metrics = sums.metrics(norms)
     for f in fields(PairMetrics):
         row[f.name] = getattr(metrics, f.name) if metrics else None
     sa, sb = (a.stats if a else None), (b.stats if b else None)
@@ -375,6 +429,15 @@ def _compare_pair(
         va, vb = getattr(sa, name, None), getattr(sb, name, None)
         row[f"d_{name}"] = vb - va if va is not None and vb is not None else None
     return row
+
+
+def _norms(a: Stats | None, b: Stats | None) -> tuple[float, float] | None:
+    """Both sides' L2 norms from their recorded statistics, when both are finite."""
+    if a is None or b is None or a.l2 is None or b.l2 is None:
+        return None
+    if not (math.isfinite(a.l2) and math.isfinite(b.l2)) or a.nan_count or b.nan_count:
+        return None
+    return a.l2, b.l2
 
 
 def _op_items(view: TraceView, step: int, on: str, keep: Selector | None) -> list[_Item]:

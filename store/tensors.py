@@ -67,6 +67,7 @@ __all__ = [
     "Unsynced",
     "choose_codec",
     "chunk_shape",
+    "clear_chunk_cache",
     "dtype_name",
     "numpy_dtype",
     "pack_stream",
@@ -103,8 +104,20 @@ class _ChunkCache:
                 _, old = self._items.popitem(last=False)
                 self.used -= old.nbytes
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.used = 0
+
 
 _CHUNKS = _ChunkCache(256 << 20)
+
+
+def clear_chunk_cache() -> None:
+    """Forget every decoded chunk this process keeps (benchmarks measure reads cold)."""
+    _CHUNKS.clear()
+
+
 _INDEX = -1  # the cache's slot for a shard's index (inner chunks are 0 and up)
 
 
