@@ -96,10 +96,11 @@ class _Sums:
         self.max_abs = max(self.max_abs, biggest)
         self.sum_abs += float(torch.linalg.vector_norm(d, 1))
         self.sum_sq_diff += float(torch.linalg.vector_norm(d, 2)) ** 2
-        if own_norms:
-            self.sum_sq_a += float(torch.linalg.vector_norm(a, 2)) ** 2
-            self.sum_sq_b += float(torch.linalg.vector_norm(b, 2)) ** 2
-            self.dot += float(torch.dot(a, b))
+        if own_norms:  # in float64: a cosine near 1 needs more than float32's digits
+            a64, b64 = a.double(), b.double()
+            self.sum_sq_a += float(torch.dot(a64, a64))
+            self.sum_sq_b += float(torch.dot(b64, b64))
+            self.dot += float(torch.dot(a64, b64))
         if self.close and biggest > self.atol:
             bound = self.absmax_a
             if bound is not None and biggest > self.atol + self.rtol * bound:
