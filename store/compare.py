@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import pandas
     import pyarrow as pa
 
-__all__ = ["Comparison", "PairMetrics", "compare", "tensor_metrics"]
+__all__ = ["Comparison", "PairMetrics", "compare", "sliced_metrics", "tensor_metrics"]
 
 Align = Literal["key", "label", "module"]
 _ALIGNMENTS = ("key", "label", "module")
@@ -134,6 +134,27 @@ def tensor_metrics(
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     sums = _Sums()
     sums.add(a, b, atol, rtol)
+    return sums.metrics()
+
+
+def sliced_metrics(
+    a: Any, b: Any, atol: float = 1e-8, rtol: float = 1e-5
+) -> PairMetrics | None:
+    """:class:`PairMetrics` of two tensors given as anything with a ``shape`` that
+    indexes like a tensor (a ``torch.Tensor``, a stored
+    :class:`~tracelake.store.run.LazyTensor`, which reads only the chunks of each
+    slice), reduced a slice of leading rows at a time: memory stays bounded whatever
+    their size. None when the shapes differ (the query language's null)."""
+    shape = tuple(a.shape)
+    if shape != tuple(b.shape):
+        return None
+    sums = _Sums()
+    if not shape or math.prod(shape) <= _SLICE_ELEMENTS:
+        sums.add(a[...], b[...], atol, rtol)
+        return sums.metrics()
+    step = max(1, _SLICE_ELEMENTS // max(1, math.prod(shape[1:])))
+    for start in range(0, shape[0], step):
+        sums.add(a[start : start + step], b[start : start + step], atol, rtol)
     return sums.metrics()
 
 
