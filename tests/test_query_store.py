@@ -232,7 +232,7 @@ def test_injection_attempts_match_nothing_and_leave_the_store_intact(store_and_h
         "select run from ops; delete from runs",
         "select read_csv('/etc/passwd') from ops",
         "select getenv('HOME') from ops",
-        "select run from ops where label = '' or 1=1 --",
+        "select run from ops where label = ''' or 1=1 --'",  # the quote stays in the string
         "select run from ops /* comment */ where label = 'x'",
     ]
     for text in attempts:
