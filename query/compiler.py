@@ -145,6 +145,7 @@ class _Compiler(Operands):
         self.post_limit: tuple[int, int | None] | None = None
         self.moved: list[tuple[str, list[Any]]] = []  # join conditions moved to where
         self.names: list[str] = []
+        self.aliases: dict[str, str] = {}  # result column -> its name in the SQL
 
     # tables -------------------------------------------------------------------------------
 
@@ -236,6 +237,7 @@ class _Compiler(Operands):
             self.post_where,
             self.post_order,
             self.post_limit,
+            tuple(self.aliases[n] for n in names),
         )
 
     def _check_shape(self, grouped: bool) -> None:
@@ -433,13 +435,20 @@ class _Compiler(Operands):
         parts: list[str] = []
         names: list[str] = []
         for item in self.query.items:
+            # a column named after an expression with a value in it (l2 * 2) is named
+            # by its place in the SQL: values reach the SQL as parameters only
+            valued = item.alias is None and any(
+                isinstance(n, ast.Literal | ast.Param) for n in walk(item.expr)
+            )
             for sql, name in self.visit_SelectItem(item, grouped):
                 if name in names:
                     raise self.refuse(
                         f"two result columns are named {name!r}; rename one with 'as'", item
                     )
-                parts.append(f"{sql} AS {ident(name)}")
+                alias = f"__c{len(names)}" if valued else name
+                parts.append(f"{sql} AS {ident(alias)}")
                 names.append(name)
+                self.aliases[name] = alias
         return ", ".join(parts), names
 
     def _where(self) -> str:
@@ -519,7 +528,7 @@ class _Compiler(Operands):
             expr = item.expr
             name = self._alias_name(expr)
             if name is not None:
-                keys = [ident(name)]
+                keys = [ident(self.aliases[name])]
             else:
                 if self.query.distinct and all(expr != i.expr for i in self.query.items):
                     raise self.refuse(
@@ -549,7 +558,7 @@ class _Compiler(Operands):
             return item.expr
         if any(t.column == name for t in self.tensors):
             raise self.refuse(f"{name} is a tensor; order by a number", expr)
-        return Ref(name)
+        return Ref(name)  # the executor reads the result by its visible names
 
     def _limit(self) -> str:
         text = ""

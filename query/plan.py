@@ -134,7 +134,8 @@ class CompiledQuery:
     ``__array``, ``__offset``, ``__nbytes``, ``__shape``, ``__dtype``, each with the
     table's suffix from ``suffixes``: none for a query over one table, ``_0``, ``_1``…
     in a join); then the ``__e<n>`` columns the expressions in ``where`` / ``order``
-    read. ``where``, ``order`` and ``limit`` (offset, count or None) are applied by the
+    read (``aliases``: what the SQL calls the visible ones). ``where``, ``order`` and
+    ``limit`` (offset, count or None) are applied by the
     executor when they involve tensor-pair functions (the SQL then has no limit; nor an
     order, when ``order`` is set)."""
 
@@ -154,6 +155,9 @@ class CompiledQuery:
     where: Post | None = None
     order: tuple[tuple[Post, bool], ...] = ()
     limit: tuple[int, int | None] | None = None
+    #: Each visible column's name in the SQL: its name, or ``__c<n>`` for one named
+    #: after an expression with a value in it (values reach the SQL as parameters only).
+    aliases: tuple[str, ...] = ()
 
 
 # Evaluation ------------------------------------------------------------------------------

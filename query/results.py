@@ -311,6 +311,9 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             table = mirror.arrow(compiled.sql, compiled.params, refresh=False, error=QueryError)
         except QueryError as exc:  # the message, not the generated SQL it points into
             raise QueryError(str(exc).split("\n\nLINE ")[0]) from exc.__cause__
+    if compiled.aliases and compiled.aliases != compiled.columns:
+        names = list(compiled.columns) + table.column_names[len(compiled.columns) :]
+        table = table.rename_columns(names)
     values: dict[str, list[Any]] = {}
     if any(t.kind == "value" for t in compiled.tensors) or compiled.where or compiled.order:
         pairs = _Pairs(store, table, mirror.run_names, compiled.suffixes)

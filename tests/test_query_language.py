@@ -607,6 +607,19 @@ _LEAN_EXTRA = st.sampled_from(
         "fromage",
         "OUT",
         "Meta.",
+        " join ops b ",
+        " using (key) ",
+        " on ",
+        "distinct ",
+        " having ",
+        "+",
+        "/",
+        "-- c\n",
+        "a.",
+        "b.out",
+        "abs(",
+        "max_abs_diff(",
+        "limit10",
     ]
 )
 
