@@ -27,6 +27,7 @@ holds the op's tensor slot, for the executor to replace), then ``hidden``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -36,26 +37,23 @@ from tracelake.store.points import FIELDS as POINT_FIELDS
 
 from . import ast
 from .operands import (
-    Operands,
     Refused,
     Source,
     compile_error,
     is_aggregate,
     is_tensor,
+    predicate_operands,
     walk,
 )
+from .pairs import PairRules, reads_pairs
 from .parser import INT64, parse
 from .plan import (
-    PAIR_DEFAULTS,
     Apply,
     CompiledQuery,
-    Const,
-    Pair,
     PointLookup,
     Post,
     Ref,
     TensorItem,
-    TensorRef,
 )
 from .printer import expr_text
 from .schema import (
@@ -108,16 +106,11 @@ def compile_query(
         raise QueryCompileError("the query is nested too deeply") from exc
 
 
-def _reads_pairs(node: Any) -> bool:
-    """Whether a tensor-pair function stands in ``node``."""
-    return any(isinstance(n, ast.Call) and n.name in PAIR_FUNCTIONS for n in walk(node))
-
-
 def _contains_aggregate(node: Any) -> bool:
     return any(is_aggregate(n) for n in walk(node))
 
 
-class _Compiler(Operands):
+class _Compiler(PairRules):
     def __init__(
         self,
         query: ast.Query,
@@ -151,7 +144,10 @@ class _Compiler(Operands):
 
     def _sources(self) -> list[Source]:
         q = self.query
-        refs = [(q.table, q.alias, q.table_span), *((j.table.name, j.table.alias, j.table.span) for j in q.joins)]
+        refs = [
+            (q.table, q.alias, q.table_span),
+            *((j.table.name, j.table.alias, j.table.span) for j in q.joins),
+        ]
         joined = len(refs) > 1
         sources: list[Source] = []
         for k, (table, alias, span) in enumerate(refs):
@@ -166,8 +162,7 @@ class _Compiler(Operands):
                 raise Refused(f"{name!r} cannot name a table: {name}. qualifies names", span)
             if any(s.name == name for s in sources):
                 raise Refused(
-                    f"two tables are named {name!r}: give each an alias "
-                    f"({table} a join {table} b)",
+                    f"two tables are named {name!r}: give each an alias ({table} a join {table} b)",
                     span,
                 )
             if joined:
@@ -178,11 +173,6 @@ class _Compiler(Operands):
                 runs_sql = "r"
             sources.append(Source(k, table, name, sql, runs_sql, COLUMNS[table], span))
         return sources
-
-    def _tensor_source(self, expr: ast.Out | ast.OutSlice) -> Source:
-        src = self.ops_source(expr, "out")
-        self.located.add(src.index)
-        return src
 
     # driver ---------------------------------------------------------------------------
 
@@ -196,7 +186,10 @@ class _Compiler(Operands):
         self._check_shape(grouped)
         select, select_params, names = self._clause(lambda: self._select(grouped))
         self.names = names
-        joins = [self._clause(lambda k=k: self._join(k))[:2] for k in range(1, len(self.sources))]
+        joins = []
+        for k in range(1, len(self.sources)):
+            on, on_params, _ = self._clause(functools.partial(self._join, k))
+            joins.append((on, on_params))
         where, where_params, _ = self._clause(self._where)
         group, group_params, _ = self._clause(self._group)
         having, having_params, _ = self._clause(lambda: self._having(grouped))
@@ -245,7 +238,11 @@ class _Compiler(Operands):
         having without groups."""
         q = self.query
         for node in walk((q.items, q.where, q.group_by, q.having, q.order_by)):
-            if isinstance(node, ast.Call) and node.name in PAIR_FUNCTIONS and (grouped or q.distinct):
+            if (
+                isinstance(node, ast.Call)
+                and node.name in PAIR_FUNCTIONS
+                and (grouped or q.distinct)
+            ):
                 raise self.refuse(
                     f"{node.name}() compares the tensors of each row, after the SQL: it "
                     "cannot be grouped, aggregated or made distinct (summarise the "
@@ -462,8 +459,8 @@ class _Compiler(Operands):
         where = self.query.where
         if where is not None:
             items = where.items if isinstance(where, ast.And) else (where,)
-            posted = [c for c in items if _reads_pairs(c)]
-            kept = [c for c in items if not _reads_pairs(c)]
+            posted = [c for c in items if reads_pairs(c)]
+            kept = [c for c in items if not reads_pairs(c)]
             if posted:
                 self.post_where = (
                     self._post(posted[0])
@@ -488,8 +485,10 @@ class _Compiler(Operands):
             return ""
         self.ctx = "having"
         for node in walk(having):
-            if isinstance(node, ast.Compare | ast.Like | ast.In | ast.Between | ast.IsNull | ast.BoolTest):
-                for expr in walk_operands(node):
+            if isinstance(
+                node, ast.Compare | ast.Like | ast.In | ast.Between | ast.IsNull | ast.BoolTest
+            ):
+                for expr in predicate_operands(node):
                     self._require_grouped(expr, "having")
         return f" HAVING {self.visit(having)}"
 
@@ -520,7 +519,7 @@ class _Compiler(Operands):
         self.ctx = "order"
         items = self.query.order_by
         values = {t.column: t for t in self.tensors if t.kind == "value"}
-        if any(_reads_pairs(o.expr) or self._alias_name(o.expr) in values for o in items):
+        if any(reads_pairs(o.expr) or self._alias_name(o.expr) in values for o in items):
             self.post_order = tuple((self._post_key(o.expr, values), o.descending) for o in items)
             return ""
         terms: list[str] = []
@@ -600,7 +599,7 @@ class _Compiler(Operands):
             table = self.sources[0].table
             return [(self.visit(ast.Column(c, span=expr.span)), c) for c in star(table)]
         name = item.alias or expr_text(expr)
-        if _reads_pairs(expr):
+        if reads_pairs(expr):
             self.tensors.append(TensorItem(name, "value", expr=self._post(expr)))
             return [("NULL", name)]
         if is_tensor(expr):
@@ -623,10 +622,10 @@ class _Compiler(Operands):
 
     def _tensor_item(self, expr: ast.Expr, name: str) -> TensorItem:
         if isinstance(expr, ast.Out):
-            return TensorItem(name, "out", source=self._tensor_source(expr).index)
+            return TensorItem(name, "out", source=self.tensor_source(expr).index)
         if isinstance(expr, ast.OutSlice):
-            src = self._tensor_source(expr)
-            return TensorItem(name, "slice", self._index(expr), source=src.index)
+            src = self.tensor_source(expr)
+            return TensorItem(name, "slice", self.index_of(expr), source=src.index)
         assert isinstance(expr, ast.Call) and isinstance(expr.args[0], ast.OutSlice)
         if expr.name not in FUNCTIONS:
             raise self.refuse(
@@ -636,18 +635,8 @@ class _Compiler(Operands):
             raise self.refuse(
                 f"{expr.name}() does not reduce a tensor; reductions: {', '.join(REDUCTIONS)}", expr
             )
-        src = self._tensor_source(expr.args[0])
-        return TensorItem(name, "reduce", self._index(expr.args[0]), expr.name, src.index)
-
-    def _index(self, expr: ast.OutSlice) -> tuple[Any, ...]:
-        if sum(i is ... for i in expr.index) > 1:
-            raise self.refuse("an index can have only one '...'", expr)
-        return tuple(
-            self.visit_SliceSpec(i) if isinstance(i, ast.SliceSpec) else i for i in expr.index
-        )
-
-    def visit_SliceSpec(self, node: ast.SliceSpec) -> slice:
-        return slice(node.start, node.stop, node.step)
+        src = self.tensor_source(expr.args[0])
+        return TensorItem(name, "reduce", self.index_of(expr.args[0]), expr.name, src.index)
 
     def visit_OrderItem(self, item: ast.OrderItem) -> list[str]:
         expr = item.expr
@@ -671,116 +660,3 @@ class _Compiler(Operands):
 
     def visit_Query(self, node: ast.Query) -> CompiledQuery:
         return _Compiler(node, self.values, self.text, self.runs).compile()
-
-    # tensor-pair functions: the executor's part ---------------------------------------
-
-    def _post(self, node: Any) -> Post:
-        """``node`` as an expression the executor evaluates per row (see :mod:`.plan`):
-        tensor-pair functions and what is computed from them; whatever SQL can compute
-        comes back from it as a hidden column."""
-        if not _reads_pairs(node):
-            if isinstance(node, ast.Literal):
-                return Const(node.value)
-            if isinstance(node, ast.Param):
-                return Const(self.scalar_param(node))
-            return Ref(self._post_column(node))
-        if isinstance(node, ast.Call) and node.name in PAIR_FUNCTIONS:
-            return self._pair(node)
-        if isinstance(node, ast.Call) and node.name == "abs" and len(node.args) == 1:
-            return Apply("abs", (self._post_number(node.args[0]),))
-        if isinstance(node, ast.Binary):
-            return Apply(node.op, (self._post_number(node.left), self._post_number(node.right)))
-        if isinstance(node, ast.Neg):
-            return Apply("neg", (self._post_number(node.expr),))
-        return self._post_condition(node)
-
-    def _post_condition(self, node: Any) -> Post:
-        negate: Callable[[Post, bool], Post] = lambda p, neg: Apply("not", (p,)) if neg else p  # noqa: E731
-        if isinstance(node, ast.Compare):
-            self.comparable(node, node.left, node.right)
-            return Apply(node.op, (self._post(node.left), self._post(node.right)))
-        if isinstance(node, ast.Between):
-            self.comparable(node, node.expr, node.low, node.high)
-            args = (self._post(node.expr), self._post(node.low), self._post(node.high))
-            return negate(Apply("between", args), node.negated)
-        if isinstance(node, ast.In):
-            values = self.in_values(node)
-            self.comparable(node, node.expr, *values)
-            args = (self._post(node.expr), *(self._post(v) for v in values))
-            return negate(Apply("in", args), node.negated)
-        if isinstance(node, ast.IsNull):
-            return Apply("is not null" if node.negated else "is null", (self._post(node.expr),))
-        if isinstance(node, ast.Not):
-            return Apply("not", (self._post(node.cond),))
-        if isinstance(node, ast.And | ast.Or):
-            word = "and" if isinstance(node, ast.And) else "or"
-            return Apply(word, tuple(self._post(c) for c in node.items))
-        if isinstance(node, ast.BoolTest):
-            if self.kind(node.expr) != "bool":
-                raise self.refuse(
-                    f"{expr_text(node.expr)} is not true or false; compare it", node
-                )
-            return Apply("bool", (self._post(node.expr),))
-        if isinstance(node, ast.Like):
-            raise self.refuse("like compares text; tensor-pair functions give numbers", node)
-        name = node.name if isinstance(node, ast.Call) else expr_text(node)
-        raise self.refuse(f"{name} cannot take a tensor-pair function", node)
-
-    def _post_number(self, node: ast.Expr) -> Post:
-        kind = self.kind(node)
-        if kind not in (None, "number"):
-            self.number(node)  # refuses, with the message arithmetic has
-        return self._post(node)
-
-    def _post_column(self, node: Any) -> str:
-        """A hidden column computing ``node`` in SQL, for the executor to read."""
-        saved, self.params = self.params, []
-        try:
-            if isinstance(node, ast.MetaRef):
-                sql = self.meta(node, "DOUBLE")
-            else:
-                sql = str(self.visit(node))
-        finally:
-            params, self.params = self.params, saved
-        self.post_columns.append((sql, params))
-        return f"__e{len(self.post_columns) - 1}"
-
-    def _pair(self, node: ast.Call) -> Pair:
-        name = node.name
-        most = 4 if name == "allclose" else 2
-        if node.distinct or not 2 <= len(node.args) <= most:
-            extra = "[, atol[, rtol]]" if name == "allclose" else ""
-            raise self.refuse(
-                f"{name}() takes two tensors{extra}: {name}(a.out, b.out{extra})", node
-            )
-        refs = []
-        for arg in node.args[:2]:
-            if not isinstance(arg, ast.Out | ast.OutSlice):
-                raise self.refuse(
-                    f"{name}() compares tensors (a.out, b.out[0]), not {expr_text(arg)}", arg
-                )
-            index = self._index(arg) if isinstance(arg, ast.OutSlice) else None
-            refs.append(TensorRef(self._tensor_source(arg).index, index))
-        tolerances = list(PAIR_DEFAULTS)
-        for k, arg in enumerate(node.args[2:]):
-            value = arg.value if isinstance(arg, ast.Literal) else None
-            if isinstance(arg, ast.Param):
-                value = self.scalar_param(arg)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                what = ("atol", "rtol")[k]
-                raise self.refuse(f"{what} is a non-negative number, not {expr_text(arg)}", arg)
-            tolerances[k] = float(value)
-        return Pair(name, refs[0], refs[1], tolerances[0], tolerances[1])
-
-
-def walk_operands(node: Any) -> list[ast.Expr]:
-    """The operands of one predicate."""
-    found: list[ast.Expr] = []
-    names = ("left", "right", "expr", "pattern", "low", "high")
-    for value in (getattr(node, f, None) for f in names):
-        if value is not None and not isinstance(value, str | bool):
-            found.append(value)
-    values = getattr(node, "values", ())
-    if isinstance(values, tuple):
-        found += values
-    return found

@@ -33,7 +33,16 @@ from .schema import (
     json_path,
 )
 
-__all__ = ["Operands", "Refused", "Source", "fields", "is_aggregate", "is_tensor", "walk"]
+__all__ = [
+    "Operands",
+    "Refused",
+    "Source",
+    "fields",
+    "is_aggregate",
+    "is_tensor",
+    "predicate_operands",
+    "walk",
+]
 
 _SCALAR_TYPES = (str, int, float, bool, datetime, date, type(None))
 Ctx = Literal["select", "where", "group", "order", "aggregate", "having", "on"]
@@ -79,6 +88,19 @@ def walk(node: Any) -> Iterator[Any]:
         yield node
         for value in fields(node):
             yield from walk(value)
+
+
+def predicate_operands(node: Any) -> list[ast.Expr]:
+    """The operands of one predicate."""
+    found: list[ast.Expr] = []
+    names = ("left", "right", "expr", "pattern", "low", "high")
+    for value in (getattr(node, f, None) for f in names):
+        if value is not None and not isinstance(value, str | bool):
+            found.append(value)
+    values = getattr(node, "values", ())
+    if isinstance(values, tuple):
+        found += values
+    return found
 
 
 def is_aggregate(expr: Any) -> bool:
@@ -305,7 +327,9 @@ class Operands:
                 node,
             )
         if node.distinct and name not in AGGREGATES:
-            raise self.refuse(f"distinct goes in aggregates (count(distinct func)), not {name}()", node)
+            raise self.refuse(
+                f"distinct goes in aggregates (count(distinct func)), not {name}()", node
+            )
         if len(node.args) != 1:
             raise self.refuse(f"{name}() takes one argument, not {len(node.args)}", node)
         arg = node.args[0]
@@ -314,7 +338,8 @@ class Operands:
         if isinstance(arg, ast.Out) and name in REDUCTIONS:
             src = self.ops_source(arg, "out")
             if name == "sum":  # mean x element count; a 0-d tensor has one element
-                return f'coalesce({src.sql}."mean" * list_product({src.sql}."shape"), {src.sql}."mean")'
+                mean = f'{src.sql}."mean"'
+                return f'coalesce({mean} * list_product({src.sql}."shape"), {mean})'
             return f"{src.sql}.{ident(STATS[name])}"
         if isinstance(arg, ast.OutSlice):
             raise self.refuse(
@@ -350,10 +375,8 @@ class Operands:
             )
         saved, self.ctx = self.ctx, "aggregate"
         try:
-            if node.name in ("avg", "sum"):
-                inner = self.number(arg)
-            else:
-                inner = str(self.visit(arg))
+            numeric = node.name in ("avg", "sum")
+            inner = self.number(arg) if numeric else str(self.visit(arg))
         finally:
             self.ctx = saved
         return f"{node.name}({'DISTINCT ' if node.distinct else ''}{inner})"
@@ -405,11 +428,7 @@ class Operands:
                 continue
             values = (ast.Literal, ast.Param)
             culprit = (
-                other
-                if isinstance(other, values)
-                else left
-                if isinstance(left, values)
-                else node
+                other if isinstance(other, values) else left if isinstance(left, values) else node
             )
             raise self.refuse(
                 f"{expr_text(left)} is {_KIND_WORDS[mine]} and {expr_text(other)} is "
@@ -429,7 +448,9 @@ class Operands:
 
     def _predicate(self, node: Any, build: Callable[[], str]) -> str:
         """``build()``'s SQL, inside EXISTS over the edges when it names parent./child."""
-        refs = {(g.direction, self.source(g).index) for g in walk(node) if isinstance(g, ast.GraphRef)}
+        refs = {
+            (g.direction, self.source(g).index) for g in walk(node) if isinstance(g, ast.GraphRef)
+        }
         if not refs:
             return build()
         if len({d for d, _ in refs}) > 1:
@@ -443,9 +464,7 @@ class Operands:
         direction, index = refs.pop()
         src = self.sources[index]
         if src.table != "ops":
-            raise self.refuse(
-                "parent. and child. name ops, so they work in queries over ops", node
-            )
+            raise self.refuse("parent. and child. name ops, so they work in queries over ops", node)
         self.graph = (direction, src)
         try:
             cond = build()

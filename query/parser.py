@@ -201,9 +201,7 @@ class _Build:
         *clauses: Any,
     ) -> ast.Query:
         joins = tuple(c for c in clauses if isinstance(c, ast.Join))
-        parts: dict[str, Any] = {
-            c[0]: c[1:] for c in clauses if not isinstance(c, ast.Join)
-        }
+        parts: dict[str, Any] = {c[0]: c[1:] for c in clauses if not isinstance(c, ast.Join)}
         limit, offset = parts.get("limit", (None, None))
         return ast.Query(
             items,
@@ -232,9 +230,7 @@ class _Build:
                 _cover(alias),
                 (glued.group(1).upper(),),
             )
-        return ast.TableRef(
-            _name(name).lower(), _name(alias).lower(), span=_join(name, alias)
-        )
+        return ast.TableRef(_name(name).lower(), _name(alias).lower(), span=_join(name, alias))
 
     def alias(self, name: Token) -> Token:
         return name
@@ -379,8 +375,8 @@ class _Build:
             return _graph(first, names[1:], table, span)
         if len(names) > 1:
             raise _Misplaced(
-                f"{str(head)}.{str(names[0])}.{str(names[1])}: only meta keys nest "
-                f"({str(head)}.meta.key); a table's column is {str(head)}.<column>",
+                f"{head!s}.{names[0]!s}.{names[1]!s}: only meta keys nest "
+                f"({head!s}.meta.key); a table's column is {head!s}.<column>",
                 _cover(names[1]),
             )
         if first == "out":

@@ -165,8 +165,10 @@ class CompiledQuery:
 
 def _divide(a: Any, b: Any) -> float:
     if b == 0:  # as DuckDB: IEEE division
-        return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * (
-            math.copysign(1.0, b)
+        return (
+            math.nan
+            if a == 0 or math.isnan(a)
+            else math.copysign(math.inf, a) * (math.copysign(1.0, b))
         )
     return float(a) / b
 

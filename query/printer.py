@@ -143,7 +143,9 @@ def to_text(query: ast.Query) -> str:
     if query.order_by:
         parts.append(
             " order by "
-            + ", ".join(expr_text(o.expr) + (" desc" if o.descending else "") for o in query.order_by)
+            + ", ".join(
+                expr_text(o.expr) + (" desc" if o.descending else "") for o in query.order_by
+            )
         )
     if query.limit is not None:
         parts.append(f" limit {expr_text(query.limit)}")

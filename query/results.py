@@ -215,9 +215,7 @@ class _Fetcher:
     read is mostly Python and holds the GIL, so threads would only take turns (slower,
     not faster, chunks cached or not)."""
 
-    def __init__(
-        self, store: Store, table: pa.Table, names: Mapping[int, str], suffix: str = ""
-    ):
+    def __init__(self, store: Store, table: pa.Table, names: Mapping[int, str], suffix: str = ""):
         self.store = store
         self.names = names
         self.run_ids = table.column("__run_id" + suffix).to_pylist()

@@ -137,9 +137,7 @@ def tensor_metrics(
     return sums.metrics()
 
 
-def sliced_metrics(
-    a: Any, b: Any, atol: float = 1e-8, rtol: float = 1e-5
-) -> PairMetrics | None:
+def sliced_metrics(a: Any, b: Any, atol: float = 1e-8, rtol: float = 1e-5) -> PairMetrics | None:
     """:class:`PairMetrics` of two tensors given as anything with a ``shape`` that
     indexes like a tensor (a ``torch.Tensor``, a stored
     :class:`~tracelake.store.run.LazyTensor`, which reads only the chunks of each

@@ -140,7 +140,9 @@ def test_the_limit_is_pushed_down_when_the_order_allows(
 
     monkeypatch.setattr(results_module, "sliced_metrics", counted)
     join = "from ops a join ops b using (key) where a.run = 'base' and b.run = 'ft' and a.saved"
-    res = store.query(f"select a.key, max_abs_diff(a.out, b.out), cosine(a.out, b.out) {join} limit 4")
+    res = store.query(
+        f"select a.key, max_abs_diff(a.out, b.out), cosine(a.out, b.out) {join} limit 4"
+    )
     assert len(res) == 4 and len(calls) == 4  # one read per pair, for the rows kept only
     assert "LIMIT" in res.sql
     calls.clear()
@@ -225,9 +227,10 @@ def test_cli_and_magic_run_a_join(store: tl.Store, capsys: pytest.CaptureFixture
     assert '"d"' in out and "a.label" in out
     assert main(["query", str(store.path), text]) == 0
     pytest.importorskip("IPython")
+    from IPython import get_ipython
     from IPython.testing.globalipapp import start_ipython
 
-    shell = start_ipython()
+    shell = start_ipython() or get_ipython()  # None once started in this process
     shell.run_line_magic("load_ext", "tracelake")
     res = shell.run_cell_magic("tlq", str(store.path), text.replace(" from", "\nfrom"))
     assert len(res) == 3 and res.df()["d"].is_monotonic_decreasing

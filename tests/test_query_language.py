@@ -144,8 +144,12 @@ ACCEPT = [
     ("select distinct func from ops order by func", "distinct"),
     ("select count(distinct func) from ops", "count distinct"),
     ("select func, count(*) as n from ops group by func having count(*) > 1", "having"),
-    ("select func from ops group by func having n > 1 and avg(l2) < 3".replace(
-        "from", ", count(*) as n from"), "having an alias"),
+    (
+        "select func from ops group by func having n > 1 and avg(l2) < 3".replace(
+            "from", ", count(*) as n from"
+        ),
+        "having an alias",
+    ),
     ("select ops.label from ops", "a column qualified by its table"),
     ("select o.label, o.meta.lr, o.out, o.out[0] from ops o", "an alias"),
     ("select o.label from ops as o where o.parent.func = 'add'", "an alias's graph reference"),
@@ -275,7 +279,10 @@ COMPILE = [
     ("select label from ops where idx in (1, 'x')", "idx is a number and 'x' is text"),
     ("select label from ops where shape = 3", "shape is a list and 3 is a number"),
     ("select label - 1 from ops", "label is text; arithmetic takes numbers"),
-    ("select label from ops a join ops b using (key)", "ambiguous column 'label': write a.label or b.label"),
+    (
+        "select label from ops a join ops b using (key)",
+        "ambiguous column 'label': write a.label or b.label",
+    ),
     ("select out from ops a join ops b using (key)", "ambiguous out: write a.out or b.out"),
     ("select meta.lr from ops a join ops b using (key)", "write a.meta.lr or b.meta.lr"),
     ("select c.label from ops a join ops b using (key)", "unknown qualifier 'c'"),
@@ -283,15 +290,34 @@ COMPILE = [
     ("select m.label from ops meta", "'meta' cannot name a table"),
     ("select * from ops a join ops b using (key)", "'*' in a join"),
     ("select a.label from ops a join runs b using (key)", "has no column 'key'"),
-    ("select a.label from ops a join ops b using (key) group by max_abs_diff(a.out, b.out)", "cannot be grouped"),
+    (
+        "select a.label from ops a join ops b using (key) group by max_abs_diff(a.out, b.out)",
+        "cannot be grouped",
+    ),
     ("select max_abs_diff(a.out, b.label) from ops a join ops b using (key)", "compares tensors"),
     ("select max_abs_diff(a.out) from ops a join ops b using (key)", "takes two tensors"),
-    ("select allclose(a.out, b.out, -1) from ops a join ops b using (key)", "atol is a non-negative number"),
-    ("select a.label from ops a join ops b on max_abs_diff(a.out, b.out) > 1", "not in a join condition"),
-    ("select a.label from ops a join ops b using (key) where max_abs_diff(a.out, b.out) like 'x'", "like compares text"),
-    ("select count(*), max_abs_diff(a.out, b.out) from ops a join ops b using (key)", "cannot be grouped"),
+    (
+        "select allclose(a.out, b.out, -1) from ops a join ops b using (key)",
+        "atol is a non-negative number",
+    ),
+    (
+        "select a.label from ops a join ops b on max_abs_diff(a.out, b.out) > 1",
+        "not in a join condition",
+    ),
+    (
+        "select a.label from ops a join ops b using (key) "
+        "where max_abs_diff(a.out, b.out) like 'x'",
+        "like compares text",
+    ),
+    (
+        "select count(*), max_abs_diff(a.out, b.out) from ops a join ops b using (key)",
+        "cannot be grouped",
+    ),
     ("select label from ops having idx > 1", "having filters groups"),
-    ("select func, count(*) from ops group by func having label = 'x'", "neither grouped nor aggregated"),
+    (
+        "select func, count(*) from ops group by func having label = 'x'",
+        "neither grouped nor aggregated",
+    ),
     ("select distinct func from ops order by label", "with distinct, order by what is selected"),
     ("select distinct out from ops", "cannot be selected with"),
     ("select abs(label) from ops", "arithmetic takes numbers"),

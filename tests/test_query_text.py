@@ -39,7 +39,13 @@ _NUMBERS = st.one_of(
 def _leaves() -> st.SearchStrategy[ast.Expr]:
     return st.one_of(
         st.builds(ast.Column, _NAMES, _TABLES),
-        st.builds(ast.MetaRef, st.lists(st.sampled_from(["lr", "Out", "limit", "a"]), min_size=1, max_size=3).map(tuple), _TABLES),
+        st.builds(
+            ast.MetaRef,
+            st.lists(st.sampled_from(["lr", "Out", "limit", "a"]), min_size=1, max_size=3).map(
+                tuple
+            ),
+            _TABLES,
+        ),
         st.builds(ast.GraphRef, st.sampled_from(["parent", "child"]), _NAMES, _TABLES),
         st.builds(ast.Out, _TABLES),
         st.builds(
@@ -222,7 +228,7 @@ INJECTIONS = [
     'select a.label from ops "a" join ops b using (key)',
     "select a.label from ops a join (select * from runs) b using (key)",
     "select a.label from ops a join read_csv('/etc/passwd') b using (key)",
-    "select a.label from ops a join ops b using (key, \"label\")",
+    'select a.label from ops a join ops b using (key, "label")',
     "select a.label from ops a join ops b on a.key = b.key or 1=1; drop table ops",
     "select a.label from ops a join ops b on a.key = getenv('HOME')",
     "select a.label from ops a join ops b using (key) where a.label = 'x' -- ' or 1=1",
@@ -239,7 +245,9 @@ INJECTIONS = [
 
 
 @pytest.mark.parametrize("text", INJECTIONS)
-def test_injection_fails_or_only_binds_values(text: str, catalog: duckdb.DuckDBPyConnection) -> None:
+def test_injection_fails_or_only_binds_values(
+    text: str, catalog: duckdb.DuckDBPyConnection
+) -> None:
     params: dict[str, Any] = {"p": "x'; drop table ops; --"} if ":p" in text else {}
     before = snapshot(catalog)
     try:
