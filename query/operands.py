@@ -196,7 +196,7 @@ class Operands:
     # operands -----------------------------------------------------------------------------
 
     def visit_Column(self, node: ast.Column) -> str:
-        if self.ctx == "having":
+        if self.ctx in ("having", "order"):  # a result column's name: its expression
             aliased = self.output_alias(node)
             if aliased is not None:
                 return str(self.visit(aliased))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lark import Lark
 from lark.exceptions import LarkError
 from test_query_catalog import make_catalog, snapshot
+from test_query_text import JOIN_INJECTIONS
 
 from tracelake import errors
 from tracelake.errors import QueryCompileError, QueryError, QuerySyntaxError
@@ -548,7 +549,7 @@ def catalog() -> duckdb.DuckDBPyConnection:
     return make_catalog()
 
 
-@pytest.mark.parametrize("text", INJECTIONS)
+@pytest.mark.parametrize("text", INJECTIONS + JOIN_INJECTIONS)
 def test_injection_fails_or_only_binds_values(
     text: str, catalog: duckdb.DuckDBPyConnection
 ) -> None:
