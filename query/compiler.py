@@ -129,6 +129,9 @@ class _Compiler(PairRules):
         self.touched: set[tuple[int, bool]] = set()
         self.tensors: list[TensorItem] = []
         self.sources = self._sources()
+        kinds = {n.__class__ for n in walk(query)}
+        self.graphs = ast.GraphRef in kinds
+        self.pairs = ast.Call in kinds and reads_pairs(query)
         self.joined = len(self.sources) > 1
         self.merged = {c.name for j in query.joins for c in j.using}
         self.located: set[int] = set()  # tables whose tensors the executor reads
@@ -237,7 +240,9 @@ class _Compiler(PairRules):
         """Refuse what no clause can answer: pairs of tensors grouped or made distinct,
         having without groups."""
         q = self.query
-        for node in walk((q.items, q.where, q.group_by, q.having, q.order_by)):
+        for node in walk(
+            (q.items, q.where, q.group_by, q.having, q.order_by) if self.pairs else ()
+        ):
             if (
                 isinstance(node, ast.Call)
                 and node.name in PAIR_FUNCTIONS
@@ -459,8 +464,8 @@ class _Compiler(PairRules):
         where = self.query.where
         if where is not None:
             items = where.items if isinstance(where, ast.And) else (where,)
-            posted = [c for c in items if reads_pairs(c)]
-            kept = [c for c in items if not reads_pairs(c)]
+            posted = [c for c in items if self.pairs and reads_pairs(c)]
+            kept = [c for c in items if c not in posted]
             if posted:
                 self.post_where = (
                     self._post(posted[0])
@@ -519,7 +524,7 @@ class _Compiler(PairRules):
         self.ctx = "order"
         items = self.query.order_by
         values = {t.column: t for t in self.tensors if t.kind == "value"}
-        if any(reads_pairs(o.expr) or self._alias_name(o.expr) in values for o in items):
+        if self.pairs and any(self.names_pairs(o.expr) for o in items):
             self.post_order = tuple((self._post_key(o.expr, values), o.descending) for o in items)
             return ""
         terms: list[str] = []
@@ -599,7 +604,7 @@ class _Compiler(PairRules):
             table = self.sources[0].table
             return [(self.visit(ast.Column(c, span=expr.span)), c) for c in star(table)]
         name = item.alias or expr_text(expr)
-        if reads_pairs(expr):
+        if self.pairs and reads_pairs(expr):
             self.tensors.append(TensorItem(name, "value", expr=self._post(expr)))
             return [("NULL", name)]
         if is_tensor(expr):

@@ -9,7 +9,7 @@ type error points at the query's text, never at the generated SQL.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, datetime
 from typing import Any, Literal
@@ -75,19 +75,41 @@ class Source:
 
 
 def fields(node: Any) -> tuple[Any, ...]:
-    names = getattr(node, "__dataclass_fields__", {})
-    return tuple(getattr(node, name) for name in names if name != "span")
+    return tuple(getattr(node, name) for name in _field_names(type(node)))
 
 
-def walk(node: Any) -> Iterator[Any]:
-    """``node`` and every node under it (tuples of nodes included)."""
-    if isinstance(node, tuple):
-        for item in node:
-            yield from walk(item)
-    elif isinstance(node, ast.Node):
-        yield node
-        for value in fields(node):
-            yield from walk(value)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        fields_ = getattr(cls, "__dataclass_fields__", {})
+        names = _FIELD_NAMES[cls] = tuple(n for n in fields_ if n not in ("span", "table_span"))
+    return names
+
+
+def walk(node: Any) -> list[Any]:
+    """``node`` and every node under it (tuples of nodes included), in no set order."""
+    found: list[Any] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        cls = item.__class__
+        if cls is tuple:
+            stack += item
+        elif cls in _LEAVES:
+            found.append(item)
+        elif isinstance(item, ast.Node):
+            found.append(item)
+            stack += [getattr(item, name) for name in _field_names(cls)]
+    return found
+
+
+#: Nodes with no node under them.
+_LEAVES = frozenset(
+    {ast.Column, ast.MetaRef, ast.GraphRef, ast.Literal, ast.Param, ast.Star, ast.Out}
+)
 
 
 def predicate_operands(node: Any) -> list[ast.Expr]:
@@ -136,6 +158,7 @@ class Operands:
     graph: tuple[str, Source] | None
     merged: set[str]
     touched: set[tuple[int, bool]]
+    graphs: bool  # whether the query names parent. or child. anywhere
     query: ast.Query
 
     def visit(self, node: Any) -> Any:
@@ -448,9 +471,11 @@ class Operands:
 
     def _predicate(self, node: Any, build: Callable[[], str]) -> str:
         """``build()``'s SQL, inside EXISTS over the edges when it names parent./child."""
-        refs = {
-            (g.direction, self.source(g).index) for g in walk(node) if isinstance(g, ast.GraphRef)
-        }
+        refs = (
+            {(g.direction, self.source(g).index) for g in walk(node) if isinstance(g, ast.GraphRef)}
+            if self.graphs
+            else None
+        )
         if not refs:
             return build()
         if len({d for d, _ in refs}) > 1:

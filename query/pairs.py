@@ -23,7 +23,7 @@ __all__ = ["PairRules", "reads_pairs"]
 
 def reads_pairs(node: Any) -> bool:
     """Whether a tensor-pair function stands in ``node``."""
-    return any(isinstance(n, ast.Call) and n.name in PAIR_FUNCTIONS for n in walk(node))
+    return any(n.__class__ is ast.Call and n.name in PAIR_FUNCTIONS for n in walk(node))
 
 
 class PairRules(Operands):
@@ -47,11 +47,22 @@ class PairRules(Operands):
     def visit_SliceSpec(self, node: ast.SliceSpec) -> slice:
         return slice(node.start, node.stop, node.step)
 
+    def names_pairs(self, node: Any) -> bool:
+        """Whether ``node`` reads a tensor-pair function, itself or through the alias
+        of a select item (``order by abs(d)`` after ``max_abs_diff(...) as d``)."""
+        if reads_pairs(node):
+            return True
+        aliased = (self.output_alias(n) for n in walk(node) if n.__class__ is ast.Column)
+        return any(a is not None and reads_pairs(a) for a in aliased)
+
     def _post(self, node: Any) -> Post:
         """``node`` as an expression the executor evaluates per row (see :mod:`.plan`):
         tensor-pair functions and what is computed from them; whatever SQL can compute
         comes back from it as a hidden column."""
-        if not reads_pairs(node):
+        aliased = self.output_alias(node) if self.ctx == "order" else None
+        if aliased is not None and reads_pairs(aliased):
+            return self._post(aliased)
+        if not self.names_pairs(node):
             if isinstance(node, ast.Literal):
                 return Const(node.value)
             if isinstance(node, ast.Param):
