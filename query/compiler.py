@@ -129,9 +129,11 @@ class _Compiler(PairRules):
         self.touched: set[tuple[int, bool]] = set()
         self.tensors: list[TensorItem] = []
         self.sources = self._sources()
-        kinds = {n.__class__ for n in walk(query)}
-        self.graphs = ast.GraphRef in kinds
-        self.pairs = ast.Call in kinds and reads_pairs(query)
+        nodes = walk(query)  # what the query names at all, once
+        calls = [n for n in nodes if n.__class__ is ast.Call]
+        self.graphs = any(n.__class__ is ast.GraphRef for n in nodes)
+        self.pairs = any(c.name in PAIR_FUNCTIONS for c in calls)
+        self.aggregates = any(is_aggregate(c) for c in calls)
         self.joined = len(self.sources) > 1
         self.merged = {c.name for j in query.joins for c in j.using}
         self.located: set[int] = set()  # tables whose tensors the executor reads
@@ -181,10 +183,12 @@ class _Compiler(PairRules):
 
     def compile(self) -> CompiledQuery:
         q = self.query
-        grouped = (
-            bool(q.group_by)
-            or any(_contains_aggregate(i.expr) for i in q.items)
-            or any(_contains_aggregate(o.expr) for o in q.order_by)
+        grouped = bool(q.group_by) or (
+            self.aggregates
+            and (
+                any(_contains_aggregate(i.expr) for i in q.items)
+                or any(_contains_aggregate(o.expr) for o in q.order_by)
+            )
         )
         self._check_shape(grouped)
         select, select_params, names = self._clause(lambda: self._select(grouped))
@@ -439,8 +443,10 @@ class _Compiler(PairRules):
         for item in self.query.items:
             # a column named after an expression with a value in it (l2 * 2) is named
             # by its place in the SQL: values reach the SQL as parameters only
-            valued = item.alias is None and any(
-                isinstance(n, ast.Literal | ast.Param) for n in walk(item.expr)
+            valued = (
+                item.alias is None
+                and item.expr.__class__ not in (ast.Column, ast.Out, ast.Star)
+                and any(isinstance(n, ast.Literal | ast.Param) for n in walk(item.expr))
             )
             for sql, name in self.visit_SelectItem(item, grouped):
                 if name in names:
