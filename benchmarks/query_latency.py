@@ -23,8 +23,15 @@ Measured, each warmed up and then timed ``--repeats`` times (wall time, median a
   forgotten before each: the SQL runs in DuckDB.
 * ``stack 1,000``: ``select out from ops where label = 'relu_1_2'`` then ``.stack()``:
   one label across every run (target <= 150 ms hot).
+* ``key-join``: ``select a.key, a.label, b.l2 - a.l2 as d from ops a join ops b
+  using (key) where a.run = :a and b.run = :b order by abs(d) desc limit 10``, two
+  random runs of ``--ops`` ops each, statistics only (target <= 50 ms, issue 11).
 * ``parse + compile``: the five example queries of the query issue (target <= 0.5 ms),
-  by ``compile_query``, which keeps nothing from one call to the next.
+  by ``compile_query``, which keeps nothing from one call to the next; and the
+  key-join's text.
+
+On a busy machine, ``--runs 100`` builds a store a tenth the size (the key-join and
+parse measures do not depend on the number of runs; ``open`` and ``stack`` do).
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ EXAMPLES = [
     "select out[0, -1, :] from ops where label = 'linear_4_12' and run in ('base', 'ft')",
     "select func, count(*), avg(l2) from ops group by func order by count(*) desc",
 ]
+
+KEY_JOIN = (
+    "select a.key, a.label, b.l2 - a.l2 as d from ops a join ops b using (key) "
+    "where a.run = :a and b.run = :b order by abs(d) desc limit 10"
+)
 
 
 class Chain(nn.Module):
@@ -183,12 +195,27 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
 
+    def key_join() -> None:
+        a, b = rng.sample(names, 2)
+        assert len(store.query(KEY_JOIN, a=a, b=b)) == 10
+
+    rows.append(
+        (f"key-join two {args.ops:,}-op runs, no tensors", *timed(key_join, args.repeats), 0.050)
+    )
+
     def compile_all() -> None:
         for text in EXAMPLES:
             compile_query(text)
 
     med, p90 = timed(compile_all, args.repeats * 4)
     rows.append(("parse + compile (per query)", med / len(EXAMPLES), p90 / len(EXAMPLES), 0.0005))
+    rows.append(
+        (
+            "parse + compile the key-join",
+            *timed(lambda: compile_query(KEY_JOIN, {"a": "x", "b": "y"}), args.repeats * 4),
+            0.0005,
+        )
+    )
 
     print(f"store: {len(names)} runs, {n_ops:,} ops, load {os.getloadavg()[0]:.2f}")
     header = ("measure", "median ms", "p90 ms", "target ms", "")

@@ -4,7 +4,11 @@ Every node is a frozen dataclass with a :class:`Span` (where it stands in the qu
 text). Spans take no part in equality, so two spellings of the same expression compare
 equal (``group by`` matching relies on that). Names of tables, columns and functions are
 lower-cased by the parser (the language is case-insensitive there); meta keys, parameter
-names and aliases keep their case.
+names and select aliases keep their case; table aliases are names.
+
+A column, a meta key, a graph reference or ``out`` may name the table it belongs to
+(``a.label``, ``a.meta.lr``, ``a.parent.func``, ``a.out``): its ``table`` is the
+qualifier as written (an alias, or a table's name), None when unqualified.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import NamedTuple
 __all__ = [
     "And",
     "Between",
+    "Binary",
     "BoolTest",
     "Call",
     "Column",
@@ -27,9 +32,11 @@ __all__ = [
     "In",
     "Index",
     "IsNull",
+    "Join",
     "Like",
     "Literal",
     "MetaRef",
+    "Neg",
     "Node",
     "Not",
     "Or",
@@ -42,6 +49,7 @@ __all__ = [
     "SliceSpec",
     "Span",
     "Star",
+    "TableRef",
     "Value",
 ]
 
@@ -93,6 +101,7 @@ class Column(Node):
     """A column of the queried table (or ``run``, the run's name)."""
 
     name: str
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +111,7 @@ class GraphRef(Node):
 
     direction: Lit["parent", "child"]
     name: str
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,7 @@ class MetaRef(Node):
     """``meta.key`` (``meta.a.b`` for nested objects): a value of the run's metadata."""
 
     keys: tuple[str, ...]
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +143,8 @@ class Star(Node):
 class Out(Node):
     """``out``: the op's output tensor."""
 
+    table: str | None = None
+
 
 @dataclass(frozen=True, slots=True)
 class SliceSpec(Node):
@@ -150,18 +163,37 @@ class OutSlice(Node):
     """``out[i, a:b, ...]``: basic indexing of the output tensor."""
 
     index: tuple[Index, ...]
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Call(Node):
-    """``name(args)``: a tensor reduction (``mean(out)``) or an aggregate (``avg(l2)``,
-    ``count(*)``); which one is the compiler's decision."""
+    """``name(args)``: a tensor reduction (``mean(out)``), an aggregate (``avg(l2)``,
+    ``count(*)``, ``count(distinct func)``), ``abs(x)`` or a tensor-pair function
+    (``max_abs_diff(a.out, b.out)``); which one is the compiler's decision."""
 
     name: str
     args: tuple[Expr, ...]
+    distinct: bool = False
 
 
-Expr = Column | GraphRef | MetaRef | Literal | Param | Star | Out | OutSlice | Call
+@dataclass(frozen=True, slots=True)
+class Binary(Node):
+    """``left op right``: arithmetic on numbers."""
+
+    op: Lit["+", "-", "*", "/"]
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True, slots=True)
+class Neg(Node):
+    """``-expr`` (a minus before a number literal is the literal's sign instead)."""
+
+    expr: Expr
+
+
+Expr = Column | GraphRef | MetaRef | Literal | Param | Star | Out | OutSlice | Call | Binary | Neg
 
 
 # Conditions ---------------------------------------------------------------------------
@@ -246,7 +278,27 @@ class OrderItem(Node):
 
 
 @dataclass(frozen=True, slots=True)
+class TableRef(Node):
+    """A table of a join, and the alias it is named by (None: its own name)."""
+
+    name: str
+    alias: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Node):
+    """``join <table> using (col, ...)`` or ``join <table> on <condition>``."""
+
+    table: TableRef
+    using: tuple[Column, ...] = ()
+    on: Condition | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Query(Node):
+    """One ``select``. ``table`` / ``alias``: the first table of ``from`` and its alias;
+    ``joins``: the tables joined to it, in order."""
+
     items: tuple[SelectItem, ...]
     table: str
     where: Condition | None = None
@@ -255,3 +307,7 @@ class Query(Node):
     limit: Literal | Param | None = None
     offset: Literal | Param | None = None
     table_span: Span = field(default=NOWHERE, compare=False, repr=False)
+    alias: str | None = None
+    joins: tuple[Join, ...] = ()
+    having: Condition | None = None
+    distinct: bool = False

@@ -11,6 +11,7 @@ that could have stood there and a caret excerpt.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from typing import Literal as Lit
 
@@ -29,7 +30,12 @@ INT64 = 2**63 - 1
 KEYWORDS = frozenset(
     {
         "select",
+        "distinct",
         "from",
+        "join",
+        "using",
+        "on",
+        "having",
         "where",
         "group",
         "order",
@@ -140,26 +146,104 @@ def _name(tok: Token) -> str:
     return str(tok)
 
 
+#: A table alias that is a keyword taking a number, glued to it.
+_GLUED = re.compile(r"(limit|offset)\d+", re.IGNORECASE)
+
+_CONDITIONS = (
+    ast.Compare,
+    ast.Like,
+    ast.In,
+    ast.Between,
+    ast.IsNull,
+    ast.BoolTest,
+    ast.Not,
+    ast.And,
+    ast.Or,
+)
+
+
+def _expr(node: Any) -> ast.Expr:
+    """``node`` where a value must stand: a parenthesised condition cannot."""
+    if isinstance(node, _CONDITIONS):
+        raise _Misplaced(
+            "a condition cannot stand where a value is expected; conditions go in "
+            "where, on and having",
+            node.span,
+        )
+    return node  # type: ignore[no-any-return]
+
+
+def _condition(node: Any) -> ast.Condition:
+    """``node`` where a condition must stand: a bare value is a boolean test."""
+    if isinstance(node, _CONDITIONS):
+        return node  # type: ignore[no-any-return]
+    return ast.BoolTest(node, span=node.span)
+
+
+def _graph(
+    qualifier: str, names: tuple[Token, ...], table: str | None, span: ast.Span
+) -> ast.GraphRef:
+    if len(names) != 1:
+        raise _Misplaced(f"{qualifier}.<column> takes one column name", _cover(names[1]))
+    direction: Lit["parent", "child"] = "parent" if qualifier == "parent" else "child"
+    return ast.GraphRef(direction, _name(names[0]).lower(), table, span=span)
+
+
 class _Build:
     """Reduction callbacks that build AST nodes, nothing else: one method per rule (or
     alias), called with the rule's children as arguments."""
 
     def start(
-        self, items: tuple[ast.SelectItem, ...], table: Token, *clauses: tuple[Any, ...]
+        self,
+        distinct: Token | None,
+        items: tuple[ast.SelectItem, ...],
+        table: ast.TableRef,
+        *clauses: Any,
     ) -> ast.Query:
-        parts: dict[str, Any] = {kind: rest for kind, *rest in clauses}
+        joins = tuple(c for c in clauses if isinstance(c, ast.Join))
+        parts: dict[str, Any] = {c[0]: c[1:] for c in clauses if not isinstance(c, ast.Join)}
         limit, offset = parts.get("limit", (None, None))
         return ast.Query(
             items,
-            _name(table).lower(),
+            table.name,
             where=parts.get("where", (None,))[0],
             group_by=parts.get("group_by", ((),))[0],
             order_by=parts.get("order_by", ((),))[0],
             limit=limit,
             offset=offset,
-            span=_cover(items, table, *clauses),
-            table_span=_cover(table),
+            span=_cover(distinct, items, table, *clauses),
+            table_span=table.span,
+            alias=table.alias,
+            joins=joins,
+            having=parts.get("having", (None,))[0],
+            distinct=distinct is not None,
         )
+
+    def table_ref(self, name: Token, alias: Token | None) -> ast.TableRef:
+        if alias is None:
+            return ast.TableRef(_name(name).lower(), span=_span(name))
+        glued = _GLUED.fullmatch(str(alias))
+        if glued:  # `from ops limit10` reads as an alias; meant is `limit 10`
+            raise _Misplaced(
+                f"Unexpected {str(alias)!r}: if {glued.group(1)!r} is meant as the keyword, "
+                "put a space after it",
+                _cover(alias),
+                (glued.group(1).upper(),),
+            )
+        return ast.TableRef(_name(name).lower(), _name(alias).lower(), span=_join(name, alias))
+
+    def alias(self, name: Token) -> Token:
+        return name
+
+    def join_using(self, table: ast.TableRef, *names: Token) -> ast.Join:
+        columns = tuple(ast.Column(_name(n).lower(), span=_span(n)) for n in names[:-1])
+        return ast.Join(table, columns, span=_join(table, names[-1]))
+
+    def join_on(self, table: ast.TableRef, cond: ast.Condition) -> ast.Join:
+        return ast.Join(table, on=_condition(cond), span=_join(table, cond))
+
+    def having(self, cond: ast.Condition) -> tuple[str, ast.Condition]:
+        return ("having", _condition(cond))
 
     def select_list(self, *items: ast.SelectItem) -> tuple[ast.SelectItem, ...]:
         return items
@@ -169,20 +253,22 @@ class _Build:
         return ast.SelectItem(ast.Star(span=span), span=span)
 
     def select_expr(self, expr: ast.Expr, alias: Token | None) -> ast.SelectItem:
+        expr = _expr(expr)
         if alias is None:
             return ast.SelectItem(expr, None, span=expr.span)
         return ast.SelectItem(expr, _name(alias), span=_join(expr, alias))
 
     def where(self, cond: ast.Condition) -> tuple[str, ast.Condition]:
-        return ("where", cond)
+        return ("where", _condition(cond))
 
     def group_by(self, *exprs: ast.Expr) -> tuple[str, tuple[ast.Expr, ...]]:
-        return ("group_by", exprs)
+        return ("group_by", tuple(_expr(e) for e in exprs))
 
     def order_by(self, *items: ast.OrderItem) -> tuple[str, tuple[Any, ...]]:
         return ("order_by", items)
 
     def order_item(self, expr: ast.Expr, direction: Token | None) -> ast.OrderItem:
+        expr = _expr(expr)
         descending = direction is not None and direction.type == "DESC"
         span = expr.span if direction is None else _join(expr, direction)
         return ast.OrderItem(expr, descending, span=span)
@@ -196,87 +282,141 @@ class _Build:
     def count(self, tok: Token) -> ast.Literal | ast.Param:
         if tok.type == "PARAM":
             return self.param(tok)
-        node = self.number(None, tok)
+        node = self.number(tok)
         _integer(node, "a limit or offset")
         return node
 
     # conditions
 
     def or_(self, left: Any, right: Any) -> ast.Or:
+        left, right = _condition(left), _condition(right)
         items = (*left.items, right) if type(left) is ast.Or else (left, right)
         return ast.Or(items, span=_join(left, right))
 
     def and_(self, left: Any, right: Any) -> ast.And:
+        left, right = _condition(left), _condition(right)
         items = (*left.items, right) if type(left) is ast.And else (left, right)
         return ast.And(items, span=_join(left, right))
 
     def not_(self, neg: Token, cond: ast.Condition) -> ast.Not:
-        return ast.Not(cond, span=_join(neg, cond))
+        return ast.Not(_condition(cond), span=_join(neg, cond))
 
-    def paren(self, cond: ast.Condition, _rpar: Token) -> ast.Condition:
-        return cond
+    def paren(self, inner: Any, _rpar: Token) -> Any:
+        # ``(x)`` stands for x: an expression (parsed as a condition testing it) or a
+        # condition; whoever takes it checks which it must be.
+        return inner.expr if type(inner) is ast.BoolTest else inner
 
     def compare(self, left: ast.Expr, op: Token, right: ast.Expr) -> ast.Compare:
         symbol = "<>" if op == "!=" else str(op)
-        return ast.Compare(symbol, left, right, span=_join(left, right))  # type: ignore[arg-type]
+        return ast.Compare(symbol, _expr(left), _expr(right), span=_join(left, right))  # type: ignore[arg-type]
 
     def like(self, expr: ast.Expr, neg: Token | None, kind: Token, pattern: ast.Expr) -> ast.Like:
         return ast.Like(
-            expr, pattern, neg is not None, kind.type == "ILIKE", span=_join(expr, pattern)
+            _expr(expr),
+            _expr(pattern),
+            neg is not None,
+            kind.type == "ILIKE",
+            span=_join(expr, pattern),
         )
 
     def in_list(self, expr: ast.Expr, neg: Token | None, *values: Any) -> ast.In:
-        return ast.In(expr, values[:-1], neg is not None, span=_join(expr, values[-1]))
+        items = tuple(_expr(v) for v in values[:-1])
+        return ast.In(_expr(expr), items, neg is not None, span=_join(expr, values[-1]))
 
     def in_param(self, expr: ast.Expr, neg: Token | None, name: Token) -> ast.In:
-        return ast.In(expr, self.param(name), neg is not None, span=_join(expr, name))
+        return ast.In(_expr(expr), self.param(name), neg is not None, span=_join(expr, name))
 
     def between(
         self, expr: ast.Expr, neg: Token | None, low: ast.Expr, high: ast.Expr
     ) -> ast.Between:
-        return ast.Between(expr, low, high, neg is not None, span=_join(expr, high))
+        return ast.Between(
+            _expr(expr), _expr(low), _expr(high), neg is not None, span=_join(expr, high)
+        )
 
     def is_null(self, expr: ast.Expr, neg: Token | None, null: Token) -> ast.IsNull:
-        return ast.IsNull(expr, neg is not None, span=_join(expr, null))
+        return ast.IsNull(_expr(expr), neg is not None, span=_join(expr, null))
 
-    def bool_test(self, expr: ast.Expr) -> ast.BoolTest:
+    def bool_test(self, expr: Any) -> Any:
+        if isinstance(expr, _CONDITIONS):  # a parenthesised condition
+            return expr
         return ast.BoolTest(expr, span=expr.span)
+
+    # arithmetic
+
+    def binary(self, left: ast.Expr, op: Token, right: ast.Expr) -> ast.Binary:
+        return ast.Binary(str(op), _expr(left), _expr(right), span=_join(left, right))  # type: ignore[arg-type]
+
+    def neg(self, minus: Token, expr: ast.Expr) -> ast.Expr:
+        expr = _expr(expr)
+        value = expr.value if type(expr) is ast.Literal else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return ast.Literal(-value, span=_join(minus, expr))  # a signed number
+        return ast.Neg(expr, span=_join(minus, expr))
 
     # operands
 
     def column(self, name: Token) -> ast.Column:
         return ast.Column(_name(name).lower(), span=_span(name))
 
-    def qualified(self, head: Token, *names: Token) -> ast.GraphRef | ast.MetaRef:
+    def qualified(self, head: Token, *names: Token) -> ast.Expr:
+        """``meta.k…``, ``parent.c`` / ``child.c``, or a table's ``t.c``, ``t.out``,
+        ``t.meta.k…``, ``t.parent.c``."""
         qualifier = str(head).lower()
         span = _join(head, names[-1])
         if qualifier == "meta":
             return ast.MetaRef(tuple(str(n) for n in names), span=span)
-        if qualifier in ("parent", "child") and len(names) == 1:
-            direction: Lit["parent", "child"] = "parent" if qualifier == "parent" else "child"
-            return ast.GraphRef(direction, _name(names[0]).lower(), span=span)
         if qualifier in ("parent", "child"):
-            raise _Misplaced(f"{qualifier}.<column> takes one column name", _cover(names[1]))
-        raise _Misplaced(
-            f"unknown qualifier {str(head)!r}: names are qualified only by "
-            "parent., child. or meta.",
-            _cover(head),
-            ("parent", "child", "meta"),
+            return _graph(qualifier, names, None, span)
+        table = _name(head).lower()
+        first = str(names[0]).lower()
+        if first == "meta" and len(names) > 1:
+            return ast.MetaRef(tuple(str(n) for n in names[1:]), table, span=span)
+        if first in ("parent", "child") and len(names) > 1:
+            return _graph(first, names[1:], table, span)
+        if len(names) > 1:
+            raise _Misplaced(
+                f"{head!s}.{names[0]!s}.{names[1]!s}: only meta keys nest "
+                f"({head!s}.meta.key); a table's column is {head!s}.<column>",
+                _cover(names[1]),
+            )
+        if first == "out":
+            return ast.Out(table, span=span)
+        return ast.Column(_name(names[0]).lower(), table, span=span)
+
+    def qualified_slice(self, head: Token, *parts: Any) -> ast.OutSlice:
+        names = [p for p in parts if isinstance(p, Token) and p.type == "NAME"]
+        index = parts[len(names) : -1]
+        if len(names) != 1 or str(names[0]).lower() != "out" or str(head).lower() == "meta":
+            raise _Misplaced(
+                "only a tensor can be indexed: out[...] or <table>.out[...]",
+                _cover(head, *names),
+            )
+        return ast.OutSlice(index, _name(head).lower(), span=_join(head, parts[-1]))
+
+    def call(self, name: Token, args: tuple[Any, ...], rpar: Token) -> ast.Call:
+        distinct = bool(args) and isinstance(args[0], str)
+        return ast.Call(
+            _name(name).lower(), args[1:] if distinct else args, distinct, span=_join(name, rpar)
         )
 
-    def call(self, name: Token, args: tuple[ast.Expr, ...], rpar: Token) -> ast.Call:
-        return ast.Call(_name(name).lower(), args, span=_join(name, rpar))
-
-    def call_args(self, *args: Any) -> tuple[ast.Expr, ...]:
+    def call_args(self, *args: Any) -> tuple[Any, ...]:
         if len(args) == 1 and isinstance(args[0], Token):  # count(*)
             return (ast.Star(span=_span(args[0])),)
-        return args
+        distinct, *exprs = args
+        items = tuple(_expr(e) for e in exprs)
+        return ("distinct", *items) if distinct is not None else items
 
     def out(self, tok: Token) -> ast.Out:
         return ast.Out(span=_span(tok))
 
     def out_slice(self, tok: Token, *index: Any) -> ast.OutSlice:
         return ast.OutSlice(index[:-1], span=_join(tok, index[-1]))
+
+    def signed(self, minus: Token | None, tok: Token) -> ast.Literal:
+        literal = self.number(tok)
+        if minus is None:
+            return literal
+        return ast.Literal(-literal.value, span=_join(minus, tok))  # type: ignore[operator]
 
     def index_at(self, number: ast.Literal) -> int:
         return _integer(number, "an index")
@@ -296,12 +436,10 @@ class _Build:
     def string(self, tok: Token) -> ast.Literal:
         return ast.Literal(str(tok)[1:-1].replace("''", "'"), span=_span(tok))
 
-    def number(self, minus: Token | None, tok: Token) -> ast.Literal:
+    def number(self, tok: Token) -> ast.Literal:
         text = str(tok)
         value: int | float = float(text) if any(c in text for c in ".eE") else int(text)
-        if minus is None:
-            return ast.Literal(value, span=_span(tok))
-        return ast.Literal(-value, span=_join(minus, tok))
+        return ast.Literal(value, span=_span(tok))
 
     def true(self, tok: Token) -> ast.Literal:
         return ast.Literal(True, span=_span(tok))

@@ -4,6 +4,12 @@ The SQL runs first, on the reader's catalog mirror; tensors are read only for th
 returned, only the chunks each needs: grouped by (run, array), each chunk of a pack read
 once for all the tensors in it, groups read in parallel. ``out`` of an unsaved op is
 ``None``, never an error.
+
+Tensor-pair functions (``max_abs_diff(a.out, b.out)``) are computed for the rows the SQL
+returned, each pair once (whatever functions of it the query names), a slice of rows at
+a time (``store.compare``'s :func:`~tracelake.store.compare.sliced_metrics`); then the
+plan's ``where``, ``order`` and ``limit`` apply, in that order. A pair of which either
+side is unsaved, or whose shapes differ, is null.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import torch
 
 from tracelake.errors import QueryError
 from tracelake.recorder.stats import compute_stats
+from tracelake.store.compare import PairMetrics, sliced_metrics, tensor_metrics
 from tracelake.store.run import LazyTensor, TensorSlot
 
 from . import ast
 from .compiler import CompiledQuery, PointLookup, compile_query
 from .parser import parse
+from .plan import Pair, Ref, evaluate, order_rows
 
 if TYPE_CHECKING:
     import pandas
@@ -75,7 +83,8 @@ class Result:
         self.sql = compiled.sql
         self.params = list(compiled.params)
         self.columns = list(compiled.columns)
-        self._tensor_columns = [t.column for t in compiled.tensors]
+        self._tensor_columns = [t.column for t in compiled.tensors if t.kind != "value"]
+        self._computed = [t.column for t in compiled.tensors if t.kind == "value"]
         self._table = table.select(list(compiled.columns))
         self._values = tensor_values
 
@@ -138,12 +147,17 @@ class Result:
         frame = self._table.to_pandas()
         for name in self._tensor_columns:
             frame[name] = pandas_column(self._values[name])
+        for name in self._computed:
+            frame[name] = self._values[name]
         return frame
 
     def arrow(self) -> pa.Table:
         """An Arrow table; tensor columns become lists of their (flattened) values with a
         ``<column>.shape`` column beside."""
         table = self._table
+        for name in self._computed:
+            index = table.column_names.index(name)
+            table = table.set_column(index, name, pa.array(self._values[name]))
         for name in self._tensor_columns:
             values = self._values[name]
             index = table.column_names.index(name)
@@ -201,17 +215,16 @@ class _Fetcher:
     read is mostly Python and holds the GIL, so threads would only take turns (slower,
     not faster, chunks cached or not)."""
 
-    def __init__(self, store: Store, table: pa.Table, names: Mapping[int, str]):
+    def __init__(self, store: Store, table: pa.Table, names: Mapping[int, str], suffix: str = ""):
         self.store = store
         self.names = names
-        self.run_ids = table.column("__run_id").to_pylist()
+        self.run_ids = table.column("__run_id" + suffix).to_pylist()
         self.locations = list(
             zip(
-                table.column("__array").to_pylist(),
-                table.column("__offset").to_pylist(),
-                table.column("__nbytes").to_pylist(),
-                table.column("__shape").to_pylist(),
-                table.column("__dtype").to_pylist(),
+                *(
+                    table.column(name + suffix).to_pylist()
+                    for name in ("__array", "__offset", "__nbytes", "__shape", "__dtype")
+                ),
                 strict=True,
             )
         )
@@ -220,6 +233,14 @@ class _Fetcher:
             if "label" in table.column_names
             else [f"row {i}" for i in range(table.num_rows)]
         )
+
+    def lazy(self, row: int) -> LazyTensor | None:
+        """Row ``row``'s tensor, unread; None where unsaved."""
+        name, offset, nbytes, shape, dtype = self.locations[row]
+        if name is None:
+            return None
+        arrays = self.store.arrays(self.run_ids[row], self.names.get(self.run_ids[row]))
+        return LazyTensor(arrays, TensorSlot(name, offset, nbytes, shape, dtype), self.labels[row])
 
     def fetch(self, key: Any) -> list[torch.Tensor | None]:
         """Every row's tensor (``key``: a selection to apply), ``None`` where unsaved."""
@@ -230,13 +251,10 @@ class _Fetcher:
                 groups.setdefault((self.run_ids[row], array), []).append(row)
 
         def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
-            for (run_id, name), rows in batch:
-                arrays = self.store.arrays(run_id, self.names.get(run_id))
+            for _group, rows in batch:
                 for row in rows:
-                    _, offset, nbytes, shape, dtype = self.locations[row]
-                    lazy = LazyTensor(
-                        arrays, TensorSlot(name, offset, nbytes, shape, dtype), self.labels[row]
-                    )
+                    lazy = self.lazy(row)
+                    assert lazy is not None  # grouped rows have an array
                     out[row] = lazy.read() if key is None else lazy[key]
 
         items = list(groups.items())
@@ -287,20 +305,111 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
     mirror.refresh(runs=compiled.runs)  # the rows the query reads
     table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
     if table is None:
-        table = mirror.arrow(compiled.sql, compiled.params, refresh=False, error=QueryError)
+        try:
+            table = mirror.arrow(compiled.sql, compiled.params, refresh=False, error=QueryError)
+        except QueryError as exc:  # the message, not the generated SQL it points into
+            raise QueryError(str(exc).split("\n\nLINE ")[0]) from exc.__cause__
+    if compiled.aliases and compiled.aliases != compiled.columns:
+        names = list(compiled.columns) + table.column_names[len(compiled.columns) :]
+        table = table.rename_columns(names)
     values: dict[str, list[Any]] = {}
-    if compiled.tensors:
-        fetcher = _Fetcher(store, table, mirror.run_names)
+    if any(t.kind == "value" for t in compiled.tensors) or compiled.where or compiled.order:
+        pairs = _Pairs(store, table, mirror.run_names, compiled.suffixes)
+        table = pairs.apply(compiled)
         for item in compiled.tensors:
-            key = item.index if item.kind in ("slice", "reduce") else None
-            got = fetcher.fetch(key)
-            if item.kind == "reduce":
-                values[item.column] = [
-                    None if t is None else _reduce(t, item.reduction or "mean") for t in got
-                ]
-            else:
-                values[item.column] = got
+            if item.kind == "value" and item.expr is not None:
+                values[item.column] = pairs.column(item.expr)
+    fetchers: dict[int, _Fetcher] = {}
+    for item in compiled.tensors:
+        if item.kind == "value":
+            continue
+        if item.source not in fetchers:
+            suffix = compiled.suffixes[item.source]
+            fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix)
+        key = item.index if item.kind in ("slice", "reduce") else None
+        got = fetchers[item.source].fetch(key)
+        if item.kind == "reduce":
+            values[item.column] = [
+                None if t is None else _reduce(t, item.reduction or "mean") for t in got
+            ]
+        else:
+            values[item.column] = got
     return Result(compiled, table, values)
+
+
+class _Pairs:
+    """The executor's part of a plan (:mod:`.plan`) over the SQL's rows: tensor-pair
+    metrics (each pair of tensors read once, however many of its functions the query
+    names), then ``where``, ``order``, ``limit``."""
+
+    def __init__(
+        self, store: Store, table: pa.Table, names: Mapping[int, str], suffixes: tuple[str, ...]
+    ):
+        self.store, self.table, self.names, self.suffixes = store, table, names, suffixes
+        self.fetchers: dict[int, _Fetcher] = {}
+        self.memo: dict[tuple[Any, ...], PairMetrics | None] = {}
+        self.columns: dict[str, list[Any]] = {}
+        self.rows = list(range(table.num_rows))
+
+    def apply(self, compiled: CompiledQuery) -> pa.Table:
+        """The SQL's table, filtered, ordered and limited as the plan says."""
+        rows = self.rows
+        if compiled.where is not None:
+            where = compiled.where
+            rows = [r for r in rows if evaluate(where, self._values(r)) is True]
+        if compiled.order:
+            keys = [
+                (lambda r, e=expr: evaluate(e, self._values(r)), desc)
+                for expr, desc in compiled.order
+            ]
+            rows = order_rows(rows, keys)
+        if compiled.limit is not None:
+            offset, count = compiled.limit
+            rows = rows[offset : None if count is None else offset + count]
+        if rows == self.rows:
+            return self.table
+        self.rows = rows
+        return self.table.take(pa.array(rows, type=pa.int64()))
+
+    def column(self, expr: Any) -> list[Any]:
+        """``expr``'s value for each row kept."""
+        return [evaluate(expr, self._values(r)) for r in self.rows]
+
+    def _values(self, row: int) -> Any:
+        return lambda node: self._value(node, row)
+
+    def _value(self, node: Pair | Ref, row: int) -> Any:
+        if isinstance(node, Ref):
+            if node.column not in self.columns:
+                self.columns[node.column] = self.table.column(node.column).to_pylist()
+            return self.columns[node.column][row]
+        metrics = self._metrics(node, row)
+        return None if metrics is None else getattr(metrics, node.function)
+
+    def _fetcher(self, source: int) -> _Fetcher:
+        if source not in self.fetchers:
+            self.fetchers[source] = _Fetcher(
+                self.store, self.table, self.names, self.suffixes[source]
+            )
+        return self.fetchers[source]
+
+    def _metrics(self, pair: Pair, row: int) -> PairMetrics | None:
+        key = (repr(pair.left), repr(pair.right), pair.atol, pair.rtol, row)
+        if key in self.memo:
+            return self.memo[key]
+        a = self._fetcher(pair.left.source).lazy(row)
+        b = self._fetcher(pair.right.source).lazy(row)
+        metrics = None
+        if a is not None and b is not None:
+            if pair.left.index is None and pair.right.index is None:
+                metrics = sliced_metrics(a, b, pair.atol, pair.rtol)
+            else:
+                x = a.read() if pair.left.index is None else a[pair.left.index]
+                y = b.read() if pair.right.index is None else b[pair.right.index]
+                if x.shape == y.shape:
+                    metrics = tensor_metrics(x, y, pair.atol, pair.rtol)
+        self.memo[key] = metrics
+        return metrics
 
 
 def run_sql(store: Store, text: str) -> pandas.DataFrame:

@@ -21,7 +21,10 @@ __all__ = [
     "FUNCTIONS",
     "HIDDEN",
     "HIDDEN_COLUMNS",
+    "PAIR_FUNCTIONS",
+    "QUALIFIERS",
     "REDUCTIONS",
+    "SCALARS",
     "STATS",
     "TABLE_NAMES",
     "Kind",
@@ -43,7 +46,15 @@ REDUCTIONS = (*STATS, "sum")
 
 #: Aggregates over columns (``count(*)`` too), for ``group by`` queries.
 AGGREGATES = ("count", "avg", "sum", "min", "max")
-FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES)))
+#: Functions of a number.
+SCALARS = ("abs",)
+#: Functions of two tensors (``allclose`` also takes ``atol`` and ``rtol``), computed by
+#: reading both: ``store.compare``'s metrics.
+PAIR_FUNCTIONS = ("max_abs_diff", "mean_abs_diff", "rel_l2", "cosine", "allclose")
+FUNCTIONS = tuple(dict.fromkeys((*REDUCTIONS, *AGGREGATES, *SCALARS, *PAIR_FUNCTIONS)))
+
+#: Words that qualify names without naming a table, so no table may be aliased so.
+QUALIFIERS = ("meta", "parent", "child")
 
 #: Columns the SQL adds after the visible ones when a query selects tensors: what the
 #: executor needs to read them (the ``tensor`` slot is NULL for unsaved ops).

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import pandas
     import pyarrow as pa
 
-__all__ = ["Comparison", "PairMetrics", "compare", "tensor_metrics"]
+__all__ = ["Comparison", "PairMetrics", "compare", "sliced_metrics", "tensor_metrics"]
 
 Align = Literal["key", "label", "module"]
 _ALIGNMENTS = ("key", "label", "module")
@@ -79,7 +79,6 @@ class _Sums:
         self.sum_sq_diff = 0.0
         self.sum_sq_a = 0.0
         self.sum_sq_b = 0.0
-        self.dot = 0.0
         self.close = True
 
     def add(self, a: torch.Tensor, b: torch.Tensor, own_norms: bool = True) -> None:
@@ -100,7 +99,6 @@ class _Sums:
             a64, b64 = a.double(), b.double()
             self.sum_sq_a += float(torch.dot(a64, a64))
             self.sum_sq_b += float(torch.dot(b64, b64))
-            self.dot += float(torch.dot(a64, b64))
         if self.close and biggest > self.atol:
             bound = self.absmax_a
             if bound is not None and biggest > self.atol + self.rtol * bound:
@@ -120,7 +118,6 @@ class _Sums:
         if own_norms:
             self.sum_sq_a += float((a0 * a0).sum())
             self.sum_sq_b += float((b0 * b0).sum())
-            self.dot += float((a0 * b0).sum())
         if self.close:
             self.close = bool((diff <= self.atol + self.rtol * a0.abs()).all())
 
@@ -131,16 +128,18 @@ class _Sums:
             return PairMetrics(0.0, 0.0, 0.0, None, True)
         dist = math.sqrt(self.sum_sq_diff)
         if norms is None:
-            norm_a, norm_b = math.sqrt(self.sum_sq_a), math.sqrt(self.sum_sq_b)
-            dot = self.dot
+            sq_a, sq_b = self.sum_sq_a, self.sum_sq_b
         else:
-            norm_a, norm_b = norms
-            # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b, with both norms exact to float64
-            dot = (norm_a * norm_a + norm_b * norm_b - self.sum_sq_diff) / 2
+            sq_a, sq_b = norms[0] * norms[0], norms[1] * norms[1]
+        norm_a = math.sqrt(sq_a)
         rel = dist / norm_a if norm_a else (0.0 if dist == 0 else math.inf)
-        cosine = dot / (norm_a * norm_b) if norm_a and norm_b else None
-        if cosine is not None and not math.isnan(cosine):
-            cosine = min(1.0, max(-1.0, cosine))
+        # a.b = (|a|^2 + |b|^2 - |a - b|^2) / 2, the norms exact to float64: equal
+        # tensors give exactly 1 whichever way the norms were had
+        cosine = None
+        if sq_a and sq_b:
+            cosine = (sq_a + sq_b - self.sum_sq_diff) / (2 * math.sqrt(sq_a * sq_b))
+            if not math.isnan(cosine):
+                cosine = min(1.0, max(-1.0, cosine))
         return PairMetrics(self.max_abs, self.sum_abs / self.n, rel, cosine, self.close)
 
 
@@ -165,12 +164,15 @@ def _slices(entry: Any, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
     """The entry's tensor a slice of leading rows at a time (stored tensors read only
     the chunks each slice needs)."""
     lazy = getattr(entry, "array", None) if isinstance(entry, OpEntry) else None
-    source: Any = lazy if lazy is not None else entry_tensor(entry)
+    return _row_slices(lazy if lazy is not None else entry_tensor(entry), shape)
+
+
+def _row_slices(source: Any, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """``source[...]`` whole when small, else a slice of leading rows at a time."""
     if not shape or math.prod(shape) <= _SLICE_ELEMENTS:
-        yield source[...] if lazy is not None else source
+        yield source[...]
         return
-    row = max(1, math.prod(shape[1:]))
-    step = max(1, _SLICE_ELEMENTS // row)
+    step = max(1, _SLICE_ELEMENTS // max(1, math.prod(shape[1:])))
     for start in range(0, shape[0], step):
         yield source[start : start + step]
 
@@ -191,6 +193,21 @@ def tensor_metrics(
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     sums = _Sums(atol, rtol)
     sums.add(a, b)
+    return sums.metrics()
+
+
+def sliced_metrics(a: Any, b: Any, atol: float = 1e-8, rtol: float = 1e-5) -> PairMetrics | None:
+    """:class:`PairMetrics` of two tensors given as anything with a ``shape`` that
+    indexes like a tensor (a ``torch.Tensor``, a stored
+    :class:`~tracelake.store.run.LazyTensor`, which reads only the chunks of each
+    slice), reduced a slice of leading rows at a time: memory stays bounded whatever
+    their size. None when the shapes differ (the query language's null)."""
+    shape = tuple(a.shape)
+    if shape != tuple(b.shape):
+        return None
+    sums = _Sums(atol, rtol)
+    for x, y in zip(_row_slices(a, shape), _row_slices(b, shape), strict=True):
+        sums.add(x, y)
     return sums.metrics()
 
 

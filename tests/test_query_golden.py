@@ -35,6 +35,7 @@ def _expectation(compiled: CompiledQuery) -> dict[str, Any]:
         "sql": compiled.sql,
         "bound": compiled.params,
         "columns": list(compiled.columns),
+        **({"aliases": list(compiled.aliases)} if compiled.aliases != compiled.columns else {}),
         "hidden": list(compiled.hidden),
         "tensors": [
             {
@@ -42,9 +43,20 @@ def _expectation(compiled: CompiledQuery) -> dict[str, Any]:
                 "kind": t.kind,
                 "index": None if t.index is None else [repr(i) for i in t.index],
                 "reduction": t.reduction,
+                **({"source": t.source} if t.source else {}),
+                **({"expr": repr(t.expr)} if t.expr is not None else {}),
             }
             for t in compiled.tensors
         ],
+        **{
+            name: repr(value)
+            for name, value in (
+                ("where", compiled.where),
+                ("order", compiled.order),
+                ("limit", compiled.limit),
+            )
+            if value
+        },
     }
 
 
@@ -82,7 +94,7 @@ def test_case_names_are_unique() -> None:
 def test_golden(case: dict[str, Any]) -> None:
     if REGENERATE:
         pytest.skip("regenerating")
-    expected = {k: case[k] for k in ("sql", "bound", "columns", "hidden", "tensors")}
+    expected = {k: v for k, v in case.items() if k not in ("name", "query", "params", "runs")}
     assert _expectation(_compile(case)) == expected
 
 
@@ -93,7 +105,7 @@ def test_golden_sql_runs_on_the_catalog(
     compiled = _compile(case)
     cursor = catalog.execute(compiled.sql, compiled.params)
     cursor.fetchall()
-    assert [d[0] for d in cursor.description] == [*compiled.columns, *compiled.hidden]
+    assert [d[0] for d in cursor.description] == [*compiled.aliases, *compiled.hidden]
 
 
 #: The complete runs of ``make_catalog``, as a store's executor passes them.

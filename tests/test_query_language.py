@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lark import Lark
 from lark.exceptions import LarkError
 from test_query_catalog import make_catalog, snapshot
+from test_query_text import JOIN_INJECTIONS
 
 from tracelake import errors
 from tracelake.errors import QueryCompileError, QueryError, QuerySyntaxError
@@ -137,6 +138,37 @@ ACCEPT = [
     ("select meta.a.b from runs", "nested meta"),
     ("select meta.limit, meta.out from runs", "meta keys spelled like keywords"),
     ("select label from ops\nwhere\tfunc = 'relu'\n", "whitespace"),
+    ("select label from ops -- a comment\nwhere saved -- another", "comments"),
+    ("select avg(mean(out)), max(absmax(out)) from ops", "aggregates of statistics"),
+    ("select l2 - mean, -l2, abs(mean) * 2 / nbytes, (l2 + 1) * 2 from ops", "arithmetic"),
+    ("select label from ops where l2 - mean > -(idx + 1) and -1 < abs(min)", "arithmetic in where"),
+    ("select distinct func from ops order by func", "distinct"),
+    ("select count(distinct func) from ops", "count distinct"),
+    ("select func, count(*) as n from ops group by func having count(*) > 1", "having"),
+    (
+        "select func from ops group by func having n > 1 and avg(l2) < 3".replace(
+            "from", ", count(*) as n from"
+        ),
+        "having an alias",
+    ),
+    ("select ops.label from ops", "a column qualified by its table"),
+    ("select o.label, o.meta.lr, o.out, o.out[0] from ops o", "an alias"),
+    ("select o.label from ops as o where o.parent.func = 'add'", "an alias's graph reference"),
+    (
+        "select a.label, b.label from ops a join ops b using (key) where a.run = 'x' and "
+        "b.run = 'y'",
+        "join using",
+    ),
+    ("select a.label from ops as a join ops as b on a.key = b.key and a.step = b.step", "join on"),
+    ("select key, a.label from ops a join ops b using (key, label)", "using columns unqualified"),
+    ("select a.path, b.path from modules a join modules b using (label)", "modules join"),
+    (
+        "select a.label, max_abs_diff(a.out, b.out) as d, mean_abs_diff(a.out, b.out), "
+        "rel_l2(a.out, b.out), cosine(a.out[0], b.out[0]), allclose(a.out, b.out, 1e-3, 0) "
+        "from ops a join ops b using (key) where max_abs_diff(a.out, b.out) > 0 "
+        "order by d desc limit 3",
+        "tensor-pair functions",
+    ),
 ]
 
 
@@ -160,7 +192,6 @@ SYNTAX = [
     ('select label from ops where label = "x"', "double quotes"),
     ("select label from ops where label = 'x", "unterminated string"),
     ("select label from ops; drop table ops", "second statement"),
-    ("select label from ops -- comment", "comment"),
     ("select label from ops /* c */", "block comment"),
     ("select label b from ops", "alias without as"),
     ("select label from ops order by", "order by nothing"),
@@ -170,7 +201,6 @@ SYNTAX = [
     ("select out[::0] from ops", "zero step"),
     ("select out[] from ops", "empty index"),
     ("select label[0] from ops", "slice of a column"),
-    ("select foo.bar from ops", "unknown qualifier"),
     ("select parent.a.b from ops", "deep graph reference"),
     ("select label from ops where label is 'x'", "is with a value"),
     ("select label from ops where a between 1", "between without and"),
@@ -179,7 +209,17 @@ SYNTAX = [
     ("select label, from ops", "trailing comma"),
     ("select select from ops", "keyword as a column"),
     ("select label as from from ops", "keyword as an alias"),
-    ("select label from ops where x = 1 + 2", "arithmetic"),
+    ("select label from ops where idx = 1 +", "arithmetic without a right operand"),
+    ("select label from ops where (idx = 1) + 2", "a condition in arithmetic"),
+    ("select label from ops join", "join without a table"),
+    ("select label from ops a join ops b", "join without a condition"),
+    ("select label from ops a join ops b using key", "using without parentheses"),
+    ("select label from ops a join ops b using ()", "empty using"),
+    ("select distinct from ops", "distinct without items"),
+    ("select label from ops having", "having without a condition"),
+    ("select a.label.x from ops a", "a column is not nested"),
+    ("select a.label[0] from ops a", "only out is indexed"),
+    ("select count(distinct *) from ops", "distinct star"),
     ("select label from ops union select name from runs", "union"),
     ("select label from read_csv('x')", "table function"),
     ("update ops set label = 'x'", "other statement"),
@@ -233,7 +273,57 @@ COMPILE = [
     ("select avg(*) from ops", "count(*) is"),
     ("select avg(out[0]) from ops", "does not reduce a tensor"),
     ("select count(label, func) from ops", "takes one argument"),
-    ("select avg(mean(out)) from ops", "aggregates a column"),
+    ("select avg(count(*)) from ops", "aggregates cannot nest"),
+    ("select avg(label) from ops", "label is text; arithmetic takes numbers"),
+    ("select foo.bar from ops", "unknown qualifier 'foo'"),
+    ("select label from ops where label = 3", "label is text and 3 is a number"),
+    ("select label from ops where idx in (1, 'x')", "idx is a number and 'x' is text"),
+    ("select label from ops where shape = 3", "shape is a list and 3 is a number"),
+    ("select label - 1 from ops", "label is text; arithmetic takes numbers"),
+    (
+        "select label from ops a join ops b using (key)",
+        "ambiguous column 'label': write a.label or b.label",
+    ),
+    ("select out from ops a join ops b using (key)", "ambiguous out: write a.out or b.out"),
+    ("select meta.lr from ops a join ops b using (key)", "write a.meta.lr or b.meta.lr"),
+    ("select c.label from ops a join ops b using (key)", "unknown qualifier 'c'"),
+    ("select a.label from ops join ops using (key)", "two tables are named 'ops'"),
+    ("select m.label from ops meta", "'meta' cannot name a table"),
+    ("select * from ops a join ops b using (key)", "'*' in a join"),
+    ("select a.label from ops a join runs b using (key)", "has no column 'key'"),
+    (
+        "select a.label from ops a join ops b using (key) group by max_abs_diff(a.out, b.out)",
+        "cannot be grouped",
+    ),
+    ("select max_abs_diff(a.out, b.label) from ops a join ops b using (key)", "compares tensors"),
+    ("select max_abs_diff(a.out) from ops a join ops b using (key)", "takes two tensors"),
+    (
+        "select allclose(a.out, b.out, -1) from ops a join ops b using (key)",
+        "atol is a non-negative number",
+    ),
+    (
+        "select a.label from ops a join ops b on max_abs_diff(a.out, b.out) > 1",
+        "not in a join condition",
+    ),
+    (
+        "select a.label from ops a join ops b using (key) "
+        "where max_abs_diff(a.out, b.out) like 'x'",
+        "like compares text",
+    ),
+    (
+        "select count(*), max_abs_diff(a.out, b.out) from ops a join ops b using (key)",
+        "cannot be grouped",
+    ),
+    ("select label from ops having idx > 1", "having filters groups"),
+    (
+        "select func, count(*) from ops group by func having label = 'x'",
+        "neither grouped nor aggregated",
+    ),
+    ("select distinct func from ops order by label", "with distinct, order by what is selected"),
+    ("select distinct out from ops", "cannot be selected with"),
+    ("select abs(label) from ops", "arithmetic takes numbers"),
+    ("select mean(distinct l2) from ops", "distinct goes in aggregates"),
+    ("select label from ops where count(distinct func) > 1", "cannot stand in where"),
     ("select 'x' from ops", "not 'x'"),
     ("select :p from ops", "not :p"),
     ("select parent.func from ops", "can only be used in"),
@@ -459,7 +549,7 @@ def catalog() -> duckdb.DuckDBPyConnection:
     return make_catalog()
 
 
-@pytest.mark.parametrize("text", INJECTIONS)
+@pytest.mark.parametrize("text", INJECTIONS + JOIN_INJECTIONS)
 def test_injection_fails_or_only_binds_values(
     text: str, catalog: duckdb.DuckDBPyConnection
 ) -> None:
@@ -544,6 +634,19 @@ _LEAN_EXTRA = st.sampled_from(
         "fromage",
         "OUT",
         "Meta.",
+        " join ops b ",
+        " using (key) ",
+        " on ",
+        "distinct ",
+        " having ",
+        "+",
+        "/",
+        "-- c\n",
+        "a.",
+        "b.out",
+        "abs(",
+        "max_abs_diff(",
+        "limit10",
     ]
 )
 
