@@ -167,3 +167,13 @@ def test_a_field_added_to_the_declaration_flows_to_queries(tmp_path: Path) -> No
     assert result["old_rows"] > 0
     runs = dict((name, n) for name, n in result["after"])
     assert runs["new"] == 5 and sum(runs.values()) == result["old_rows"] + 5
+
+
+def test_the_query_docs_list_the_declared_columns() -> None:
+    """docs/query.md's table of columns is the declarations', in their order."""
+    text = (REPO / "docs" / "query.md").read_text()
+    for table in ("ops", "runs", "modules", "edges"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{table}` |"))
+        listed = row.rsplit("|", 2)[-2].strip().strip("`").split()
+        declared = [f.name for f in schema.TABLES[table].columns if f.query]
+        assert listed == declared, f"docs/query.md's {table} columns differ from the declaration"
