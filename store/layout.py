@@ -8,7 +8,10 @@
       catalog.lock          flock: writers hold it exclusively for a moment, readers shared
       catalog.gen           bumped after every catalog change: readers re-sync when it moves
       runs/<id>/            one directory per run, named by its numeric id, never by its name
+        run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
+      runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
+                            killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
 
 Run names live only in the catalog, so no name ever becomes a path.
@@ -66,6 +69,28 @@ class StorePaths:
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
+
+    def run_marker(self, run_id: int) -> Path:
+        return self.run_dir(run_id) / "run.json"
+
+    def trash(self, run_id: int) -> Path:
+        return self.runs / f".trash-{int(run_id):08d}-{os.urandom(4).hex()}"
+
+    def run_dir_ids(self) -> list[int]:
+        """The ids of the run directories on disk, sorted."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def trash_dirs(self) -> list[Path]:
+        """Run directories a ``gc()`` began to remove and did not finish."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        return [self.runs / n for n in sorted(names) if n.startswith(".trash-")]
 
     def tensors(self, run_id: int) -> Path:
         return self.run_dir(run_id) / "tensors"
