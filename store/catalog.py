@@ -33,7 +33,7 @@ import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import duckdb
@@ -44,11 +44,10 @@ from tracelake.errors import (
     RunExistsError,
     StoreError,
     TraceLakeError,
-    TraceLakeWarning,
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .layout import StorePaths, locked, try_lock
+from .layout import StorePaths, locked, try_lock, write_run_marker
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
@@ -68,7 +67,6 @@ __all__ = [
     "CatalogWriter",
     "ChangeToken",
     "FileChangeToken",
-    "check_run_marker",
     "writer_alive",
 ]
 
@@ -100,51 +98,6 @@ def writer_alive(paths: StorePaths, run_id: int) -> bool:
         return paths.writing_lock(run_id).exists()
     os.close(fd)
     return False
-
-
-_EPOCH = datetime(1970, 1, 1)
-
-
-def micros(value: Any) -> int:
-    """A ``created`` timestamp (datetime or pandas Timestamp, naive UTC) in whole
-    microseconds: how the run's identity marker records it, exactly."""
-    if hasattr(value, "to_pydatetime"):
-        value = value.to_pydatetime()
-    return int((value.replace(tzinfo=None) - _EPOCH) // timedelta(microseconds=1))
-
-
-def write_run_marker(paths: StorePaths, run_id: int, created: datetime) -> None:
-    """Write run ``run_id``'s identity marker (best effort: a run without one reads as
-    a store made before markers existed)."""
-    marker = paths.run_marker(run_id)
-    try:
-        tmp = marker.with_name(f".run.json.{os.getpid()}")
-        tmp.write_text(json.dumps({"run": run_id, "created": micros(created)}))
-        os.replace(tmp, marker)
-    except OSError as exc:
-        warnings.warn(f"could not write {marker}: {exc}", TraceLakeWarning, stacklevel=2)
-
-
-def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) -> None:
-    """``StoreError`` unless run ``run_id``'s directory belongs to the catalog row with
-    this id and ``created`` time. A directory without a marker (a store written before
-    markers existed, or one whose marker write failed) passes."""
-    try:
-        marker = json.loads(paths.run_marker(run_id).read_text())
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"the identity marker of run {name!r} is unreadable: {exc}") from exc
-    want = {"run": run_id, "created": None if created is None else micros(created)}
-    got = {"run": marker.get("run"), "created": marker.get("created")}
-    if created is None:
-        got["created"] = None
-    if got != want:
-        raise StoreError(
-            f"the directory {str(paths.run_dir(run_id))!r} holds another run's data than "
-            f"the catalog's run {name!r} (id {run_id}): catalog.duckdb does not belong to "
-            "these run directories; restore the store's own catalog"
-        )
 
 
 class _Engine:

@@ -24,18 +24,32 @@ import fcntl
 import json
 import os
 import re
+import shutil
+import warnings
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from tracelake.errors import InvalidRunNameError, StoreFormatError, StoreNotFoundError
+from tracelake.errors import (
+    InvalidRunNameError,
+    StoreError,
+    StoreFormatError,
+    StoreNotFoundError,
+    TraceLakeWarning,
+)
 
 __all__ = [
     "FORMAT",
     "StorePaths",
+    "check_run_marker",
     "fsync_tree",
     "locked",
+    "remove_run_dir",
+    "remove_tree",
     "try_lock",
     "validate_name",
+    "write_run_marker",
 ]
 
 #: The on-disk format this code writes; a store with a larger number is refused.
@@ -189,3 +203,78 @@ def try_lock(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+# -- a run directory's identity, and its removal -------------------------------------
+
+_EPOCH = datetime(1970, 1, 1)
+
+
+def micros(value: Any) -> int:
+    """A ``created`` timestamp (datetime or pandas Timestamp, naive UTC) in whole
+    microseconds: how the run's identity marker records it, exactly."""
+    if hasattr(value, "to_pydatetime"):
+        value = value.to_pydatetime()
+    return int((value.replace(tzinfo=None) - _EPOCH) // timedelta(microseconds=1))
+
+
+def write_run_marker(paths: StorePaths, run_id: int, created: datetime) -> None:
+    """Write run ``run_id``'s identity marker (best effort: a run without one reads as
+    a store made before markers existed). Not synced here: the commit syncs every file
+    of the run before it becomes visible, this one included."""
+    marker = paths.run_marker(run_id)
+    try:
+        tmp = marker.with_name(f".run.json.{os.getpid()}")
+        tmp.write_text(json.dumps({"run": run_id, "created": micros(created)}))
+        os.replace(tmp, marker)
+    except OSError as exc:
+        warnings.warn(f"could not write {marker}: {exc}", TraceLakeWarning, stacklevel=2)
+
+
+def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) -> None:
+    """``StoreError`` unless run ``run_id``'s directory belongs to the catalog row with
+    this id and ``created`` time. A directory without a marker (a store written before
+    markers existed, or one whose marker write failed) passes."""
+    try:
+        marker = json.loads(paths.run_marker(run_id).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"the identity marker of run {name!r} is unreadable: {exc}") from exc
+    if not isinstance(marker, dict):
+        raise StoreError(f"the identity marker of run {name!r} is not a JSON object")
+    want = {"run": run_id, "created": None if created is None else micros(created)}
+    got = {"run": marker.get("run"), "created": marker.get("created")}
+    if created is None:
+        got["created"] = None
+    if got != want:
+        raise StoreError(
+            f"the directory {str(paths.run_dir(run_id))!r} holds another run's data than "
+            f"the catalog's run {name!r} (id {run_id}): catalog.duckdb does not belong to "
+            "these run directories; restore the store's own catalog"
+        )
+
+
+def remove_run_dir(paths: StorePaths, run_id: int) -> int:
+    """Remove run ``run_id``'s directory; return the bytes it held. It is first renamed
+    to a ``.trash-`` name (atomic), so that a gc() killed while removing it leaves a
+    name the next gc() finishes, never a half run directory."""
+    trash = paths.trash(run_id)
+    try:
+        os.rename(paths.run_dir(run_id), trash)
+    except FileNotFoundError:  # already gone (another gc, or never made)
+        return 0
+    fsync_dir(paths.runs)  # the new name survives a power loss too
+    return remove_tree(trash)
+
+
+def remove_tree(path: Any) -> int:
+    """Remove a directory; return the bytes it held (files another process removes
+    meanwhile count nothing)."""
+    size = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if f.is_file():
+                size += f.stat().st_size
+    shutil.rmtree(path, ignore_errors=True)
+    return size

@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
@@ -32,15 +31,21 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
-    check_run_marker,
     writer_alive,
 )
 from .compare import Comparison, compare
-from .layout import StorePaths, fsync_tree, validate_name
+from .layout import (
+    StorePaths,
+    check_run_marker,
+    fsync_tree,
+    remove_run_dir,
+    remove_tree,
+    validate_name,
+)
 from .rows import run_tables
 from .run import Run
 from .tensors import RunArrays
-from .verify import Problem, VerifyReport, verify_run
+from .verify import Problem, VerifyReport, verify_files, verify_run
 from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
 
 __all__ = ["Recording", "Store", "last_opened", "open_store"]
@@ -588,7 +593,7 @@ class Store:
         freed = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
-                freed += _remove(self.paths, run_id)
+                freed += remove_run_dir(self.paths, run_id)
         rows = self._query("SELECT id FROM runs WHERE status != ?", [COLLECTED], ()).fetchall()
         live = {int(r[0]) for r in rows}
         orphans = 0
@@ -596,18 +601,18 @@ class Store:
             # What a gc() killed half-way left: directories renamed for removal, and
             # those of runs it had collected but not yet removed.
             for trash in self.paths.trash_dirs():
-                freed += _remove_tree(trash)
+                freed += remove_tree(trash)
             for run_id in self.paths.run_dir_ids():
                 if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
                     continue
-                freed += _remove(self.paths, run_id)
+                freed += remove_run_dir(self.paths, run_id)
                 orphans += 1
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
     def verify(self) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree."""
         report = VerifyReport()
-        self._verify_files(report)
+        verify_files(self.paths, report)
         for info in (
             self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
             .df()
@@ -622,29 +627,6 @@ class Store:
             verify_run(run, self._run_query(info["id"]), report)
         return report
 
-    def _verify_files(self, report: VerifyReport) -> None:
-        """The store's own files: a catalog without its change marker, or run
-        directories without a catalog."""
-        paths = self.paths
-        if paths.catalog.exists() and not paths.gen.exists():
-            report.problems.append(
-                Problem(
-                    "-",
-                    paths.gen.name,
-                    f"{paths.gen.name} is missing (the next write makes it again; readers "
-                    "watch the catalog file itself meanwhile)",
-                )
-            )
-        if not paths.catalog.exists() and paths.run_dir_ids():
-            report.problems.append(
-                Problem(
-                    "-",
-                    paths.catalog.name,
-                    f"{paths.catalog.name} is missing but {len(paths.run_dir_ids())} run "
-                    "directories exist: restore it; the store refuses writes until then",
-                )
-            )
-
     def close(self) -> None:
         if self._mirror is not None:
             self._mirror.close()
@@ -658,27 +640,3 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<Store {self.path!r}>"
-
-
-def _remove(paths: StorePaths, run_id: int) -> int:
-    """Remove run ``run_id``'s directory; return the bytes it held. It is first renamed
-    to a ``.trash-`` name (atomic), so that a gc() killed while removing it leaves a
-    name the next gc() finishes, never a half run directory."""
-    trash = paths.trash(run_id)
-    try:
-        os.rename(paths.run_dir(run_id), trash)
-    except FileNotFoundError:  # already gone (another gc, or never made)
-        return 0
-    return _remove_tree(trash)
-
-
-def _remove_tree(path: Any) -> int:
-    """Remove a directory; return the bytes it held (files another process removes
-    meanwhile count nothing)."""
-    size = 0
-    for f in path.rglob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            if f.is_file():
-                size += f.stat().st_size
-    shutil.rmtree(path, ignore_errors=True)
-    return size
