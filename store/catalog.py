@@ -450,7 +450,9 @@ class CatalogMirror:
 
     What the query room reads (``Store.catalog`` hands it over): ``refresh``,
     ``run_ids`` / ``run_names``, ``query`` / ``arrow`` (``error=QueryError`` for the
-    user's statements), ``is_select``, ``points`` (the op index), ``knows`` / ``typed``.
+    user's statements), ``read_only_df`` (``store.sql``: the user's raw SELECT, in a
+    read-only transaction), ``is_select``, ``points`` (the op index), ``knows`` /
+    ``typed``.
     Every method is behind the DuckDB boundary (:func:`duckdb_errors`); a refresh that
     failed changed nothing, and the next one tries again."""
 
