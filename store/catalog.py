@@ -430,7 +430,7 @@ class FileChangeToken:
                 parts.append("-")
                 continue
             parts.append(f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}")
-        if parts[1] == "-":
+        if parts[0] == "-" == parts[1]:
             return None  # nothing was ever committed
         if parts[0] == "-":
             # The generation file is gone (deleted by hand, or a copy of the store
@@ -503,6 +503,11 @@ class CatalogMirror:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
+            if not self.paths.catalog.exists():  # committed to once, so it was lost
+                raise CatalogError(
+                    f"the catalog {str(self.paths.catalog)!r} is missing: restore it (and "
+                    "its .wal, if any); the store refuses writes until then"
+                )
             src = duckdb.connect(str(self.paths.catalog), read_only=True)
             try:
                 present = present_columns(src)

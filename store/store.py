@@ -613,6 +613,8 @@ class Store:
         """Check every chunk's checksum and that catalog and arrays agree."""
         report = VerifyReport()
         verify_files(self.paths, report)
+        if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
+            return report
         for info in (
             self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
             .df()

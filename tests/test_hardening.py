@@ -60,6 +60,8 @@ def test_missing_catalog_refuses_writes_and_gc_and_loses_nothing(tmp_path: Path)
         store.gc()
     report = store.verify()
     assert not report.ok and "catalog.duckdb is missing" in str(report.problems[0])
+    with pytest.raises(tl.StoreError, match=r"catalog.duckdb' is missing: restore"):
+        store.runs()
     assert _dirs(root) == before  # nothing deleted, nothing reused
     for f in saved.iterdir():  # the recovery the message names
         shutil.move(f, root / f.name)
