@@ -47,6 +47,7 @@ __all__ = [
     "locked",
     "remove_run_dir",
     "remove_tree",
+    "trash_run_dir",
     "try_lock",
     "validate_name",
     "write_run_marker",
@@ -255,17 +256,24 @@ def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) ->
         )
 
 
-def remove_run_dir(paths: StorePaths, run_id: int) -> int:
-    """Remove run ``run_id``'s directory; return the bytes it held. It is first renamed
-    to a ``.trash-`` name (atomic), so that a gc() killed while removing it leaves a
-    name the next gc() finishes, never a half run directory."""
+def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
+    """Rename run ``run_id``'s directory to a ``.trash-`` name (atomic) and return it
+    (None if it is gone already): a gc() killed while removing it then leaves a name
+    the next gc() finishes, never a half run directory."""
     trash = paths.trash(run_id)
     try:
         os.rename(paths.run_dir(run_id), trash)
-    except FileNotFoundError:  # already gone (another gc, or never made)
-        return 0
+    except FileNotFoundError:  # another gc took it, or it was never made
+        return None
     fsync_dir(paths.runs)  # the new name survives a power loss too
-    return remove_tree(trash)
+    return trash
+
+
+def remove_run_dir(paths: StorePaths, run_id: int) -> int:
+    """Remove run ``run_id``'s directory (through :func:`trash_run_dir`); return the
+    bytes it held."""
+    trash = trash_run_dir(paths, run_id)
+    return 0 if trash is None else remove_tree(trash)
 
 
 def remove_tree(path: Any) -> int:

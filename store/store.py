@@ -38,8 +38,10 @@ from .layout import (
     StorePaths,
     check_run_marker,
     fsync_tree,
+    locked,
     remove_run_dir,
     remove_tree,
+    trash_run_dir,
     validate_name,
 )
 from .rows import run_tables
@@ -594,19 +596,23 @@ class Store:
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
                 freed += remove_run_dir(self.paths, run_id)
-        rows = self._query("SELECT id FROM runs WHERE status != ?", [COLLECTED], ()).fetchall()
-        live = {int(r[0]) for r in rows}
         orphans = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
-            # What a gc() killed half-way left: directories renamed for removal, and
-            # those of runs it had collected but not yet removed.
+            # Held shared, the catalog lock keeps writers from registering a run (whose
+            # directory exists before its row commits) while directories are judged;
+            # they are only renamed under it, and removed after.
+            with locked(self.paths.lock, exclusive=False):
+                rows = self._query(
+                    "SELECT id FROM runs WHERE status != ?", [COLLECTED], ()
+                ).fetchall()
+                live = {int(r[0]) for r in rows}
+                for run_id in self.paths.run_dir_ids():
+                    if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
+                        continue  # (dirs of collected runs: a gc() killed before removing)
+                    orphans += trash_run_dir(self.paths, run_id) is not None
+            # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
                 freed += remove_tree(trash)
-            for run_id in self.paths.run_dir_ids():
-                if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
-                    continue
-                freed += remove_run_dir(self.paths, run_id)
-                orphans += 1
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
     def verify(self) -> VerifyReport:
