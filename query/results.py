@@ -417,7 +417,4 @@ def run_sql(store: Store, text: str) -> pandas.DataFrame:
     mirror, where DuckDB's external access is off."""
     if not isinstance(text, str):
         raise TypeError(f"store.sql takes SQL text, not {type(text).__name__}")
-    mirror = store.catalog
-    if not mirror.is_select(text):
-        raise QueryError("store.sql runs exactly one read-only SELECT statement")
-    return mirror.query(text, error=QueryError).df()
+    return store.catalog.read_only_df(text)

@@ -28,11 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import threading
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -48,7 +47,7 @@ from tracelake.errors import (
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .layout import StorePaths, locked, try_lock
+from .layout import StorePaths, locked, try_lock, write_run_marker
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
@@ -172,11 +171,25 @@ class CatalogWriter:
         self.changes: ChangeToken = FileChangeToken(paths)
 
     @contextmanager
-    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _transaction(
+        self, then: list[Callable[[], None]] | None = None
+    ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
-        throws the engine's connection away."""
+        throws the engine's connection away. ``then``: actions the block adds, run once
+        the transaction committed, while the lock is still held.
+
+        A catalog file that is missing while run directories exist is never made anew:
+        a fresh catalog would hand out the ids of runs on disk again."""
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
+            if not self.paths.catalog.exists() and self.paths.run_dir_ids():
+                raise StoreError(
+                    f"the store at {str(self.paths.root)!r} has run directories but no "
+                    f"catalog ({self.paths.catalog.name} is missing), so tracelake will "
+                    "not write to it or collect anything: restore catalog.duckdb (and its "
+                    ".wal, if any) from where it went, or, to start afresh, move the "
+                    f"directories under {str(self.paths.runs)!r} out of the store"
+                )
             try:
                 con = _ENGINE.connection()
                 if _ENGINE.attached:  # forget what a failed transaction left attached
@@ -201,6 +214,8 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     self.changes.bump()
+                    for action in then or ():
+                        action()
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -222,22 +237,26 @@ class CatalogWriter:
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
         ever see the new run without a live writer). A complete run (or a live
         recording) of the same name is an error unless ``overwrite``."""
-        with self._transaction() as con:
+        then: list[Callable[[], None]] = []
+        with self._transaction(then) as con:
             clash = self._live_names(con, name)
             if clash and not overwrite:
                 raise RunExistsError(
                     f"the store already has a run named {name!r} ({clash[0][1]}); choose "
                     "another name, or pass overwrite=True to replace it"
                 )
+            on_disk = self._check_disk(con)
+            created = _now()
             row = con.execute(
                 "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
                 "model_class, torch_version, device, meta, host, pid) "
-                "SELECT coalesce(max(id), 0) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, ?, ? "
-                "FROM runs RETURNING id",
+                "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
+                "?, ? FROM runs RETURNING id",
                 [
+                    on_disk,
                     name,
                     RECORDING,
-                    _now(),
+                    created,
                     info.get("model_class"),
                     info.get("torch_version"),
                     info.get("device"),
@@ -249,13 +268,41 @@ class CatalogWriter:
             assert row is not None  # one row inserted, always
             run_id = int(row[0])
             run_dir = self.paths.run_dir(run_id)
-            if run_dir.exists():  # left by a gc() that died before removing it
-                shutil.rmtree(run_dir)
-            run_dir.mkdir(parents=True)
+            try:  # a directory already there is never reused (nor removed): its data
+                run_dir.mkdir(parents=True)  # may be a run the catalog lost
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create the run directory {str(run_dir)!r}: {exc}"
+                ) from exc
             fd = try_lock(self.paths.writing_lock(run_id))
             if fd is None:
                 raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
+            # The identity marker is written only once the run's row is committed, so a
+            # marked directory the catalog does not know means a catalog that lost runs,
+            # never a registration that died half-way.
+            then.append(lambda: write_run_marker(self.paths, run_id, created))
         return run_id, fd
+
+    def _check_disk(self, con: duckdb.DuckDBPyConnection) -> int:
+        """The highest run directory id on disk, after making sure the catalog knows
+        every marked run directory above its own highest id (``StoreError`` if not: the
+        catalog was replaced by an older copy, and writing would hide or reuse runs)."""
+        ids = self.paths.run_dir_ids()
+        if not ids:
+            return 0
+        row = con.execute("SELECT coalesce(max(id), 0) FROM runs").fetchone()
+        top = int(row[0]) if row else 0
+        lost = [i for i in ids if i > top and self.paths.run_marker(i).exists()]
+        if lost:
+            shown = ", ".join(self.paths.run_dir(i).name for i in lost[:5])
+            raise StoreError(
+                f"the catalog of {str(self.paths.root)!r} does not know run directories "
+                f"it made ({shown}{', ...' if len(lost) > 5 else ''}): catalog.duckdb "
+                "was replaced by an older copy, so tracelake will not write to the store "
+                "or collect anything. Restore the newest catalog.duckdb, or move those "
+                f"directories out of {str(self.paths.runs)!r}"
+            )
+        return ids[-1]
 
     @guarded("cannot commit the run to the catalog")
     def commit(
@@ -332,6 +379,7 @@ class CatalogWriter:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
         with self._transaction() as con:
+            self._check_disk(con)
             rows = con.execute(
                 "SELECT id, status FROM runs WHERE status NOT IN (?, ?)", [COMPLETE, COLLECTED]
             ).fetchall()
@@ -382,10 +430,18 @@ class FileChangeToken:
                 parts.append("-")
                 continue
             parts.append(f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}")
-        if parts[0] == "-":
+        if parts[0] == "-" == parts[1]:
             return None  # nothing was ever committed
-        with open(self._watched[0]) as f:
-            return f"{f.read()}|{'|'.join(parts)}"
+        if parts[0] == "-":
+            # The generation file is gone (deleted by hand, or a copy of the store
+            # without it): the database's own stat still says when it moved, so the
+            # runs stay visible rather than the store looking empty.
+            return "|".join(parts)
+        try:
+            with open(self._watched[0], "rb") as f:
+                return f"{f.read().hex()}|{'|'.join(parts)}"
+        except FileNotFoundError:  # removed since the stat: the stat alone, as above
+            return "|".join(parts)
 
 
 class CatalogMirror:
@@ -394,7 +450,9 @@ class CatalogMirror:
 
     What the query room reads (``Store.catalog`` hands it over): ``refresh``,
     ``run_ids`` / ``run_names``, ``query`` / ``arrow`` (``error=QueryError`` for the
-    user's statements), ``is_select``, ``points`` (the op index), ``knows`` / ``typed``.
+    user's statements), ``read_only_df`` (``store.sql``: the user's raw SELECT, in a
+    read-only transaction), ``is_select``, ``points`` (the op index), ``knows`` /
+    ``typed``.
     Every method is behind the DuckDB boundary (:func:`duckdb_errors`); a refresh that
     failed changed nothing, and the next one tries again."""
 
@@ -445,6 +503,11 @@ class CatalogMirror:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
+            if not self.paths.catalog.exists():  # committed to once, so it was lost
+                raise CatalogError(
+                    f"the catalog {str(self.paths.catalog)!r} is missing: restore it (and "
+                    "its .wal, if any); the store refuses writes until then"
+                )
             src = duckdb.connect(str(self.paths.catalog), read_only=True)
             try:
                 present = present_columns(src)
@@ -522,6 +585,31 @@ class CatalogMirror:
         what = "the SQL could not run" if error is not CatalogError else "cannot read the catalog"
         with duckdb_errors(what, error):
             return CatalogCursor(self._cursor().execute(sql, params or []), what, error)
+
+    def read_only_df(self, sql: str) -> Any:
+        """The caller's one SELECT ``sql`` (see :meth:`is_select`) on the refreshed
+        mirror, as a DataFrame, inside a read-only DuckDB transaction: DuckDB itself
+        refuses any write, a ``DELETE ... RETURNING`` in a CTE included, so the text is
+        not trusted to be read-only. Any failure is a ``QueryError``."""
+        if not self.is_select(sql):
+            raise QueryError("store.sql runs exactly one read-only SELECT statement")
+        self.refresh()
+        with duckdb_errors("the SQL could not run", QueryError):
+            cursor = self._cursor()
+            try:
+                cursor.execute("BEGIN TRANSACTION READ ONLY")
+                try:
+                    return cursor.execute(sql).df()
+                finally:
+                    cursor.execute("ROLLBACK")
+            except duckdb.TransactionException as exc:
+                if "read-only" not in str(exc):
+                    raise
+                raise QueryError(
+                    f"store.sql is read-only and this statement writes: {exc}"
+                ) from exc
+            finally:
+                cursor.close()
 
     @staticmethod
     def is_select(sql: str) -> bool:

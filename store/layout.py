@@ -8,7 +8,10 @@
       catalog.lock          flock: writers hold it exclusively for a moment, readers shared
       catalog.gen           bumped after every catalog change: readers re-sync when it moves
       runs/<id>/            one directory per run, named by its numeric id, never by its name
+        run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
+      runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
+                            killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
 
 Run names live only in the catalog, so no name ever becomes a path.
@@ -21,18 +24,33 @@ import fcntl
 import json
 import os
 import re
+import shutil
+import warnings
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from tracelake.errors import InvalidRunNameError, StoreFormatError, StoreNotFoundError
+from tracelake.errors import (
+    InvalidRunNameError,
+    StoreError,
+    StoreFormatError,
+    StoreNotFoundError,
+    TraceLakeWarning,
+)
 
 __all__ = [
     "FORMAT",
     "StorePaths",
+    "check_run_marker",
     "fsync_tree",
     "locked",
+    "remove_run_dir",
+    "remove_tree",
+    "trash_run_dir",
     "try_lock",
     "validate_name",
+    "write_run_marker",
 ]
 
 #: The on-disk format this code writes; a store with a larger number is refused.
@@ -66,6 +84,28 @@ class StorePaths:
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
+
+    def run_marker(self, run_id: int) -> Path:
+        return self.run_dir(run_id) / "run.json"
+
+    def trash(self, run_id: int) -> Path:
+        return self.runs / f".trash-{int(run_id):08d}-{os.urandom(4).hex()}"
+
+    def run_dir_ids(self) -> list[int]:
+        """The ids of the run directories on disk, sorted."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def trash_dirs(self) -> list[Path]:
+        """Run directories a ``gc()`` began to remove and did not finish."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        return [self.runs / n for n in sorted(names) if n.startswith(".trash-")]
 
     def tensors(self, run_id: int) -> Path:
         return self.run_dir(run_id) / "tensors"
@@ -164,3 +204,85 @@ def try_lock(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+# -- a run directory's identity, and its removal -------------------------------------
+
+_EPOCH = datetime(1970, 1, 1)
+
+
+def micros(value: Any) -> int:
+    """A ``created`` timestamp (datetime or pandas Timestamp, naive UTC) in whole
+    microseconds: how the run's identity marker records it, exactly."""
+    if hasattr(value, "to_pydatetime"):
+        value = value.to_pydatetime()
+    return int((value.replace(tzinfo=None) - _EPOCH) // timedelta(microseconds=1))
+
+
+def write_run_marker(paths: StorePaths, run_id: int, created: datetime) -> None:
+    """Write run ``run_id``'s identity marker (best effort: a run without one reads as
+    a store made before markers existed). Not synced here: the commit syncs every file
+    of the run before it becomes visible, this one included."""
+    marker = paths.run_marker(run_id)
+    try:
+        tmp = marker.with_name(f".run.json.{os.getpid()}")
+        tmp.write_text(json.dumps({"run": run_id, "created": micros(created)}))
+        os.replace(tmp, marker)
+    except OSError as exc:
+        warnings.warn(f"could not write {marker}: {exc}", TraceLakeWarning, stacklevel=2)
+
+
+def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) -> None:
+    """``StoreError`` unless run ``run_id``'s directory belongs to the catalog row with
+    this id and ``created`` time. A directory without a marker (a store written before
+    markers existed, or one whose marker write failed) passes."""
+    try:
+        marker = json.loads(paths.run_marker(run_id).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"the identity marker of run {name!r} is unreadable: {exc}") from exc
+    if not isinstance(marker, dict):
+        raise StoreError(f"the identity marker of run {name!r} is not a JSON object")
+    want = {"run": run_id, "created": None if created is None else micros(created)}
+    got = {"run": marker.get("run"), "created": marker.get("created")}
+    if created is None:
+        got["created"] = None
+    if got != want:
+        raise StoreError(
+            f"the directory {str(paths.run_dir(run_id))!r} holds another run's data than "
+            f"the catalog's run {name!r} (id {run_id}): catalog.duckdb does not belong to "
+            "these run directories; restore the store's own catalog"
+        )
+
+
+def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
+    """Rename run ``run_id``'s directory to a ``.trash-`` name (atomic) and return it
+    (None if it is gone already): a gc() killed while removing it then leaves a name
+    the next gc() finishes, never a half run directory."""
+    trash = paths.trash(run_id)
+    try:
+        os.rename(paths.run_dir(run_id), trash)
+    except FileNotFoundError:  # another gc took it, or it was never made
+        return None
+    fsync_dir(paths.runs)  # the new name survives a power loss too
+    return trash
+
+
+def remove_run_dir(paths: StorePaths, run_id: int) -> int:
+    """Remove run ``run_id``'s directory (through :func:`trash_run_dir`); return the
+    bytes it held."""
+    trash = trash_run_dir(paths, run_id)
+    return 0 if trash is None else remove_tree(trash)
+
+
+def remove_tree(path: Any) -> int:
+    """Remove a directory; return the bytes it held (files another process removes
+    meanwhile count nothing)."""
+    size = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if f.is_file():
+                size += f.stat().st_size
+    shutil.rmtree(path, ignore_errors=True)
+    return size

@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
@@ -35,11 +34,20 @@ from .catalog import (
     writer_alive,
 )
 from .compare import Comparison, compare
-from .layout import StorePaths, fsync_tree, validate_name
+from .layout import (
+    StorePaths,
+    check_run_marker,
+    fsync_tree,
+    locked,
+    remove_run_dir,
+    remove_tree,
+    trash_run_dir,
+    validate_name,
+)
 from .rows import run_tables
 from .run import Run
 from .tensors import RunArrays
-from .verify import VerifyReport, verify_run
+from .verify import Problem, VerifyReport, verify_files, verify_run
 from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
 
 __all__ = ["Recording", "Store", "last_opened", "open_store"]
@@ -108,6 +116,11 @@ class Recording:
     forward of the generation loop), and ``rec.record(model, *args)`` records one more
     explicitly. The run becomes visible when the block ends without an exception;
     otherwise it is marked failed and ``store.gc()`` reclaims its space.
+
+    A forward pass that raises is not a step, even when the caller catches its error and
+    the block goes on: its ops are dropped and the tensors it saved are left out of the
+    catalog (their arrays removed), so the steps the run keeps are numbered 0, 1, ... in
+    the order they completed, each holding a whole forward pass.
     """
 
     def __init__(
@@ -144,6 +157,12 @@ class Recording:
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
         self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
+        #: Set by the model's ordinary forward hook, which runs only when the forward
+        #: returned: the always-called hook reads it to tell a raised forward apart.
+        self._returned_ok = False
+        #: The first slot of the step running, and the slots of steps that raised.
+        self._step_start = 0
+        self._discarded: set[int] = set()
         self._fingerprints: dict[str, str] = {}
         self._device: str | None = None
         self.run_id = -1
@@ -171,6 +190,7 @@ class Recording:
         if self.model is not None:
             self._hooks = [
                 self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                self.model.register_forward_hook(self._returned),  # before the next one
                 self.model.register_forward_hook(
                     self._post_hook, with_kwargs=True, always_call=True
                 ),
@@ -196,6 +216,7 @@ class Recording:
         if self._writer is None:
             raise StoreError("record steps inside the `with store.recording(...)` block")
         self._writer.step = len(self._steps)
+        self._step_start = len(self._writer.slots)
         table = OpTable()
         return table, StoreEmitter(self._selector, self._stats, table, self._writer)
 
@@ -231,8 +252,7 @@ class Recording:
         try:
             output = model(*args, **kwargs)
         except BaseException:
-            recording.stop(None, failed=True)
-            self._writer.settle()  # type: ignore[union-attr]
+            self._abandon(recording)
             raise
         finally:
             self._depth -= 1
@@ -258,14 +278,31 @@ class Recording:
                 stacklevel=2,
             )
 
+    def _returned(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._returned_ok = True
+
     def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._depth -= 1
+        returned, self._returned_ok = self._returned_ok, False
         if self._depth or self._auto is None:
             return
         recording, table, emitter, args, kwargs = self._auto
         self._auto = None
+        if not returned:  # the forward raised (torch calls this hook all the same)
+            self._abandon(recording)
+            return
         recording.stop(output)
         self._end(module, recording, table, emitter, args, kwargs)
+
+    def _abandon(self, recording: ForwardRecording) -> None:
+        """A forward pass that raised: stop recording it; it does not become a step and
+        the tensors it saved are left out of the run."""
+        assert self._writer is not None
+        try:
+            recording.stop(None, failed=True)
+        finally:
+            self._writer.settle()
+            self._discarded.update(range(self._step_start, len(self._writer.slots)))
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -289,9 +326,15 @@ class Recording:
             merged = run_tables(
                 self.run_id, self._steps, writer.slots, lambda: (writer.stat_matrix(), writer.codec)
             )
+        gone = writer.lost | self._discarded
+        if gone:
             merged["tensors"] = merged["tensors"].filter(
-                pa.array([slot not in writer.lost for slot in range(len(writer.slots))])
+                pa.array([slot not in gone for slot in range(len(writer.slots))])
             )
+        with _os_errors(f"cannot remove the tensors of a failed step of {self.name!r}"):
+            for slot in sorted(self._discarded):  # (packed ones: unreferenced bytes)
+                if writer.slots[slot][0] == f"t{slot}":
+                    writer.arrays.delete(f"t{slot}")
         with _os_errors(f"cannot make run {self.name!r} durable"):
             nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {
@@ -449,20 +492,25 @@ class Store:
             return None
         return dict(zip([d[0] for d in cursor.description], row, strict=True))
 
-    def arrays(self, run_id: int, name: str | None = None) -> RunArrays:
-        """The arrays of run ``run_id`` (``name``: the run's, for error messages; looked
-        up when omitted), kept open: zarr metadata is read once. For the query room,
-        which reads the tensors of many runs' rows at once."""
+    def arrays(self, run_id: int, name: str | None = None, created: Any = None) -> RunArrays:
+        """The arrays of run ``run_id`` (``name``, ``created``: the run's catalog row's,
+        looked up when omitted), kept open: zarr metadata is read once. For the query
+        room, which reads the tensors of many runs' rows at once. ``StoreError`` if the
+        run's directory holds another run's data (its identity marker disagrees)."""
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
-            if name is None:
-                row = self._query("SELECT name FROM runs WHERE id = ?", [run_id], ()).fetchone()
-                name = row[0] if row else str(run_id)
+            if name is None or created is None:
+                row = self._query(
+                    "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
+                ).fetchone()
+                name, created = (row[0], row[1]) if row else (str(run_id), None)
+            check_run_marker(self.paths, run_id, name, created)
             arrays = self._open_arrays[run_id] = RunArrays(self.paths.tensors(run_id), name)
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
-        return Run(info, self.arrays(info["id"], info["name"]), self._run_query(info["id"]))
+        arrays = self.arrays(info["id"], info["name"], info.get("created"))
+        return Run(info, arrays, self._run_query(info["id"]))
 
     def __getitem__(self, name: str) -> Run:
         if not isinstance(name, str):
@@ -543,33 +591,48 @@ class Store:
     def gc(self) -> dict[str, int]:
         """Reclaim the space of deleted, failed and interrupted runs, and of run
         directories the catalog does not know. Returns what was removed."""
-        dead = self._catalog.collect()
+        dead = self._catalog.collect()  # (refused when the catalog lost runs: StoreError)
         freed = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
-                freed += _remove(self.paths.run_dir(run_id))
-        known = {int(r[0]) for r in self._query("SELECT id FROM runs", None, ()).fetchall()}
+                freed += remove_run_dir(self.paths, run_id)
         orphans = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
-            for entry in self.paths.runs.iterdir():
-                if (
-                    entry.name.isdigit()
-                    and int(entry.name) not in known | set(dead)
-                    and not writer_alive(self.paths, int(entry.name))
-                ):
-                    freed += _remove(entry)
-                    orphans += 1
+            # Held shared, the catalog lock keeps writers from registering a run (whose
+            # directory exists before its row commits) while directories are judged;
+            # they are only renamed under it, and removed after.
+            with locked(self.paths.lock, exclusive=False):
+                rows = self._query(
+                    "SELECT id FROM runs WHERE status != ?", [COLLECTED], ()
+                ).fetchall()
+                live = {int(r[0]) for r in rows}
+                for run_id in self.paths.run_dir_ids():
+                    if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
+                        continue  # (dirs of collected runs: a gc() killed before removing)
+                    orphans += trash_run_dir(self.paths, run_id) is not None
+            # What this gc() renamed, and what one killed half-way left.
+            for trash in self.paths.trash_dirs():
+                freed += remove_tree(trash)
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
     def verify(self) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree."""
         report = VerifyReport()
+        verify_files(self.paths, report)
+        if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
+            return report
         for info in (
             self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
             .df()
             .to_dict("records")
         ):
-            verify_run(self._open_run(info), self._run_query(info["id"]), report)
+            try:
+                run = self._open_run(info)
+            except StoreError as exc:  # its directory holds another run's data
+                report.runs += 1
+                report.problems.append(Problem(info["name"], "-", str(exc)))
+                continue
+            verify_run(run, self._run_query(info["id"]), report)
         return report
 
     def close(self) -> None:
@@ -585,15 +648,3 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<Store {self.path!r}>"
-
-
-def _remove(path: Any) -> int:
-    """Remove a run's directory; return the bytes it held (files another process removes
-    meanwhile count nothing)."""
-    size = 0
-    for f in path.rglob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            if f.is_file():
-                size += f.stat().st_size
-    shutil.rmtree(path, ignore_errors=True)
-    return size

@@ -12,11 +12,12 @@ import torch
 from tracelake.errors import ChunkCorruptError
 
 from .dtypes import parse_dtype
+from .layout import StorePaths
 
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["Problem", "VerifyReport", "verify_run"]
+__all__ = ["Problem", "VerifyReport", "verify_files", "verify_run"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,29 @@ class VerifyReport:
             "tensors": self.tensors,
             "problems": [{"run": p.run, "label": p.label, "what": p.what} for p in self.problems],
         }
+
+
+def verify_files(paths: StorePaths, report: VerifyReport) -> None:
+    """The store's own files: a catalog without its change marker, or run
+    directories without a catalog."""
+    if paths.catalog.exists() and not paths.gen.exists():
+        report.problems.append(
+            Problem(
+                "-",
+                paths.gen.name,
+                f"{paths.gen.name} is missing (the next write makes it again; readers "
+                "watch the catalog file itself meanwhile)",
+            )
+        )
+    if not paths.catalog.exists() and paths.run_dir_ids():
+        report.problems.append(
+            Problem(
+                "-",
+                paths.catalog.name,
+                f"{paths.catalog.name} is missing but {len(paths.run_dir_ids())} run "
+                "directories exist: restore it; the store refuses writes until then",
+            )
+        )
 
 
 def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyReport) -> None:
