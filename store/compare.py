@@ -18,7 +18,6 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -297,36 +296,8 @@ class Comparison:
         return row
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every row as a dict (columns as in :meth:`df`). The next pair's tensors are
-        read by a helper thread while this one's are reduced (torch's reductions let
-        go of the GIL, reading mostly holds it): at most two pairs in memory."""
-        todo = [k for k, row in enumerate(self._rows) if row is None]
-        with ThreadPoolExecutor(1, thread_name_prefix="tracelake-compare") as pool:
-            ahead: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
-            for i, k in enumerate(todo):
-                following = todo[i + 1] if i + 1 < len(todo) else None
-                if following is not None and self._whole(following):
-                    ahead[following] = pool.submit(self._read_whole, following)
-                early = ahead.pop(k, None)
-                a, b = self._pairs[k]
-                self._rows[k] = _compare_pair(
-                    a, b, self.atol, self.rtol, self._tensors, early.result() if early else None
-                )
+        """Every row as a dict (columns as in :meth:`df`)."""
         return [self._row(k) for k in range(len(self._pairs))]
-
-    def _whole(self, k: int) -> bool:
-        """Whether pair ``k`` is compared from two tensors read whole (small ones)."""
-        a, b = self._pairs[k]
-        return (
-            _status(a, b, self._tensors)[0] == "compared"
-            and a is not None
-            and math.prod(a.shape) <= _SLICE_ELEMENTS
-        )
-
-    def _read_whole(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self._pairs[k]
-        assert a is not None and b is not None
-        return next(_slices(a.entry, a.shape)), next(_slices(b.entry, b.shape))
 
     def df(self) -> pandas.DataFrame:
         """One row per aligned pair (or one-sided entry)."""
@@ -438,14 +409,9 @@ def _status(a: _Item | None, b: _Item | None, tensors: bool) -> tuple[str, str |
 
 
 def _compare_pair(
-    a: _Item | None,
-    b: _Item | None,
-    atol: float,
-    rtol: float,
-    tensors: bool,
-    read: tuple[torch.Tensor, torch.Tensor] | None = None,
+    a: _Item | None, b: _Item | None, atol: float, rtol: float, tensors: bool
 ) -> dict[str, Any]:
-    """One row; ``read``: both sides' tensors, already read whole."""
+    """One row (reading both sides' tensors a slice at a time, when compared)."""
     status, reason = _status(a, b, tensors)
     any_side = a if a is not None else b
     assert any_side is not None
@@ -472,12 +438,7 @@ def _compare_pair(
         assert a is not None and b is not None
         norms = _norms(a.stats, b.stats)
         sums = _Sums(atol, rtol, a.stats.absmax if a.stats is not None else None)
-        pieces = (
-            [read]
-            if read is not None
-            else zip(_slices(a.entry, a.shape), _slices(b.entry, b.shape), strict=True)
-        )
-        for x, y in pieces:
+        for x, y in zip(_slices(a.entry, a.shape), _slices(b.entry, b.shape), strict=True):
             sums.add(x, y, own_norms=norms is None)
         metrics = sums.metrics(norms)
     for f in fields(PairMetrics):
