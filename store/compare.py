@@ -70,8 +70,17 @@ class _Sums:
     difference alone unless it is borderline. NaNs where both sides have one count as
     equal."""
 
-    def __init__(self, atol: float, rtol: float, absmax_a: float | None = None) -> None:
+    def __init__(
+        self,
+        atol: float,
+        rtol: float,
+        absmax_a: float | None = None,
+        scratch: dict[torch.dtype, torch.Tensor] | None = None,
+    ) -> None:
         self.atol, self.rtol = atol, rtol
+        # Reused memory for the differences: a fresh buffer per pair would be fresh
+        # pages for the kernel to fault in, every time
+        self.scratch = scratch if scratch is not None else {}
         self.absmax_a = absmax_a
         self.n = 0
         self.max_abs = 0.0
@@ -86,7 +95,7 @@ class _Sums:
         if not a.numel():
             return
         self.n += a.numel()
-        d = torch.sub(a, b)
+        d = torch.sub(a, b, out=self._buffer(a.dtype, a.numel()))
         low, high = torch.aminmax(d)
         biggest = max(-float(low), float(high))
         if math.isnan(biggest):  # NaN or inf among them: the careful way
@@ -105,6 +114,12 @@ class _Sums:
                 self.close = False
             else:
                 self.close = bool((d.abs() <= self.atol + self.rtol * a.abs()).all())
+
+    def _buffer(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        buffer = self.scratch.get(dtype)
+        if buffer is None or buffer.numel() < n:
+            buffer = self.scratch[dtype] = torch.empty(max(n, _SLICE_ELEMENTS), dtype=dtype)
+        return buffer[:n]
 
     def _add_nonfinite(self, a: torch.Tensor, b: torch.Tensor, own_norms: bool) -> None:
         both_nan = a.isnan() & b.isnan()
@@ -284,6 +299,7 @@ class Comparison:
         self._pairs = pairs
         self._tensors = tensors
         self._rows: list[dict[str, Any] | None] = [None] * len(pairs)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -292,7 +308,9 @@ class Comparison:
         row = self._rows[k]
         if row is None:
             a, b = self._pairs[k]
-            row = self._rows[k] = _compare_pair(a, b, self.atol, self.rtol, self._tensors)
+            row = self._rows[k] = _compare_pair(
+                a, b, self.atol, self.rtol, self._tensors, self._scratch
+            )
         return row
 
     def rows(self) -> list[dict[str, Any]]:
@@ -409,7 +427,12 @@ def _status(a: _Item | None, b: _Item | None, tensors: bool) -> tuple[str, str |
 
 
 def _compare_pair(
-    a: _Item | None, b: _Item | None, atol: float, rtol: float, tensors: bool
+    a: _Item | None,
+    b: _Item | None,
+    atol: float,
+    rtol: float,
+    tensors: bool,
+    scratch: dict[torch.dtype, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One row (reading both sides' tensors a slice at a time, when compared)."""
     status, reason = _status(a, b, tensors)
@@ -437,7 +460,7 @@ def _compare_pair(
     if status == "compared":
         assert a is not None and b is not None
         norms = _norms(a.stats, b.stats)
-        sums = _Sums(atol, rtol, a.stats.absmax if a.stats is not None else None)
+        sums = _Sums(atol, rtol, a.stats.absmax if a.stats is not None else None, scratch)
         for x, y in zip(_slices(a.entry, a.shape), _slices(b.entry, b.shape), strict=True):
             sums.add(x, y, own_norms=norms is None)
         metrics = sums.metrics(norms)
