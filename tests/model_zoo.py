@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BUILDERS", "RepeatedBlock", "cnn", "gpt2", "lstm_model", "mlp", "repeated_block"]
+__all__ = [
+    "BUILDERS",
+    "RepeatedBlock",
+    "cnn",
+    "gpt2",
+    "llama",
+    "lstm_model",
+    "mlp",
+    "repeated_block",
+]
 
 
 def mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -104,6 +113,25 @@ def gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     model = GPT2LMHeadModel(config).eval()
     input_ids = torch.randint(1, 64, (1, 8))
     return model, (input_ids,)
+
+
+def llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A four-layer LLaMA LM with random weights (transformers), eager attention, eval."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model, (torch.randint(1, 64, (1, 8)),)
 
 
 class RepeatedBlock(nn.Module):

@@ -9,28 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_zoo import gpt2, mlp
+from model_zoo import gpt2, llama, mlp
 from torch import nn
 
 import tracelake as tl
 from tracelake.store.compare import _SLICE_ELEMENTS, tensor_metrics
-
-
-def llama() -> tuple[nn.Module, torch.Tensor]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).eval(), torch.randint(1, 64, (1, 8))
 
 
 def _perturbed(model: nn.Module, weight: str) -> nn.Module:
@@ -49,8 +32,7 @@ def _perturbed(model: nn.Module, weight: str) -> nn.Module:
 def test_first_divergence_is_the_first_op_that_reads_the_perturbed_weight(
     tmp_path: Path, build, weight: str
 ) -> None:
-    model, *rest = build()
-    inputs = tuple(rest[0]) if isinstance(rest[0], tuple) else (rest[0],)
+    model, inputs = build()
     store = tl.open(tmp_path / "s.tl")
     with torch.no_grad():
         store.record(model, *inputs, name="base")
@@ -69,7 +51,7 @@ def test_first_divergence_is_the_first_op_that_reads_the_perturbed_weight(
 
 
 def test_fp32_against_bf16_grows_with_depth_by_block(tmp_path: Path) -> None:
-    model, ids = llama()
+    model, (ids,) = llama()
     store = tl.open(tmp_path / "s.tl")
     with torch.no_grad():
         store.record(model, ids, name="fp32")
