@@ -26,7 +26,7 @@ import torch
 
 from tracelake.errors import QueryError
 from tracelake.recorder.stats import compute_stats
-from tracelake.store.compare import PairMetrics, sliced_metrics, tensor_metrics
+from tracelake.store.metrics import PairMetrics, sliced_metrics, tensor_metrics
 from tracelake.store.run import LazyTensor, TensorSlot
 
 from . import ast

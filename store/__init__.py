@@ -7,7 +7,8 @@ transactions, readers' mirror) · ``boundary`` (what DuckDB's errors become) ·
 lazily) · ``compare`` (two recordings op by op) · ``verify`` · ``store`` (the facade).
 """
 
-from .compare import Comparison, PairMetrics, tensor_metrics
+from .compare import Comparison
+from .metrics import PairMetrics, tensor_metrics
 from .run import LazyTensor, Run, StepView, StoredOpEntry, TensorSlot
 from .store import Recording, Store, last_opened, open_store
 from .verify import Problem, VerifyReport

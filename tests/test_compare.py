@@ -13,7 +13,7 @@ from model_zoo import gpt2, llama, mlp
 from torch import nn
 
 import tracelake as tl
-from tracelake.store.compare import _SLICE_ELEMENTS, tensor_metrics
+from tracelake.store.metrics import SLICE_ELEMENTS, Sums, tensor_metrics
 
 
 def _perturbed(model: nn.Module, weight: str) -> nn.Module:
@@ -192,10 +192,10 @@ def test_selectors_where_clauses_modules_and_statistics(tmp_path: Path) -> None:
 
 def test_tensor_metrics_in_float64_and_by_slices() -> None:
     torch.manual_seed(0)
-    a = torch.randn(3 * _SLICE_ELEMENTS // 1024 + 7, 1024)  # several slices
+    a = torch.randn(3 * SLICE_ELEMENTS // 1024 + 7, 1024)  # several slices
     b = a + torch.randn_like(a) * 1e-3
     whole = tensor_metrics(a.double(), b.double())
-    store_like = tl.store.compare._Sums(1e-8, 1e-5)
+    store_like = Sums(1e-8, 1e-5)
     for start in range(0, a.shape[0], 100):
         store_like.add(a[start : start + 100], b[start : start + 100])
     sliced = store_like.metrics()
