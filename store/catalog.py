@@ -90,7 +90,7 @@ _MIRROR_DB = "mirror"
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
 #: load an extension, and unable to change that (a store may come from someone else;
 #: what its catalog holds must not reach outside it).
-_SOURCE_CONFIG = {
+_SOURCE_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "enable_external_access": False,
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,

@@ -144,7 +144,7 @@ def checked_codecs(metadata: dict[str, Any]) -> str | None:
     codecs = metadata.get("codecs")
     if not isinstance(codecs, list | tuple) or not codecs:
         return "its zarr.json declares no codecs"
-    chains = [codecs]
+    chains: list[Any] = [codecs]
     last = codecs[-1]
     if isinstance(last, dict) and last.get("name") == "sharding_indexed":
         config = last.get("configuration") or {}
