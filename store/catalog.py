@@ -47,7 +47,7 @@ from tracelake.errors import (
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .layout import StorePaths, locked, try_lock, write_run_marker
+from .layout import StorePaths, locked, try_lock, write_new, write_run_marker
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
@@ -87,6 +87,50 @@ _PREPARED = 256
 _MIRROR_DB = "mirror"
 
 
+#: How a reader opens the catalog file: read-only, and unable to touch any other file or
+#: load an extension, and unable to change that (a store may come from someone else;
+#: what its catalog holds must not reach outside it).
+_SOURCE_CONFIG: dict[str, str | bool | int | float | list[str]] = {
+    "enable_external_access": False,
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "lock_configuration": True,
+}
+
+
+def check_objects(con: duckdb.DuckDBPyConnection, database: str | None = None) -> None:
+    """``CatalogError`` unless ``database`` holds the catalog's tables as base tables,
+    and no views or macros: tracelake makes none, so any is planted, and a view named
+    like a table (or a macro named like a function) would run its own SQL where
+    tracelake reads or writes a table. ``None``: the connection's current database."""
+    params = [database]
+    views = [
+        r[0]
+        for r in con.execute(
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal "
+            "AND database_name = coalesce(?, current_database())",
+            params,
+        ).fetchall()
+    ]
+    macros = [
+        r[0]
+        for r in con.execute(
+            "SELECT DISTINCT function_name FROM duckdb_functions() WHERE NOT internal "
+            "AND database_name = coalesce(?, current_database()) "
+            "AND function_type IN ('macro', 'table_macro')",
+            params,
+        ).fetchall()
+    ]
+    if views or macros:
+        named = [f"view {n!r}" for n in sorted(views)] + [f"macro {n!r}" for n in sorted(macros)]
+        shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
+        raise CatalogError(
+            "refusing the catalog: it holds objects tracelake never creates "
+            f"({shown}); they may read or run what the store's owner chose. Is this store "
+            "from someone else? Its catalog.duckdb has been tampered with"
+        )
+
+
 def _now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
@@ -98,6 +142,19 @@ def writer_alive(paths: StorePaths, run_id: int) -> bool:
         return paths.writing_lock(run_id).exists()
     os.close(fd)
     return False
+
+
+def _refuse_links(paths: StorePaths) -> None:
+    """``StoreError`` if a file a writer opens in place (the catalog, its log, ``runs/``)
+    is a symbolic link: DuckDB and ``mkdir`` follow links, so a planted one would make
+    tracelake write outside the store."""
+    wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+    for path in (paths.catalog, wal, paths.runs):
+        if path.is_symlink():
+            raise StoreError(
+                f"refusing to write to the store at {str(paths.root)!r}: {path.name} is a "
+                "symbolic link, and writing through it would leave the store"
+            )
 
 
 class _Engine:
@@ -190,6 +247,7 @@ class CatalogWriter:
                     ".wal, if any) from where it went, or, to start afresh, move the "
                     f"directories under {str(self.paths.runs)!r} out of the store"
                 )
+            _refuse_links(self.paths)
             try:
                 con = _ENGINE.connection()
                 if _ENGINE.attached:  # forget what a failed transaction left attached
@@ -201,6 +259,7 @@ class CatalogWriter:
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
                 _ENGINE.attached = True
                 try:
+                    check_objects(con, _ATTACHED)  # before any statement reads a table
                     con.execute(f"USE {_ATTACHED}")
                     con.execute("BEGIN TRANSACTION")
                     try:
@@ -418,7 +477,7 @@ class FileChangeToken:
         """A new value every time, even for deletes (readers compare it whole; what it
         says is for people)."""
         tmp = self._gen.with_name(f".gen.{os.getpid()}")
-        tmp.write_text(f"{_now().isoformat()} {os.getpid()} {os.urandom(8).hex()}")
+        write_new(tmp, f"{_now().isoformat()} {os.getpid()} {os.urandom(8).hex()}".encode())
         os.replace(tmp, self._gen)
 
     def token(self) -> str | None:
@@ -508,8 +567,9 @@ class CatalogMirror:
                     f"the catalog {str(self.paths.catalog)!r} is missing: restore it (and "
                     "its .wal, if any); the store refuses writes until then"
                 )
-            src = duckdb.connect(str(self.paths.catalog), read_only=True)
+            src = duckdb.connect(str(self.paths.catalog), read_only=True, config=_SOURCE_CONFIG)
             try:
+                check_objects(src)
                 present = present_columns(src)
                 table = src.sql(
                     f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"

@@ -26,6 +26,7 @@ still written by zarr-python, from the specs below.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,6 +128,34 @@ def _product(ranges: list[range]) -> list[tuple[int, ...]]:
 
 
 # -- packs -----------------------------------------------------------------------------------
+
+
+#: The names the writer gives arrays: packs (``pack_raw``, ``pack_zstd``) and tensors'
+#: own arrays (``t<slot>``). The catalog's ``array`` column becomes a path, and a store
+#: may come from someone else: any other name (absolute, ``..``, a slash) is refused.
+ARRAY_NAME = re.compile(r"pack_[a-z0-9]{1,16}|t[0-9]{1,12}")
+
+
+def checked_codecs(metadata: dict[str, Any]) -> str | None:
+    """What is wrong with an array's ``zarr.json`` codecs (its ``to_dict()``), None if
+    nothing: every chain tracelake writes ends in ``crc32c`` (a sharded array's inner
+    chunks and index too), so that what is read is what was written; an array without
+    it would return whatever file its chunks are, unchecked."""
+    codecs = metadata.get("codecs")
+    if not isinstance(codecs, list | tuple) or not codecs:
+        return "its zarr.json declares no codecs"
+    chains: list[Any] = [codecs]
+    last = codecs[-1]
+    if isinstance(last, dict) and last.get("name") == "sharding_indexed":
+        config = last.get("configuration") or {}
+        chains = [config.get("codecs"), config.get("index_codecs")]
+    for chain in chains:
+        if not isinstance(chain, list | tuple) or not chain:
+            return "its zarr.json declares an empty codec chain"
+        end = chain[-1]
+        if not isinstance(end, dict) or end.get("name") != "crc32c":
+            return "its zarr.json codec chain does not end in the crc32c checksum"
+    return None
 
 
 def pack_stream(dtype: torch.dtype) -> str:

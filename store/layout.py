@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import warnings
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -133,7 +134,7 @@ class StorePaths:
         self.lock.touch()
         marker = {"format": FORMAT, "what": "tracelake store"}
         tmp = self.root / f".{_MARKER}.{os.getpid()}"
-        tmp.write_text(json.dumps(marker))
+        write_new(tmp, json.dumps(marker).encode())
         fsync_file(tmp)
         os.replace(tmp, self.marker)  # two processes creating at once: both write the same
         fsync_dir(self.root)
@@ -179,11 +180,40 @@ def fsync_tree(root: Path) -> int:
     return total
 
 
+def _open_lock(path: Path) -> int:
+    """Open (creating) lock file ``path``; ``O_NOFOLLOW``: a symbolic link planted at
+    its name is refused with ``StoreError``, never created or written through."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise StoreError(
+                f"refusing the lock file {str(path)!r}: it is a symbolic link, which may "
+                "lead outside the store"
+            ) from exc
+        raise
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` as the temporary file ``path`` (the caller renames it into place):
+    whatever is at that name first (a file a killed process left, or a planted link) is
+    removed, not followed, and the file is created anew (``O_EXCL``, ``O_NOFOLLOW``)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def locked(path: Path, exclusive: bool) -> Iterator[None]:
     """Hold an flock on ``path`` (created if absent) for the block. The kernel releases
     it if the process dies, so a killed writer never leaves the store locked."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
@@ -195,7 +225,7 @@ def try_lock(path: Path) -> int | None:
     """Take an exclusive flock without waiting: the open descriptor (close it to release),
     or ``None`` if another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(path)
     except FileNotFoundError:
         return None
     try:
@@ -226,7 +256,7 @@ def write_run_marker(paths: StorePaths, run_id: int, created: datetime) -> None:
     marker = paths.run_marker(run_id)
     try:
         tmp = marker.with_name(f".run.json.{os.getpid()}")
-        tmp.write_text(json.dumps({"run": run_id, "created": micros(created)}))
+        write_new(tmp, json.dumps({"run": run_id, "created": micros(created)}).encode())
         os.replace(tmp, marker)
     except OSError as exc:
         warnings.warn(f"could not write {marker}: {exc}", TraceLakeWarning, stacklevel=2)
@@ -278,11 +308,18 @@ def remove_run_dir(paths: StorePaths, run_id: int) -> int:
 
 def remove_tree(path: Any) -> int:
     """Remove a directory; return the bytes it held (files another process removes
-    meanwhile count nothing)."""
-    size = 0
-    for f in path.rglob("*"):
+    meanwhile count nothing). Links are removed, never followed: a run directory that
+    is a symbolic link (planted, or made by hand) loses the link, its target stays."""
+    path = Path(path)
+    if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
-            if f.is_file():
-                size += f.stat().st_size
-    shutil.rmtree(path, ignore_errors=True)
+            path.unlink()
+        return 0
+    size = 0
+    for dirpath, _dirs, files in os.walk(path):  # (os.walk does not follow links)
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(os.path.join(dirpath, name))
+                size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    shutil.rmtree(path, ignore_errors=True)  # (unlinks links inside, does not follow)
     return size

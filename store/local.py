@@ -133,9 +133,10 @@ def _durable(fd: int) -> None:
 
 def _write_all(path: Path, pieces: Sequence[Any], pending: Unsynced | None = None) -> None:
     """Write ``pieces`` as the file ``path``, made durable here (on the calling worker
-    thread, while the forward pass goes on) or handed to ``pending``."""
+    thread, while the forward pass goes on) or handed to ``pending``. ``O_NOFOLLOW``: a
+    symbolic link planted at the name is refused (ELOOP), never written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         views = [memoryview(p).cast("B") for p in pieces]
         while views:
@@ -160,6 +161,12 @@ class LocalBackend(ByteStore):
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self._root = str(self.root)  # reads build paths with plain string joins
+        # A store may come from someone else: no key may lead out of the root through a
+        # symbolic link. The last component is opened or stat'ed without following
+        # links; the directories above it are compared, once each, with where the root
+        # really is (a root reached through a link of the user's own is fine).
+        self._real_root: str | None = None
+        self._dirs_ok: set[str] = set()
 
     def __repr__(self) -> str:
         return f"LocalBackend({self._root!r})"
@@ -168,20 +175,48 @@ class LocalBackend(ByteStore):
         return self.root / check_key(key)
 
     def _file(self, key: str) -> str:
-        return os.path.join(self._root, check_key(key))
+        key = check_key(key)
+        parent = key.rpartition("/")[0]
+        if parent and parent not in self._dirs_ok:
+            self._check_dir(key, parent)
+        return os.path.join(self._root, key)
+
+    def _check_dir(self, key: str, parent: str) -> None:
+        """``StoreError`` if directory ``parent`` (of ``key``) is, or lies under, a
+        symbolic link: reading or writing through it would leave the store."""
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self._root)
+        here = os.path.join(self._root, parent)
+        if os.path.realpath(here) != os.path.join(self._real_root, parent):
+            raise StoreError(
+                f"refusing {key} in {self._root}: {parent} is or passes through a symbolic "
+                "link, which would lead outside the store"
+            )
+        if os.path.isdir(here) and len(self._dirs_ok) < 1 << 16:  # (made later: checked then)
+            self._dirs_ok.add(parent)
+
+    def _link_error(self, key: str) -> StoreError:
+        return StoreError(
+            f"refusing {key} in {self._root}: it is a symbolic link, and a store's objects "
+            "are never read or written through links (they may lead outside the store)"
+        )
 
     def put(self, key: str, pieces: Sequence[Any], pending: Pending | None = None) -> None:
         if pending is not None and not isinstance(pending, Unsynced):
             raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
+        path = Path(self._file(key))  # (refuses a key under a linked directory)
         try:
-            _write_all(self.path(key), pieces, pending)
+            _write_all(path, pieces, pending)
         except OSError as exc:
+            if path.is_symlink():
+                raise self._link_error(key) from exc
             raise StoreError(f"cannot write {key} in {self._root}: {exc}") from exc
 
     def _read(self, key: str, start: int, nbytes: int | None, from_end: bool = False) -> bytes:
         path = self._file(key)
         try:
-            with open(path, "rb") as f:
+            # O_NOFOLLOW: a link at the object's name is refused (ELOOP), not followed.
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 if from_end:
                     size = os.fstat(f.fileno()).st_size
                     f.seek(max(size - (nbytes or 0), 0))
@@ -192,6 +227,8 @@ class LocalBackend(ByteStore):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(key, self._root) from None
         except OSError as exc:
+            if os.path.islink(path):
+                raise self._link_error(key) from exc
             raise StoreError(f"cannot read {path}: {exc}") from exc
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -206,11 +243,13 @@ class LocalBackend(ByteStore):
 
     def _stat(self, key: str) -> os.stat_result:
         try:
-            st = os.stat(self._file(key))
+            st = os.lstat(self._file(key))
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(key, self._root) from None
         except OSError as exc:
             raise StoreError(f"cannot read {key} in {self._root}: {exc}") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise self._link_error(key)
         if not stat.S_ISREG(st.st_mode):  # a "directory" of keys is not an object
             raise ObjectNotFoundError(key, self._root)
         return st
@@ -219,7 +258,21 @@ class LocalBackend(ByteStore):
         return self._stat(key).st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._file(key))
+        """Whether ``key`` is a plain file; ``StoreError`` for a symbolic link (it says
+        what is wrong, where "missing" would not)."""
+        path = self._file(key)
+        if os.path.islink(path):
+            raise self._link_error(key)
+        return os.path.isfile(path)
+
+    def links(self) -> builtins.list[str]:
+        """Every symbolic link under the root (not followed), for ``verify()``."""
+        found = []
+        for dirpath, dirs, files in os.walk(self._root):  # (os.walk does not follow links)
+            rel = os.path.relpath(dirpath, self._root)
+            base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            found += [base + n for n in dirs + files if os.path.islink(os.path.join(dirpath, n))]
+        return sorted(found)
 
     def version(self, key: str) -> Any:
         """The file's identity as the filesystem sees it: a rewrite (new inode) or a

@@ -40,10 +40,12 @@ from .codecs import choose_codec
 from .dtypes import dtype_name, numpy_dtype, parse_dtype, tensor_bits, tensor_from_bytes
 from .format import (
     ALIGN,
+    ARRAY_NAME,
     CHUNK_BYTES,
     INNER_BYTES,
     INNER_PER_SHARD,
     SHARD_INDEX_BYTES,
+    checked_codecs,
     chunk_grid,
     chunk_key,
     chunk_shape,
@@ -121,6 +123,20 @@ def clear_chunk_cache() -> None:
 _INDEX = -1  # the cache's slot for a shard's index (inner chunks are 0 and up)
 
 
+def _check_not_linked(where: str | os.PathLike[str], run: str) -> None:
+    """``StoreError`` if a run's tensors directory, its run directory or ``runs/`` is a
+    symbolic link: a store may come from someone else, and such a link leads its reads
+    and writes outside it. (Links above the store's root are the user's own, and fine.)"""
+    here = os.fspath(where)
+    for _ in range(3):  # tensors/, runs/<id>/, runs/
+        if os.path.islink(here):
+            raise StoreError(
+                f"refusing the arrays of run {run!r}: {here!r} is a symbolic link, which "
+                "may lead outside the store"
+            )
+        here = os.path.dirname(here)
+
+
 class RunArrays:
     """The Zarr group of one run: creates, writes and reads its arrays.
 
@@ -131,6 +147,8 @@ class RunArrays:
     def __init__(
         self, where: ByteStore | str | os.PathLike[str], run: str = "", create: bool = False
     ):
+        if not isinstance(where, ByteStore):
+            _check_not_linked(where, run)
         self.backend = where if isinstance(where, ByteStore) else LocalBackend(where)
         self.run = run
         self._arrays: dict[str, Any] = {}
@@ -236,20 +254,45 @@ class RunArrays:
     def has_chunk(self, name: str, index: str) -> bool:
         return self.backend.exists(chunk_key(name, index))
 
-    def array(self, name: str) -> Any:
+    def check_name(self, name: str, label: str = "?") -> str:
+        """``name`` if it is an array name the writer gives (see ``ARRAY_NAME``), else
+        ``ChunkCorruptError``: the catalog's ``array`` column is not trusted as a path."""
+        if not isinstance(name, str) or not ARRAY_NAME.fullmatch(name):
+            raise ChunkCorruptError(
+                self.run,
+                label,
+                repr(name),
+                "the catalog names an array tracelake never writes (only pack_<codec> and "
+                "t<slot>); refusing it as a path",
+            )
+        return name
+
+    def array(self, name: str, label: str = "?") -> Any:
         array = self._arrays.get(name)
         if array is None:
+            self.check_name(name, label)
             with self._lock:
                 array = self._arrays.get(name)
                 if array is None:
+                    where = f"{name}/zarr.json"
                     try:
+                        # (refuses a zarr.json that is a link, before zarr reads it)
+                        self.backend.exists(where)
                         array = zarr.open_array(self.backend.zarr_store(name), mode="r")
                     except Exception as exc:
                         raise ChunkCorruptError(
-                            self.run, "?", f"{name}/zarr.json", f"cannot open the array: {exc}"
+                            self.run, label, where, f"cannot open the array: {exc}"
                         ) from exc
+                    wrong = checked_codecs(array.metadata.to_dict())
+                    if wrong is not None:
+                        raise ChunkCorruptError(self.run, label, where, wrong)
                     self._arrays[name] = array
         return array
+
+    def links(self) -> list[str]:
+        """The symbolic links among the run's files (none are written by tracelake)."""
+        links: Callable[[], list[str]] | None = getattr(self.backend, "links", None)
+        return links() if links is not None else []
 
     def _read(self, name: str, label: str, key: Any, chunk_keys: list[str]) -> np.ndarray:
         for index in chunk_keys:
@@ -257,7 +300,7 @@ class RunArrays:
                 raise ChunkCorruptError(
                     self.run, label, chunk_key(name, index), "the chunk file is missing"
                 )
-        array = self.array(name)
+        array = self.array(name, label)
         try:
             return np.asarray(array[key])
         except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
@@ -268,6 +311,8 @@ class RunArrays:
             return self.backend.version(key)
         except ObjectNotFoundError:
             raise ChunkCorruptError(self.run, label, key, "the shard file is missing") from None
+        except StoreError as exc:  # (a link, say)
+            raise ChunkCorruptError(self.run, label, key, f"unreadable: {exc}") from exc
 
     def _get(
         self,
@@ -331,6 +376,7 @@ class RunArrays:
         shape: Sequence[int],
         label: str,
     ) -> torch.Tensor:
+        self.check_name(name, label)
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         parts = []
@@ -356,7 +402,7 @@ class RunArrays:
     ) -> torch.Tensor:
         """All of array ``name``, or the basic-index selection ``key`` of it (normalised:
         ints and slices with non-negative bounds, one per dimension)."""
-        array = self.array(name)
+        array = self.array(name, label)
         if not shape:  # 0-d tensors are stored as shape (1,)
             data = self._read(name, label, slice(None), ["0"])
             return tensor_from_bytes(data, dtype, ())

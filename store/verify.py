@@ -93,8 +93,24 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
         [run.id],
     ).fetchall()
     by_array: dict[str, list[tuple[int, int, str]]] = {}
+    # Links among the run's files: tracelake writes none, and reads refuse them (they
+    # may lead outside the store), so each is a problem to report.
+    try:
+        links = arrays.links()
+    except OSError as exc:
+        links = []
+        report.problems.append(Problem(run.name, "-", f"cannot list the run's files: {exc}"))
+    for link in links:
+        report.problems.append(
+            Problem(run.name, "-", f"{link} is a symbolic link (refused: it may lead outside)")
+        )
     for _slot, array, offset, nbytes, shape, dtype, labels in rows:
         report.tensors += 1
+        try:
+            arrays.check_name(array, labels)
+        except ChunkCorruptError as exc:
+            report.problems.append(Problem(run.name, labels, str(exc)))
+            continue
         expected = math.prod(shape) * parse_dtype(dtype).itemsize
         if expected != nbytes:
             report.problems.append(
