@@ -11,7 +11,10 @@ it).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
+
+from tracelake.errors import TraceLakeWarning
 
 from .record import ROW_FIELDS
 
@@ -25,6 +28,13 @@ except ImportError:  # pragma: no cover - built wherever a C compiler is
 STALE = _hot is not None and getattr(_hot, "ROW_FIELDS", "") != ",".join(ROW_FIELDS)
 if STALE:
     _hot = None
+    warnings.warn(
+        "tracelake's compiled recorder (recorder/_hot.c) was built for another op record "
+        "than recorder/record.py declares: recording runs in Python, slower, until it is "
+        "rebuilt (`make setup`, or `pip install -e .` again)",
+        TraceLakeWarning,
+        stacklevel=2,
+    )
 
 __all__ = ["AVAILABLE", "ENABLED", "hot"]
 

@@ -154,6 +154,7 @@ def test_a_field_added_to_the_declaration_flows_to_queries(tmp_path: Path) -> No
     # The extension was built for the old row layout: it steps aside rather than build
     # rows of the wrong shape (reinstalling regenerates and rebuilds it).
     assert result["stale"] is True
+    assert "built for another op record" in out.stderr  # and says so, once
     assert result["phases"] == ["forward"]
     assert result["rows"] == [
         ["input_1", "forward", 0],
