@@ -15,7 +15,6 @@ side is unsaved, or whose shapes differ, is null.
 from __future__ import annotations
 
 import functools
-import html
 import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -144,12 +143,14 @@ class Result:
         return torch.stack(values)
 
     def df(self) -> pandas.DataFrame:
+        """A DataFrame of the rows; tensor cells hold the tensors, shown as summaries
+        (shape, dtype, mean ± std)."""
         frame = self._table.to_pandas()
         for name in self._tensor_columns:
             frame[name] = pandas_column(self._values[name])
         for name in self._computed:
             frame[name] = self._values[name]
-        return frame
+        return _frame_class()(frame)
 
     def arrow(self) -> pa.Table:
         """An Arrow table; tensor columns become lists of their (flattened) values with a
@@ -172,24 +173,31 @@ class Result:
             )
         return table
 
+    def plot(self, y: str, x: str | None = None, by: str | None = None, ax: Any = None) -> Any:
+        """Plot numeric column ``y`` against ``x`` (default: ``block``, ``layer`` or
+        ``label``, whichever the result has), a line per ``by`` (default ``run`` when
+        there are several), with matplotlib; returns the Axes (:mod:`tracelake.plots`)."""
+        from tracelake.plots import plot_result  # drawing sits downstream
+
+        return plot_result(self, y, x=x, by=by, ax=ax)
+
+    def hist(self, column: str | None = None, row: int = 0, bins: int = 50, ax: Any = None) -> Any:
+        """A histogram of row ``row``'s tensor in ``column`` (default ``out``)."""
+        from tracelake.plots import result_hist
+
+        return result_hist(self, column, row=row, bins=bins, ax=ax)
+
+    def heatmap(self, column: str | None = None, row: int = 0, ax: Any = None) -> Any:
+        """A heatmap of row ``row``'s tensor in ``column`` (default ``out``): its last
+        dimension across, the leading ones flattened down."""
+        from tracelake.plots import result_heatmap
+
+        return result_heatmap(self, column, row=row, ax=ax)
+
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
-        body = []
-        for i, row in enumerate(self):
-            if i == 50:
-                body.append(
-                    f"<tr><td colspan={len(self.columns)}>… {len(self) - 50} more rows</td></tr>"
-                )
-                break
-            body.append(
-                "<tr>"
-                + "".join(f"<td>{html.escape(describe(row[c]))}</td>" for c in self.columns)
-                + "</tr>"
-            )
-        return (
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
-            f"</table><p>{len(self)} rows</p>"
-        )
+        from tracelake.reprs import result_html  # notebook display sits downstream
+
+        return result_html(self)
 
     def __repr__(self) -> str:
         return f"<Result: {len(self)} rows, columns {self.columns}>"
@@ -199,6 +207,37 @@ def pandas_column(values: list[Any]) -> Any:
     import pandas
 
     return pandas.Series(values, dtype=object)
+
+
+@functools.cache
+def _frame_class() -> type:
+    """A DataFrame that keeps tensors in its cells but shows each as a summary (shape,
+    dtype, mean ± std) rather than torch's truncated text; made on first use, so that
+    importing this module does not import pandas."""
+    import pandas
+
+    class ResultFrame(pandas.DataFrame):
+        @property
+        def _constructor(self) -> type:
+            return ResultFrame
+
+        def _shown(self) -> pandas.DataFrame:
+            plain = pandas.DataFrame(self)
+            for name in plain.columns[plain.dtypes == "object"]:
+                column = plain[name]
+                if any(isinstance(v, torch.Tensor) for v in column):
+                    plain[name] = [
+                        describe(v) if isinstance(v, torch.Tensor) else v for v in column
+                    ]
+            return plain
+
+        def __repr__(self) -> str:
+            return repr(self._shown())
+
+        def _repr_html_(self) -> str | None:
+            return self._shown()._repr_html_()
+
+    return ResultFrame
 
 
 def _reduce(tensor: torch.Tensor, how: str) -> float | None:

@@ -16,7 +16,12 @@ from .entries import ModuleEntry, OpEntry, OpTable, TensorSource
 from .record import OPS, STAT_FIELDS, TRANSFORMED
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import pandas
+
+    from tracelake.graph import OpGraph
+    from tracelake.store.compare import Comparison
 
     from .emit import MemoryEmitter
 
@@ -165,6 +170,41 @@ class TraceView:
                 row[name] = getattr(stats, name) if stats is not None else None
             rows.append(row)
         return pandas.DataFrame(rows)
+
+    def graph(
+        self,
+        *,
+        depth: int | None = None,
+        color: str | None = None,
+        diff: Comparison | None = None,
+        collapse: Iterable[str] = (),
+        max_nodes: int | None = None,
+        log: bool | None = None,
+        rankdir: str = "TB",
+    ) -> OpGraph:
+        """The op graph, drawn with Graphviz (displays as SVG in a notebook; ``.save(
+        "ops.svg")``): module calls as clusters, those deeper than ``depth`` (default:
+        as deep as ``max_nodes`` nodes allow) or named in ``collapse`` as one node each;
+        nodes coloured by a statistic (``color="absmax"``) or by a comparison's
+        difference (``diff=comparison``, this trace as its side ``a``). See
+        :mod:`tracelake.graph`."""
+        from tracelake.graph import MAX_NODES, build_graph  # drawing sits downstream
+
+        return build_graph(
+            self,
+            depth=depth,
+            color=color,
+            diff=diff,
+            collapse=collapse,
+            max_nodes=MAX_NODES if max_nodes is None else max_nodes,
+            log=log,
+            rankdir=rankdir,
+        )
+
+    def _repr_html_(self) -> str:
+        from tracelake.reprs import trace_html
+
+        return trace_html(self)
 
     def _summary(self) -> str:
         saved = sum(1 for op in self if op.saved)

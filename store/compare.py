@@ -15,7 +15,6 @@ statistics and read no tensor.
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -145,9 +144,10 @@ class Comparison:
             )
         return row
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Every row as a dict (columns as in :meth:`df`)."""
-        return [self._row(k) for k in range(len(self._pairs))]
+    def rows(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Every row (or the first ``limit``) as a dict (columns as in :meth:`df`)."""
+        count = len(self._pairs) if limit is None else min(limit, len(self._pairs))
+        return [self._row(k) for k in range(count)]
 
     def df(self) -> pandas.DataFrame:
         """One row per aligned pair (or one-sided entry)."""
@@ -224,25 +224,17 @@ class Comparison:
         return f"<Comparison {self.a!r} vs {self.b!r} on {self.on}: {len(self)} rows ({parts})>"
 
     def _repr_html_(self) -> str:
-        head = html.escape(repr(self))
-        shown = ("key", "func", "status", "max_abs_diff", "rel_l2", "cosine", "allclose")
-        cells = (
-            "".join(f"<td>{html.escape(_fmt(self._row(k)[c]))}</td>" for c in shown)
-            for k in range(min(len(self), 20))
-        )
-        rows = "".join(f"<tr>{row}</tr>" for row in cells)
-        more = f"<p>… {len(self) - 20} more rows: .df()</p>" if len(self) > 20 else ""
-        return (
-            f"<div><p><b>{head}</b></p><table><thead><tr>"
-            + "".join(f"<th>{c}</th>" for c in shown)
-            + f"</tr></thead><tbody>{rows}</tbody></table>{more}</div>"
-        )
+        from tracelake.reprs import comparison_html  # notebook display sits downstream
 
+        return comparison_html(self)
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
+    def plot(self, by: str = "block", metric: str = "max_abs_diff", ax: Any = None) -> Any:
+        """How the difference grows with depth: ``metric`` of the compared pairs per
+        block (``by="block"``) or per module (``by="module"``), plotted with matplotlib;
+        returns the Axes. See :mod:`tracelake.plots`."""
+        from tracelake.plots import plot_comparison
+
+        return plot_comparison(self, by=by, metric=metric, ax=ax)
 
 
 def _status(a: _Item | None, b: _Item | None, tensors: bool) -> tuple[str, str | None]:
@@ -521,8 +513,9 @@ class StatsComparison(Comparison):
     def __len__(self) -> int:
         return self._table.num_rows
 
-    def rows(self) -> list[dict[str, Any]]:
-        return self._table.to_pylist()
+    def rows(self, limit: int | None = None) -> list[dict[str, Any]]:
+        table = self._table if limit is None else self._table.slice(0, limit)
+        return table.to_pylist()
 
     def df(self) -> pandas.DataFrame:
         return self._table.to_pandas()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from tracelake.recorder.trace import TraceView
 
 from .rows import load_step
 from .tensors import RunArrays, parse_dtype
+
+if TYPE_CHECKING:
+    from tracelake.graph import OpGraph
 
 __all__ = ["LazyTensor", "Run", "StepView", "StoredOpEntry", "TensorSlot", "index_tensor"]
 
@@ -273,6 +276,17 @@ class Run:
         if name.startswith("_") or name not in _VIEW_ATTRS:
             raise AttributeError(name)
         return getattr(self._only(), name)
+
+    def graph(self, step: int | None = None, **options: Any) -> OpGraph:
+        """The op graph of the run's step ``step`` (default: its only one), drawn with
+        Graphviz; ``options`` as :meth:`TraceView.graph` takes them (``depth``,
+        ``color``, ``diff``, ``collapse``, ``max_nodes``, ``log``, ``rankdir``)."""
+        return (self._only() if step is None else self.step(step)).graph(**options)
+
+    def _repr_html_(self) -> str:
+        from tracelake.reprs import run_html  # notebook display sits downstream
+
+        return run_html(self)
 
     def __repr__(self) -> str:
         return f"<Run {self.name!r}: {self.model_class}, {self.num_steps} step(s)>"

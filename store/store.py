@@ -646,5 +646,10 @@ class Store:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _repr_html_(self) -> str:
+        from tracelake.reprs import store_html  # notebook display sits downstream
+
+        return store_html(self)
+
     def __repr__(self) -> str:
         return f"<Store {self.path!r}>"

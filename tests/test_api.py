@@ -26,6 +26,7 @@ def test_public_names_are_pinned() -> None:
             "QueryError",
             "QuerySyntaxError",
             "RecorderError",
+            "RenderError",
             "Run",
             "RunExistsError",
             "RunNotFoundError",

@@ -335,4 +335,5 @@ def test_ipython_magics(store_and_hooks) -> None:
         "tlq", store.path, "select run, out\nfrom ops\nwhere label = 'relu_1_2'"
     )
     assert len(res) == 3 and isinstance(res.tensors()[0], torch.Tensor)
-    assert shell.run_line_magic("tlq", "select nope from ops") is None  # message printed
+    with pytest.raises(tl.QueryCompileError, match="unknown column 'nope'"):
+        shell.run_line_magic("tlq", "select nope from ops")

@@ -360,6 +360,26 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _graph(args: argparse.Namespace) -> int:
+    """Draw a run's op graph to a file (tracelake/graph.py; needs Graphviz's dot)."""
+    store = tl.open(args.store, create=False)
+    run = store[args.run]
+    diff = store.compare(args.run, args.diff) if args.diff else None
+    try:
+        drawn = run.graph(
+            step=args.step, depth=args.depth, color=args.color, diff=diff, collapse=args.collapse
+        )
+    except ValueError as exc:  # a statistic or metric that does not exist
+        print(f"tracelake graph: {exc}", file=sys.stderr)
+        return 2
+    drawn.save(args.output)
+    if args.json:
+        _print_json({"output": args.output, "nodes": drawn.nodes, "ops": drawn.ops})
+    else:
+        _console().print(f"{args.output}: {drawn!r}", soft_wrap=True, markup=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracelake", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tracelake {tl.__version__}")
@@ -424,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
     diff.add_argument("-o", "--output", help="write to FILE instead of the terminal")
     diff.set_defaults(handler=_diff)
+    graph = command("graph", "draw a run's op graph with Graphviz (needs `dot`)", _graph)
+    graph.add_argument("run", help="the run's name")
+    graph.add_argument("-o", "--output", required=True, help="FILE.svg (.png, .pdf, .dot)")
+    graph.add_argument("--step", type=int, default=None, help="which step (multi-step runs)")
+    graph.add_argument("--depth", type=int, default=None, help="module depth drawn expanded")
+    graph.add_argument("--color", default=None, help="colour by a statistic (absmax, ...)")
+    graph.add_argument("--diff", default=None, metavar="RUN", help="colour by difference to RUN")
+    graph.add_argument("--collapse", action="append", default=[], help="collapse a module")
     return parser
 
 

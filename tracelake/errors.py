@@ -30,6 +30,8 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   ├── ObjectNotFoundError (KeyError)   no stored object has that key (array bytes)
     │   ├── InvalidKeyError (ValueError)   a storage key that could leave its store
     │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
+    ├── RenderError                a picture could not be drawn (Graphviz's ``dot`` or
+    │                              matplotlib missing, or ``dot`` failed)
     └── QueryError                 a query could not be parsed, compiled or run
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
         └── QueryCompileError      an unknown table, column, function or parameter, or a
@@ -57,6 +59,7 @@ __all__ = [
     "QueryError",
     "QuerySyntaxError",
     "RecorderError",
+    "RenderError",
     "RunExistsError",
     "RunNotFoundError",
     "StoreError",
@@ -180,6 +183,11 @@ class ChunkCorruptError(StoreError):
         self.run, self.label, self.chunk = run, label, chunk
         message = f"run {run!r}, {label}: stored chunk {chunk} is damaged"
         super().__init__(f"{message} ({detail})" if detail else message)
+
+
+class RenderError(TraceLakeError):
+    """A picture (an op graph, a plot) could not be drawn: a tool it needs is missing
+    (the message says how to install it) or the tool failed."""
 
 
 class TraceLakeWarning(UserWarning):
