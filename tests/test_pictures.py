@@ -225,3 +225,18 @@ def test_trace_and_comparison_html() -> None:
     html = comparison._repr_html_()
     first = comparison.first_divergence()
     assert first is not None and f"first divergence: {first['key']}" in html
+
+
+def test_the_readme_pictures_script_draws_them(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "docs" / "pictures.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    diff = (tmp_path / "op-graph-diff.svg").read_text()
+    assert "</svg>" in diff and "colour: max_abs_diff" in diff and "GPT2Block" in diff
+    assert "colour: absmax" in (tmp_path / "op-graph.svg").read_text()
+    assert (tmp_path / "by-block.png").read_bytes()[:4] == b"\x89PNG"

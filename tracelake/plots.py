@@ -168,6 +168,13 @@ def result_heatmap(result: Result, column: str | None = None, row: int = 0, ax: 
     return heatmap(tensor, ax=ax, title=name)
 
 
+def _tick(value: Any) -> str:
+    """A block's tick label: ``3``, not the ``3.0`` a column with nulls holds."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def plot_comparison(
     comparison: Comparison, by: str = "block", metric: str = "max_abs_diff", ax: Any = None
 ) -> Any:
@@ -186,7 +193,8 @@ def plot_comparison(
     positions = list(range(len(table.index)))
     for name in table.columns:
         ax.plot(positions, table[name].to_numpy(dtype=float), marker="o", label=str(name))
-    ax.set_xticks(positions, [str(i) for i in table.index], rotation=0 if by == "block" else 60)
+    names = [_tick(i) for i in table.index]
+    ax.set_xticks(positions, names, rotation=0 if by == "block" else 60)
     values = table.to_numpy(dtype=float)
     positive = values[values > 0]
     if positive.size and positive.max() / positive.min() > 1e3:
