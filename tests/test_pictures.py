@@ -240,3 +240,29 @@ def test_the_readme_pictures_script_draws_them(tmp_path: Path) -> None:
     assert "</svg>" in diff and "colour: max_abs_diff" in diff and "GPT2Block" in diff
     assert "colour: absmax" in (tmp_path / "op-graph.svg").read_text()
     assert (tmp_path / "by-block.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markup_in_run_names_and_meta_is_shown_as_text(tmp_path: Path) -> None:
+    store = tl.open(tmp_path / "runs.tl")
+    model, inputs = mlp()
+    name = "<img src=x onerror=alert(1)>"
+    store.record(model, *inputs, name=name, meta={"<b>key</b>": "<i>value</i>"})
+    run = store[name]
+    for html in (store._repr_html_(), run._repr_html_(), run.step(0)._repr_html_()):
+        assert "<img" not in html and "<b>" not in html and "<i>" not in html
+        assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "&lt;b&gt;key&lt;/b&gt;" in run._repr_html_()
+    assert "&lt;i&gt;value&lt;/i&gt;" in store._repr_html_()
+
+
+def test_a_graph_too_large_even_collapsed_warns() -> None:
+    class Flat(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(40):
+                x = x + 1
+            return x
+
+    trace = tl.trace(Flat(), torch.zeros(2))
+    with pytest.warns(tl.TraceLakeWarning, match="42 nodes even with every module call"):
+        drawn = trace.graph(max_nodes=20)
+    assert drawn.nodes == len(trace) == 42  # input, 40 adds, output

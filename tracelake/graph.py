@@ -25,11 +25,12 @@ import difflib
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tracelake.errors import RenderError
+from tracelake.errors import RenderError, TraceLakeWarning
 from tracelake.recorder.record import STAT_FIELDS
 
 if TYPE_CHECKING:
@@ -94,7 +95,9 @@ class OpGraph:
     or ``.dot`` / ``.gv`` for the Graphviz source), ``source``, and in a notebook it
     displays as SVG. ``digraph`` is the ``graphviz.Digraph`` itself; ``nodes``,
     ``edges``, ``ops`` and ``depth`` say what was drawn (``depth``: the module depth
-    shown expanded; deeper calls are collapsed nodes)."""
+    shown expanded; deeper calls are collapsed nodes). Nodes are named ``op<index>``
+    (an op, by its execution index) or ``module<k>`` (a collapsed call): the
+    ``<title>`` of each node in the SVG, for pages that link nodes to ops."""
 
     def __init__(self, digraph: Any, nodes: int, edges: int, ops: int, depth: int):
         self.digraph = digraph
@@ -230,6 +233,7 @@ def build_graph(
     labels = {call: m.label for call, m in modules.items()}
     ops = list(view)
     stacks = [tuple(op.modules) for op in ops]
+    explicit = depth is not None
     if depth is None:
         depth = _auto_depth(stacks, max_nodes)
     collapse = set(collapse)
@@ -267,6 +271,14 @@ def build_graph(
             if value is not None:
                 node.values.append(value)
         node_of.append(name)
+    if len(nodes) > max_nodes and not explicit:
+        warnings.warn(
+            f"the op graph has {len(nodes)} nodes even with every module call collapsed "
+            f"(over max_nodes={max_nodes}): Graphviz may take long to draw it; collapse "
+            "more with collapse=[...] or draw part of the model",
+            TraceLakeWarning,
+            stacklevel=3,
+        )
     edges = _edges(ops, node_of)
     digraph = graphviz.Digraph(
         "ops",

@@ -185,7 +185,10 @@ def trace_html(view: TraceView) -> str:
     """A trace's (or a run step's) counts, then its first ops with their statistics."""
     ops = list(view)
     saved = sum(op.saved for op in ops)
-    title = f"{_e(getattr(view, 'model_class', None) or 'Trace')}: {len(ops)} ops"
+    run = getattr(view, "run", None)  # a step of a stored run
+    model = getattr(view, "model_class", None) or getattr(run, "model_class", None)
+    where = f"run {run.name}, step {getattr(view, 'step', 0)}: " if run is not None else ""
+    title = _e(f"{where}{model or 'Trace'}: {len(ops)} ops")
     summary: list[tuple[str, Any]] = [("saved", saved), ("module calls", len(view.modules))]
     if hasattr(view, "nbytes_saved"):
         summary.append(("saved bytes", human_bytes(view.nbytes_saved)))
