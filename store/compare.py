@@ -228,10 +228,11 @@ class Comparison:
 
         return comparison_html(self)
 
-    def plot(self, by: str = "block", metric: str = "max_abs_diff", ax: Any = None) -> Any:
-        """How the difference grows with depth: ``metric`` of the compared pairs per
-        block (``by="block"``) or per module (``by="module"``), plotted with matplotlib;
-        returns the Axes. See :mod:`tracelake.plots`."""
+    def plot(self, by: str = "block", metric: str | None = None, ax: Any = None) -> Any:
+        """How the difference grows with depth: ``metric`` (default ``max_abs_diff``)
+        of the compared pairs per block (``by="block"``) or per module
+        (``by="module"``), plotted with matplotlib; returns the Axes. See
+        :mod:`tracelake.plots`."""
         from tracelake.plots import plot_comparison
 
         return plot_comparison(self, by=by, metric=metric, ax=ax)

@@ -266,3 +266,14 @@ def test_a_graph_too_large_even_collapsed_warns() -> None:
     with pytest.warns(tl.TraceLakeWarning, match="42 nodes even with every module call"):
         drawn = trace.graph(max_nodes=20)
     assert drawn.nodes == len(trace) == 42  # input, 40 adds, output
+
+
+def test_statistics_comparison_plots_a_line_per_run(stored: tl.Store) -> None:
+    comparison = stored.compare("base", ["ft", "base"], tensors=False)
+    ax = comparison.plot()
+    assert ax.get_ylabel() == "max_abs_d_mean"
+    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()}
+    frame = comparison.by_block()["max_abs_d_mean"]
+    assert lines == {run: frame[run].tolist() for run in ("ft", "base")}
+    assert lines["base"] == [0.0, 0.0] and lines["ft"][1] > 0
+    assert "Comparison base vs ft, base on key" in comparison._repr_html_()

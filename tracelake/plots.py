@@ -176,14 +176,19 @@ def _tick(value: Any) -> str:
 
 
 def plot_comparison(
-    comparison: Comparison, by: str = "block", metric: str = "max_abs_diff", ax: Any = None
+    comparison: Comparison, by: str = "block", metric: str | None = None, ax: Any = None
 ) -> Any:
     """``metric`` of the compared pairs per block (how a difference grows with depth) or
-    per module in execution order; a log scale where the values span decades."""
+    per module in execution order; a log scale where the values span decades. The
+    default metric: ``max_abs_diff``, or for a statistics-only comparison its first
+    summary column (``max_abs_d_mean``)."""
     if by not in ("block", "module"):
         raise ValueError(f"plot a comparison by 'block' or 'module', not {by!r}")
     frame = comparison.by_block() if by == "block" else comparison.by_module()
-    metric = _pick(metric, [c for c in frame.columns if c != "ops"], "summary column")
+    known = [c for c in frame.columns if c != "ops"]
+    if metric is None:
+        metric = "max_abs_diff" if "max_abs_diff" in known else known[0]
+    metric = _pick(metric, known, "summary column")
     series = frame[metric]
     if series.index.nlevels > 1:  # a statistics comparison against several runs
         table = series.unstack(0)
