@@ -17,7 +17,11 @@ from .rows import load_step
 from .tensors import RunArrays, parse_dtype
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from tracelake.graph import OpGraph
+
+    from .compare import Comparison
 
 __all__ = ["LazyTensor", "Run", "StepView", "StoredOpEntry", "TensorSlot", "index_tensor"]
 
@@ -277,11 +281,30 @@ class Run:
             raise AttributeError(name)
         return getattr(self._only(), name)
 
-    def graph(self, step: int | None = None, **options: Any) -> OpGraph:
+    def graph(
+        self,
+        step: int | None = None,
+        *,
+        depth: int | None = None,
+        color: str | None = None,
+        diff: Comparison | None = None,
+        collapse: Iterable[str] = (),
+        max_nodes: int | None = None,
+        log: bool | None = None,
+        rankdir: str = "TB",
+    ) -> OpGraph:
         """The op graph of the run's step ``step`` (default: its only one), drawn with
-        Graphviz; ``options`` as :meth:`TraceView.graph` takes them (``depth``,
-        ``color``, ``diff``, ``collapse``, ``max_nodes``, ``log``, ``rankdir``)."""
-        return (self._only() if step is None else self.step(step)).graph(**options)
+        Graphviz; the options as :meth:`TraceView.graph` takes them."""
+        view = self._only() if step is None else self.step(step)
+        return view.graph(
+            depth=depth,
+            color=color,
+            diff=diff,
+            collapse=collapse,
+            max_nodes=max_nodes,
+            log=log,
+            rankdir=rankdir,
+        )
 
     def _repr_html_(self) -> str:
         from tracelake.reprs import run_html  # notebook display sits downstream

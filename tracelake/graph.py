@@ -154,8 +154,7 @@ def _values(
         metric = color or _DEFAULT_DIFF
         rows = diff.rows()
         if rows and metric not in rows[0]:
-            numeric = [k for k, v in rows[0].items() if isinstance(v, float) or k == metric]
-            _unknown("comparison column", metric, numeric)
+            _unknown("comparison column", metric, list(rows[0]))
         found: dict[str, float] = {}
         for row in rows:
             value, label = row.get(metric), row.get("label_a")
