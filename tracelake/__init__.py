@@ -14,6 +14,7 @@ from tracelake.errors import (
     AmbiguousLabelError,
     CatalogError,
     ChunkCorruptError,
+    InterventionError,
     InvalidRunNameError,
     LabelError,
     NestedTraceError,
@@ -21,6 +22,7 @@ from tracelake.errors import (
     QueryError,
     QuerySyntaxError,
     RecorderError,
+    ReplayError,
     RunExistsError,
     RunNotFoundError,
     StoreError,
@@ -44,6 +46,19 @@ from tracelake.recorder import (
     trace,
 )
 from tracelake.recorder import all_ as all
+from tracelake.recorder.actions import (
+    add,
+    clamp,
+    mean_ablate,
+    noise,
+    project_off,
+    replace_with,
+    scale,
+    steer,
+    zero_ablate,
+)
+from tracelake.recorder.intervene import when
+from tracelake.recorder.patch import patch_from
 from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
 from tracelake.store.compare import compare
@@ -63,6 +78,7 @@ __all__ = [
     "CatalogError",
     "ChunkCorruptError",
     "Comparison",
+    "InterventionError",
     "InvalidRunNameError",
     "LabelError",
     "ModuleEntry",
@@ -72,6 +88,7 @@ __all__ = [
     "QueryError",
     "QuerySyntaxError",
     "RecorderError",
+    "ReplayError",
     "Run",
     "RunExistsError",
     "RunNotFoundError",
@@ -86,13 +103,24 @@ __all__ = [
     "TraceLakeError",
     "TraceLakeWarning",
     "__version__",
+    "add",
     "all",
+    "clamp",
     "compare",
     "func",
     "in_module",
     "label",
+    "mean_ablate",
     "module",
+    "noise",
     "none",
     "open",
+    "patch_from",
+    "project_off",
+    "replace_with",
+    "scale",
+    "steer",
     "trace",
+    "when",
+    "zero_ablate",
 ]
