@@ -44,6 +44,8 @@ class PatchAction(Action):
         self._describe = describe
         self._values: dict[Any, torch.Tensor] = {}
         self._unsaved: dict[Any, str] = {}
+        # what prepare() read, by step and selector: a recording's sources do not change
+        self._read: dict[tuple[int, str], tuple[dict[Any, torch.Tensor], dict[Any, str]]] = {}
 
     def _view(self, step: int) -> Any:
         source = self._source
@@ -64,16 +66,10 @@ class PatchAction(Action):
     def prepare(self, step: int, selector: Selector | None = None) -> None:
         """Read the source's values of the ops ``selector`` picks there; refuse now,
         before the forward, what cannot work whatever the forward does."""
-        view = self._view(step)
-        self._values, self._unsaved = {}, {}
-        for op in view:
-            if op.kind != "op" or (selector is not None and not selector.matches_op(op)):
-                continue
-            value = op.out
-            if value is None:
-                self._unsaved[self._align_key(op)] = op.label
-            else:
-                self._values[self._align_key(op)] = value
+        read = self._read.get((step, repr(selector)))
+        if read is None:
+            read = self._read[step, repr(selector)] = self._read_source(step, selector)
+        self._values, self._unsaved = read
         if not self._values and not self._unsaved:
             raise InterventionError(
                 f"tl.patch_from({self._describe}): the source has no op that {selector!r} "
@@ -85,6 +81,21 @@ class PatchAction(Action):
                 f"tl.patch_from({self._describe}): the source did not save {some}, which "
                 f"{selector!r} selects; record the source with save= including them"
             )
+
+    def _read_source(
+        self, step: int, selector: Selector | None
+    ) -> tuple[dict[Any, torch.Tensor], dict[Any, str]]:
+        values: dict[Any, torch.Tensor] = {}
+        unsaved: dict[Any, str] = {}
+        for op in self._view(step):
+            if op.kind != "op" or (selector is not None and not selector.matches_op(op)):
+                continue
+            value = op.out
+            if value is None:
+                unsaved[self._align_key(op)] = op.label
+            else:
+                values[self._align_key(op)] = value
+        return values, unsaved
 
     def _patch(self, out: torch.Tensor, hook: HookContext) -> torch.Tensor:
         key = hook.key if self._on == "key" else (hook.layer, hook.pass_num)
