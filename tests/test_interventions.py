@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,25 +25,24 @@ from tracelake.recorder.selectors import parse_selector
 torch.set_num_threads(1)
 
 
-def _hooked(
-    model: nn.Module, module: nn.Module, fn: Callable, *inputs: torch.Tensor
-) -> torch.Tensor:
-    """The model's output with a forward hook on ``module`` returning ``fn(output)``."""
-    handle = module.register_forward_hook(lambda m, a, out: fn(out))
+def _hooked(model: nn.Module, hooks: dict[nn.Module, Callable], *inputs: torch.Tensor) -> Any:
+    """The model's output with a forward hook on each module of ``hooks`` returning
+    ``fn(output)``."""
+    handles = [
+        module.register_forward_hook(lambda m, a, out, fn=fn: fn(out))
+        for module, fn in hooks.items()
+    ]
     try:
         return model(*inputs)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def test_zero_ablating_a_relu_equals_a_hook_that_zeroes_it() -> None:
     model, (x,) = mlp()
     log = tl.trace(model, x, intervene=tl.when(tl.func("relu"), tl.zero_ablate()))
-    handle = model[3].register_forward_hook(lambda m, a, out: torch.zeros_like(out))
-    try:
-        both = _hooked(model, model[1], torch.zeros_like, x)
-    finally:
-        handle.remove()
+    both = _hooked(model, {model[1]: torch.zeros_like, model[3]: torch.zeros_like}, x)
     assert_bitwise(log.output, both)
     relus = [op for op in log if op.func == "relu"]
     assert [op.intervened for op in relus] == [True, True]
@@ -63,7 +63,7 @@ def test_an_in_place_relu_is_ablated_in_place_as_a_hook_would() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)).eval()
     x = torch.randn(3, 8)
     log = tl.trace(model, x, intervene=tl.when(tl.func("relu"), tl.zero_ablate()))
-    expected = _hooked(model, model[1], lambda out: out.mul_(0), x)
+    expected = _hooked(model, {model[1]: lambda out: out.mul_(0)}, x)
     assert_bitwise(log.output, expected)
     [relu] = [op for op in log if op.intervened]
     assert relu.func == "relu_" and relu.out.count_nonzero() == 0
@@ -115,7 +115,7 @@ def test_each_helper_equals_the_hook_that_does_it_by_hand(
     model, (x,) = mlp()
     first = tl.func("relu") & tl.in_module("1")
     log = tl.trace(model, x, intervene=tl.when(first, action))
-    assert_bitwise(log.output, _hooked(model, model[1], hook, x))
+    assert_bitwise(log.output, _hooked(model, {model[1]: hook}, x))
     assert [op.func for op in log if op.intervened] == ["relu"]
     # the spec rebuilds the very same action: the replay reproduces every op
     assert log.replay(model).ok
@@ -128,13 +128,7 @@ def test_rules_apply_in_order_and_the_first_is_the_ops_rule() -> None:
         tl.when(tl.in_module("3"), tl.scale(3.0)),
     ]
     log = tl.trace(model, x, intervene=rules)
-    h1 = model[1].register_forward_hook(lambda m, a, out: out + 1.0)
-    h3 = model[3].register_forward_hook(lambda m, a, out: (out + 1.0) * 3.0)
-    try:
-        expected = model(x)
-    finally:
-        h1.remove()
-        h3.remove()
+    expected = _hooked(model, {model[1]: lambda o: o + 1.0, model[3]: lambda o: (o + 1.0) * 3.0}, x)
     assert_bitwise(log.output, expected)
     assert [(op.func, op.rule) for op in log if op.intervened] == [("relu", 0), ("relu", 0)]
     assert [row["touched"] for row in log.interventions.audit()] == [2, 1]
@@ -147,13 +141,7 @@ def test_a_user_callable_is_recorded_by_name_and_is_not_replayable() -> None:
         return out / 2
 
     log = tl.trace(model, x, intervene=tl.when(tl.func("relu"), halve))
-    h1 = model[1].register_forward_hook(lambda m, a, out: out / 2)
-    h3 = model[3].register_forward_hook(lambda m, a, out: out / 2)
-    try:
-        expected = model(x)
-    finally:
-        h1.remove()
-        h3.remove()
+    expected = _hooked(model, {model[1]: lambda o: o / 2, model[3]: lambda o: o / 2}, x)
     assert_bitwise(log.output, expected)
     [row] = log.interventions.audit()
     assert row["action"] == "callable" and not row["replayable"]
