@@ -150,11 +150,17 @@ def test_a_user_callable_is_recorded_by_name_and_is_not_replayable() -> None:
         log.replay(model)
 
 
-def test_a_rule_that_selects_nothing_warns() -> None:
+def test_a_rule_that_selects_nothing_warns(tmp_path: Path) -> None:
     model, (x,) = mlp()
     with pytest.warns(tl.TraceLakeWarning, match="selected no op"):
         log = tl.trace(model, x, intervene=tl.when(tl.func("gelu"), tl.zero_ablate()))
     assert_bitwise(log.output, model(x))
+    store = tl.open(tmp_path / "s.tl")
+    rules = [tl.when(tl.func("relu"), tl.scale(2.0)), tl.when(tl.module("1"), tl.scale(2.0))]
+    with pytest.warns(tl.TraceLakeWarning, match=r"tl.module\('1'\).*selected no op"):
+        store.record(model, x, name="one_idle", intervene=rules)
+    touched = store.query("select rule, touched from rules order by rule").df()
+    assert touched.values.tolist() == [[0, 2], [1, 0]]
 
 
 def test_wrong_arguments_are_refused_clearly() -> None:
