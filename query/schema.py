@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: Tables a query can read, in the order error messages list them.
-TABLE_NAMES = ("ops", "runs", "modules", "edges")
+TABLE_NAMES = ("ops", "runs", "modules", "edges", "rules", "calls")
 
 #: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``
 #: (the language says ``norm`` for the ``l2`` column). ``sum`` has no column of its own:

@@ -17,7 +17,9 @@ from tracelake.errors import TraceLakeWarning
 from .emit import MemoryEmitter
 from .entries import OpTable
 from .intercept import Interceptor
+from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
+from .replay import encode_call
 from .selectors import as_selector
 from .trace import Trace
 
@@ -66,10 +68,23 @@ class ForwardRecording:
     and ends it in its post-hook): ``start(args, kwargs)``, the forward, ``stop(output)``.
     ``stop`` must run even if the forward raises (it removes the mode and hooks)."""
 
-    def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        emitter: Emitter,
+        table: OpTable,
+        interventions: Interventions | None = None,
+        step: int = 0,
+    ):
         Interceptor.refuse_nesting()
-        self.labeller = Labeller(model, emitter, table)
-        self._interceptor = Interceptor(self.labeller, _Warner())
+        if interventions:  # the rules see each op before the emitter does
+            wrapper = interventions.step(step, table, emitter)
+            self.labeller = Labeller(model, wrapper, table)
+            wrapper.bind(self.labeller)
+            self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
+        else:
+            self.labeller = Labeller(model, emitter, table)
+            self._interceptor = Interceptor(self.labeller, _Warner())
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
@@ -85,12 +100,17 @@ class ForwardRecording:
 
 
 def record_forward(
-    model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter, table: OpTable
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    emitter: Emitter,
+    table: OpTable,
+    interventions: Interventions | None = None,
 ) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    recording = ForwardRecording(model, emitter, table)
+    recording = ForwardRecording(model, emitter, table, interventions)
     recording.start(args, kwargs)
     try:
         output = model(*args, **kwargs)
@@ -102,7 +122,12 @@ def record_forward(
 
 
 def trace(
-    model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved", **kwargs: Any
+    model: torch.nn.Module,
+    *args: Any,
+    save: Any = None,
+    stats: str = "saved",
+    intervene: Any = None,
+    **kwargs: Any,
 ) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
 
@@ -110,16 +135,19 @@ def trace(
     stack, dataflow edges, source line, shape and dtype. ``save`` (a selector: ``tl.func``,
     ``tl.in_module``, ``tl.module``, ``tl.label``, ``tl.all``, ``tl.none``; default all)
     picks the tensors to keep as detached copies. ``stats="all"`` also computes summary
-    statistics of ops that are not saved (saved ones always have them). Remaining
-    positional and keyword arguments go to the model.
+    statistics of ops that are not saved (saved ones always have them). ``intervene``:
+    ``tl.when(selector, action)`` or a list of them, applied to the ops they select as
+    the forward runs (``trace.interventions`` audits them). Remaining positional and
+    keyword arguments go to the model.
     """
     model = check_model(model)
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
+    interventions = Interventions(as_rules(intervene))
     table = OpTable()
     emitter = MemoryEmitter(selector, stats, table)
-    labeller, output = record_forward(model, args, kwargs, emitter, table)
+    labeller, output = record_forward(model, args, kwargs, emitter, table, interventions)
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()
     for index in lost:
@@ -129,4 +157,8 @@ def trace(
             TraceLakeWarning,
             stacklevel=2,
         )
-    return Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    result = Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    result.interventions = interventions
+    result.call = encode_call(args, kwargs)
+    interventions.warn_unused()
+    return result

@@ -26,6 +26,7 @@ __all__ = [
     "SlotRef",
     "SourceLocation",
     "TensorSource",
+    "next_op_key",
 ]
 
 
@@ -61,6 +62,8 @@ LAYER = position("layer_idx")
 PASS = position("pass")
 N_FUNC = position("n_func")
 N_LAYER = position("n_layer")
+INTERVENED = position("intervened")
+RULE = position("rule")
 
 
 def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
@@ -92,13 +95,20 @@ def op_keys(rows: list[tuple], labels: list[str]) -> list[str]:
         if out_index:  # a later output of the call whose first output came just before
             keys.append(f"{keys[index - out_index]}.{out_index}")
             continue
-        stack, func = row[MODULES], row[FUNC]
-        call = stack[-1] if stack else ("", 1)
-        n = counts[call, func] = counts.get((call, func), 0) + 1
-        path, pass_num = call
-        where = f"{path}:{pass_num}:" if pass_num > 1 else f"{path}:" if path else ""
-        keys.append(f"{where}{func}#{n}")
+        keys.append(next_op_key(counts, row))
     return keys
+
+
+def next_op_key(counts: dict[tuple[Any, str], int], row: tuple) -> str:
+    """The key of the first output of the op ``row``, the ops before it having been
+    counted in ``counts`` (which this advances): one step of :func:`op_keys`, for
+    whoever needs keys while the forward runs (interventions)."""
+    stack, func = row[MODULES], row[FUNC]
+    call = stack[-1] if stack else ("", 1)
+    n = counts[call, func] = counts.get((call, func), 0) + 1
+    path, pass_num = call
+    where = f"{path}:{pass_num}:" if pass_num > 1 else f"{path}:" if path else ""
+    return f"{where}{func}#{n}"
 
 
 @functools.cache
@@ -259,6 +269,9 @@ class OpEntry:
     inplace = property(lambda self: self._row[INPLACE])
     params = property(lambda self: self._row[PARAMS])
     pass_num = property(lambda self: self._row[PASS])
+    intervened = property(lambda self: self._row[INTERVENED])
+    #: The number of the intervention rule that changed this op first, or None.
+    rule = property(lambda self: self._row[RULE])
 
     def field(self, name: str) -> Any:
         """The op record's row field ``name`` (one of ``record.ROW_FIELDS``) as the

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_map_only
 
 from tracelake.errors import NestedTraceError
 
@@ -28,7 +29,7 @@ from .compiled import _hot
 from .record import ROW_DEFAULTS
 from .trees import leaves_of
 
-__all__ = ["Events", "Interceptor", "SourceFinder", "flatten_tensors", "func_name"]
+__all__ = ["Events", "Interceptor", "SourceFinder", "Swaps", "flatten_tensors", "func_name"]
 
 _Tensor = torch.Tensor
 _NO_KWARGS: dict[str, Any] = {}
@@ -362,17 +363,65 @@ if _hot is not None:
             )
 
 
+class Swaps(Protocol):
+    """Where an intervening recording leaves what replaces a call's outputs."""
+
+    #: id() of an output tensor -> the tensor the forward goes on with instead
+    swaps: dict[int, torch.Tensor]
+    #: what an intervention raised while the call was recorded, to raise into the forward
+    error: BaseException | None
+
+
+class _InterveningMode(_Mode):
+    """The mode of a recording with interventions (Python only): a call's outputs that
+    a rule replaced are returned replaced, and a rule's error is raised at that call."""
+
+    def __init__(
+        self, events: Events, on_error: Callable[[str, BaseException], None], swaps: Swaps
+    ):
+        super().__init__(events, on_error)
+        self._swaps = swaps
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = _Mode.__torch_function__(self, func, types, args, kwargs)
+        state = self._swaps
+        if state.error is not None:
+            error, state.error = state.error, None
+            state.swaps.clear()
+            raise error
+        swaps = state.swaps
+        if swaps:
+            if isinstance(out, _Tensor):
+                out = swaps.get(id(out), out)
+            else:
+                out = tree_map_only(_Tensor, lambda t: swaps.get(id(t), t), out)
+            swaps.clear()
+        return out
+
+
 class Interceptor:
     """Context manager: push the mode and register global module hooks for one thread.
 
-    Refuses to nest: one recording per thread at a time.
+    Refuses to nest: one recording per thread at a time. ``swaps``: a recording with
+    interventions, whose replaced outputs the mode returns (Python mode only).
     """
 
-    def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
+    def __init__(
+        self,
+        events: Events,
+        on_error: Callable[[str, BaseException], None],
+        swaps: Swaps | None = None,
+    ):
         self._events = events
         self._on_error = on_error
-        self._fused_state = getattr(events, "fused_state", None) if compiled.ENABLED else None
-        self._mode: Any = (_FusedMode if self._fused_state is not None else _Mode)(events, on_error)
+        self._fused_state = (
+            getattr(events, "fused_state", None) if compiled.ENABLED and swaps is None else None
+        )
+        self._mode: Any = (
+            _InterveningMode(events, on_error, swaps)
+            if swaps is not None
+            else (_FusedMode if self._fused_state is not None else _Mode)(events, on_error)
+        )
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._entered = False

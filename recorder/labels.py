@@ -126,6 +126,13 @@ class Labeller:
             return index
         return -1
 
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        """Entry ``index`` now stands for ``tensor`` (an intervention replaced the call's
+        output with it): later calls that consume ``tensor`` find that entry as their
+        producer."""
+        self._producers[id(tensor)] = index
+        self._refs[index] = _ref(tensor)
+
     def _scan_more(
         self, items: Any, parents: tuple[int, ...], where: tuple[Any, ...], params: tuple[str, ...]
     ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[str, ...]]:

@@ -14,13 +14,24 @@ label), and does it select this module call's entry. They compose with ``&``, ``
 
 from __future__ import annotations
 
+import ast
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .entries import ModuleEntry, OpEntry
 
-__all__ = ["Selector", "all_", "as_selector", "func", "in_module", "label", "module", "none"]
+__all__ = [
+    "Selector",
+    "all_",
+    "as_selector",
+    "func",
+    "in_module",
+    "label",
+    "module",
+    "none",
+    "parse_selector",
+]
 
 
 class Selector(ABC):
@@ -222,3 +233,41 @@ def as_selector(save: object) -> Selector:
         f"save= takes a selector such as tl.func('relu') or tl.in_module('encoder'), "
         f"not {type(save).__name__} {save!r}"
     )
+
+
+def parse_selector(text: str) -> Selector:
+    """The selector whose ``repr`` is ``text`` (``(tl.func('add') & ~tl.label('x'))``):
+    how a stored intervention rule names its selector. Only the constructors above,
+    string arguments and ``& | ~`` are accepted; nothing is evaluated."""
+    makers: dict[str, Any] = {
+        "func": func,
+        "in_module": in_module,
+        "module": module,
+        "label": label,
+        "all": all_,
+        "none": none,
+    }
+
+    def build(node: ast.AST) -> Selector:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            left, right = build(node.left), build(node.right)
+            return left & right if isinstance(node.op, ast.BitAnd) else left | right
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+            return ~build(node.operand)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "tl"
+            and node.func.attr in makers
+            and not node.keywords
+            and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)
+        ):
+            return makers[node.func.attr](*(a.value for a in node.args))  # type: ignore[attr-defined]
+        raise ValueError(f"not a selector: {text!r}")
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not a selector: {text!r}") from None
+    return build(tree.body)

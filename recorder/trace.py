@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from tracelake.store.compare import Comparison
 
     from .emit import MemoryEmitter
+    from .intervene import Interventions
+    from .replay import ReplayReport
 
 __all__ = ["Trace", "TraceView"]
 
@@ -218,6 +220,12 @@ class Trace(TraceView):
     tensor; the trace can also be used as a context manager that cleans up on exit.
     """
 
+    #: The recording's intervention rules and what they touched (``.audit()``: one row
+    #: per rule), set by ``tl.trace``.
+    interventions: Interventions | None = None
+    #: How the model was called, as JSON (what ``replay`` calls it with again).
+    call: str | None = None
+
     def __init__(
         self,
         table: OpTable,
@@ -230,6 +238,15 @@ class Trace(TraceView):
         self._emitter = emitter
         self.output = output
         self.model_class = model_class
+
+    def replay(self, model: Any, atol: float = 1e-6, rtol: float = 1e-5) -> ReplayReport:
+        """Run this forward pass again on ``model`` from the saved inputs, with the same
+        interventions, and report op by op whether each saved value was reproduced
+        (bitwise on the same device and dtype, else within ``atol`` / ``rtol``).
+        ``ReplayError`` up front when it cannot be (inputs not saved, a user callable)."""
+        from .replay import replay_trace
+
+        return replay_trace(self, model, atol, rtol)
 
     @property
     def nbytes_saved(self) -> int:

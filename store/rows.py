@@ -49,7 +49,7 @@ from tracelake.recorder.record import (
     MODULES as MODULES_TABLE,
 )
 
-from .schema import TENSORS, arrow_schema, ident
+from .schema import CALLS, RULES, TENSORS, arrow_schema, ident
 from .structure import decode_structure, encode_structure
 from .tensors import dtype_name, parse_dtype
 
@@ -57,6 +57,7 @@ __all__ = [
     "STAT_FIELDS",
     "StoredOpTable",
     "Written",
+    "audit_tables",
     "decode_structure",
     "distinct_codes",
     "load_step",
@@ -152,6 +153,25 @@ def run_tables(
         "edges": edges,
         "modules": modules,
         "tensors": _assembled(arrow_schema(TENSORS), tensors),
+    }
+
+
+def audit_tables(run_id: int, interventions: Any, calls: list[str]) -> dict[str, pa.Table]:
+    """The ``rules`` table (the run's intervention rules: ``Interventions.audit()``) and
+    the ``calls`` table (how each step called the model) of a run."""
+    rules = interventions.audit()
+    return {
+        "rules": _assembled(
+            arrow_schema(RULES),
+            {
+                name: [run_id] * len(rules) if name == "run_id" else [r[name] for r in rules]
+                for name in RULES.column_names
+            },
+        ),
+        "calls": _assembled(
+            arrow_schema(CALLS),
+            {"run_id": [run_id] * len(calls), "step": list(range(len(calls))), "call": calls},
+        ),
     }
 
 

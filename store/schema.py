@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from tracelake.recorder.record import (
+    BOOL,
     EDGES,
     I32,
     I64,
@@ -33,6 +34,8 @@ if TYPE_CHECKING:  # the catalog's connections; DuckDB itself is catalog.py's to
     import duckdb
 
 __all__ = [
+    "CALLS",
+    "RULES",
     "RUNS",
     "RUN_TABLES",
     "TABLES",
@@ -85,10 +88,35 @@ TENSORS = Table(
     ),
 )
 
+#: The ``rules`` table: one row per intervention rule of a run (``intervene=``).
+RULES = Table(
+    "rules",
+    (
+        Field("run_id", I32, "the run's id"),
+        Field("rule", I32, "the rule's number (ops.rule names it)"),
+        Field("selector", STR, "the rule's selector, as tl.func(...) & ... spells it"),
+        Field("action", STR, "the helper's name (zero_ablate, patch_from, callable...)"),
+        Field("spec", STR, "the action and its arguments as JSON (tensors in base64)"),
+        Field("replayable", BOOL, "whether the spec rebuilds the action"),
+        Field("reason", STR, "why not, where it does not (a user callable, ...)"),
+        Field("touched", I64, "how many ops the rule changed, all steps"),
+    ),
+)
+
+#: The ``calls`` table: one row per step, how the model was called (for replay).
+CALLS = Table(
+    "calls",
+    (
+        Field("run_id", I32, "the run's id"),
+        Field("step", I32, "the step"),
+        Field("call", STR, "the call's arguments as JSON, tensors as the input entries"),
+    ),
+)
+
 #: Every catalog table, in the order a new catalog creates them.
-TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES)}
+TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES, RULES, CALLS)}
 #: The tables holding a run's rows (by ``run_id``).
-RUN_TABLES = ("ops", "tensors", "edges", "modules")
+RUN_TABLES = ("ops", "tensors", "edges", "modules", "rules", "calls")
 
 
 def ident(name: str) -> str:

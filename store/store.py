@@ -17,9 +17,11 @@ import pandas
 import pyarrow as pa
 import torch
 
-from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.errors import InterventionError, RunNotFoundError, StoreError, TraceLakeWarning
 from tracelake.recorder import ForwardRecording, OpTable, check_model
 from tracelake.recorder.intercept import flatten_tensors
+from tracelake.recorder.intervene import Interventions, as_rules
+from tracelake.recorder.replay import ReplayReport, encode_call
 from tracelake.recorder.selectors import as_selector
 
 from .boundary import CatalogCursor
@@ -44,7 +46,8 @@ from .layout import (
     trash_run_dir,
     validate_name,
 )
-from .rows import run_tables
+from .replay import replay_run
+from .rows import audit_tables, run_tables
 from .run import Run
 from .tensors import RunArrays
 from .verify import Problem, VerifyReport, verify_files, verify_run
@@ -133,6 +136,7 @@ class Recording:
         meta: Any,
         overwrite: bool,
         max_inflight: int,
+        intervene: Any = None,
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -146,6 +150,8 @@ class Recording:
         self.name = validate_name(name) if name is not None else None
         self.model = model
         self._selector = as_selector(save)
+        self.interventions = Interventions(as_rules(intervene))
+        self._calls: list[str] = []
         self._stats = stats
         self._meta = meta
         self._overwrite = overwrite
@@ -232,6 +238,7 @@ class Recording:
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
+        self._calls.append(encode_call(args, kwargs))
         if not self._fingerprints:
             self._fingerprints = {
                 "param_fingerprint": _fingerprint(list(model.named_parameters())),
@@ -246,7 +253,7 @@ class Recording:
         """Record one forward pass of ``model`` as the next step; return its output."""
         model = check_model(model)
         table, emitter = self._begin(model)
-        recording = ForwardRecording(model, emitter, table)
+        recording = ForwardRecording(model, emitter, table, self.interventions, len(self._steps))
         recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
         try:
@@ -266,9 +273,14 @@ class Recording:
             return  # the model calling itself: part of the step already running
         try:
             table, emitter = self._begin(module)
-            recording = ForwardRecording(module, emitter, table)
+            recording = ForwardRecording(
+                module, emitter, table, self.interventions, len(self._steps)
+            )
             recording.start(args, kwargs)
             self._auto = (recording, table, emitter, args, kwargs)
+        except InterventionError:  # a rule that cannot apply: never run unpatched
+            self._auto = None
+            raise
         except Exception as exc:
             self._auto = None
             warnings.warn(
@@ -321,6 +333,8 @@ class Recording:
 
         writer.flush()  # the workers finish the last chunks while the tables are built
         merged = run_tables(self.run_id, self._steps, writer.slots, written)
+        merged.update(audit_tables(self.run_id, self.interventions, self._calls))
+        self.interventions.warn_unused(stacklevel=4)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
             merged = run_tables(
@@ -443,9 +457,11 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        intervene: Any = None,
     ) -> Recording:
-        """A run of several forward passes (steps); see :class:`Recording`."""
-        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight)
+        """A run of several forward passes (steps); see :class:`Recording`. ``intervene``:
+        rules applied to every step (as :meth:`record`'s)."""
+        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight, intervene)
 
     def record(
         self,
@@ -457,6 +473,7 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        intervene: Any = None,
         **kwargs: Any,
     ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
@@ -465,6 +482,9 @@ class Store:
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
+        ``intervene``: ``tl.when(selector, action)`` or a list of them, applied as the
+        forward runs and kept with the run (the ``rules`` table; ``ops.intervened`` and
+        ``ops.rule`` mark the ops they changed).
         """
         model = check_model(model)
         rec = Recording(
@@ -476,6 +496,7 @@ class Store:
             meta,
             overwrite,
             max_inflight,
+            intervene,
         )
         rec.model_class = type(model).__name__
         with rec:
@@ -573,6 +594,23 @@ class Store:
         see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
         ``where``, ``steps``, ``atol``, ``rtol``, ``tensors``)."""
         return compare(a, b, store=self, **options)
+
+    def replay(
+        self,
+        run: Any,
+        model: torch.nn.Module,
+        *,
+        name: str | None = None,
+        atol: float = 1e-6,
+        rtol: float = 1e-5,
+    ) -> ReplayReport:
+        """Re-execute run ``run`` (a name or :class:`Run`) on ``model`` from its stored
+        inputs with its stored interventions; report op by op whether each stored value
+        was reproduced (bitwise on the same device and dtype, else within ``atol`` /
+        ``rtol``). ``name``: record the replay as a new run of that name (``report.run``).
+        ``ReplayError`` before anything runs when the run cannot be replayed (inputs not
+        saved, a user callable among its rules, inputs changed since recorded)."""
+        return replay_run(self, run, model, name, atol, rtol)
 
     def sql(self, text: str) -> pandas.DataFrame:
         """Raw, read-only SQL (one SELECT) over the catalog tables, on an in-memory

@@ -94,8 +94,9 @@ def lstm_model() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (input_ids,)
 
 
-def gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A two-layer GPT-2 LM with random weights (transformers), SDPA attention, eval mode."""
+def gpt2(n_layer: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A GPT-2 LM (two layers unless ``n_layer``) with random weights (transformers), SDPA
+    attention, eval mode."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         vocab_size=64,
         n_positions=32,
         n_embd=32,
-        n_layer=2,
+        n_layer=n_layer,
         n_head=2,
         bos_token_id=0,
         eos_token_id=0,

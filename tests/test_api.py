@@ -50,6 +50,20 @@ def test_public_names_are_pinned() -> None:
             "none",
             "open",
             "trace",
+            # interventions and replay (issue 13)
+            "InterventionError",
+            "ReplayError",
+            "add",
+            "clamp",
+            "mean_ablate",
+            "noise",
+            "patch_from",
+            "project_off",
+            "replace_with",
+            "scale",
+            "steer",
+            "when",
+            "zero_ablate",
         ]
     )
     for name in tl.__all__:

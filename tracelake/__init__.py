@@ -14,6 +14,7 @@ from tracelake.errors import (
     AmbiguousLabelError,
     CatalogError,
     ChunkCorruptError,
+    InterventionError,
     InvalidRunNameError,
     LabelError,
     NestedTraceError,
@@ -22,6 +23,7 @@ from tracelake.errors import (
     QuerySyntaxError,
     RecorderError,
     RenderError,
+    ReplayError,
     RunExistsError,
     RunNotFoundError,
     StoreError,
@@ -45,6 +47,19 @@ from tracelake.recorder import (
     trace,
 )
 from tracelake.recorder import all_ as all
+from tracelake.recorder.actions import (
+    add,
+    clamp,
+    mean_ablate,
+    noise,
+    project_off,
+    replace_with,
+    scale,
+    steer,
+    zero_ablate,
+)
+from tracelake.recorder.intervene import when
+from tracelake.recorder.patch import patch_from
 from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
 from tracelake.store.compare import compare
@@ -64,6 +79,7 @@ __all__ = [
     "CatalogError",
     "ChunkCorruptError",
     "Comparison",
+    "InterventionError",
     "InvalidRunNameError",
     "LabelError",
     "ModuleEntry",
@@ -74,6 +90,7 @@ __all__ = [
     "QuerySyntaxError",
     "RecorderError",
     "RenderError",
+    "ReplayError",
     "Run",
     "RunExistsError",
     "RunNotFoundError",
@@ -88,13 +105,24 @@ __all__ = [
     "TraceLakeError",
     "TraceLakeWarning",
     "__version__",
+    "add",
     "all",
+    "clamp",
     "compare",
     "func",
     "in_module",
     "label",
+    "mean_ablate",
     "module",
+    "noise",
     "none",
     "open",
+    "patch_from",
+    "project_off",
+    "replace_with",
+    "scale",
+    "steer",
     "trace",
+    "when",
+    "zero_ablate",
 ]

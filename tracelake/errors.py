@@ -16,7 +16,9 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
 
     TraceLakeError
     ├── RecorderError              capture could not start or a trace was misused
-    │   └── NestedTraceError       a recording is already active in this thread
+    │   ├── NestedTraceError       a recording is already active in this thread
+    │   ├── InterventionError      an intervention rule cannot apply (names the op and rule)
+    │   └── ReplayError            a run cannot be replayed (says why, before running)
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
     ├── StoreError                 a store could not be opened, written or read
@@ -50,6 +52,7 @@ __all__ = [
     "AmbiguousLabelError",
     "CatalogError",
     "ChunkCorruptError",
+    "InterventionError",
     "InvalidKeyError",
     "InvalidRunNameError",
     "LabelError",
@@ -60,6 +63,7 @@ __all__ = [
     "QuerySyntaxError",
     "RecorderError",
     "RenderError",
+    "ReplayError",
     "RunExistsError",
     "RunNotFoundError",
     "StoreError",
@@ -80,6 +84,17 @@ class RecorderError(TraceLakeError):
 
 class NestedTraceError(RecorderError):
     """A tracelake recording is already active in this thread."""
+
+
+class InterventionError(RecorderError):
+    """An intervention rule cannot apply: a patch source lacks the op or its value has
+    another shape, an action returned a tensor of another shape, a helper got a bad
+    argument. Names the op and the rule."""
+
+
+class ReplayError(RecorderError):
+    """A run cannot be replayed: its inputs were not saved, a rule is a user callable or
+    patches from an in-memory trace, its stored inputs do not match their fingerprint."""
 
 
 class LabelError(TraceLakeError, KeyError):
