@@ -35,7 +35,9 @@ from browser import chromium
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import Select
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.expected_conditions import staleness_of
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from torch import nn
 
 import tracelake as tl
@@ -61,6 +63,9 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         store.record(model, (demo_inputs() + 7) % 50, name="other", meta={"prompt": "Rome"})
         model.head.weight[0, 0] += 0.25  # the run differs from "base" from the head on
         store.record(model, demo_inputs(), name="tweaked", meta={"prompt": "Paris"})
+        with store.recording("steps", model, save=tl.func("linear"), meta={"steps": 2}):
+            model(demo_inputs())
+            model(demo_inputs(seq=5))  # a shorter second step
         hostile = nn.Sequential(
             OrderedDict([(HOSTILE_MODULE, nn.Linear(4, 4)), ("act", nn.ReLU())])
         )
@@ -135,6 +140,15 @@ def shot(driver: WebDriver, artifacts: Path, name: str) -> None:
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def go(driver: WebDriver, element: WebElement) -> None:
+    """Click ``element`` and wait for the page it leads to (a click returns before the
+    next page has replaced this one)."""
+    old = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    WebDriverWait(driver, 60).until(staleness_of(old))
+    driver.find_element(By.ID, "timing")  # the last element of every page
+
+
 def texts(driver: WebDriver, css: str) -> list[str]:
     return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
 
@@ -160,7 +174,7 @@ def test_runs_list(server: str, browser: WebDriver, store_path: Path, artifacts:
     # filtered with the query language
     box = browser.find_element(By.ID, "where")
     box.send_keys("meta.prompt = 'Paris'")
-    browser.find_element(By.ID, "filter").click()
+    go(browser, browser.find_element(By.ID, "filter"))
     want = [r["name"] for r in store.query("select name from runs where meta.prompt = 'Paris'")]
     assert texts(browser, "tr.run td.name") == want == ["base", "tweaked"]
     shot(browser, artifacts, "runs-filtered")
@@ -169,7 +183,7 @@ def test_runs_list(server: str, browser: WebDriver, store_path: Path, artifacts:
     box = browser.find_element(By.ID, "where")
     box.clear()
     box.send_keys("meta.prompt lik 'P%'")
-    browser.find_element(By.ID, "filter").click()
+    go(browser, browser.find_element(By.ID, "filter"))
     error = browser.find_element(By.ID, "query-error").text
     assert "Unexpected" in error and "^" in error
     assert texts(browser, "tr.run") == []
@@ -181,7 +195,7 @@ def test_run_ops_filter_and_op_detail(
     store = tl.open(store_path, create=False)
     run = store["base"]
     browser.get(server + "/")
-    browser.find_element(By.LINK_TEXT, "base").click()
+    go(browser, browser.find_element(By.LINK_TEXT, "base"))
     assert browser.find_element(By.ID, "run-name").text == "base"
     assert browser.find_element(By.ID, "op-count").text == str(len(run))
     assert json.loads(browser.find_element(By.ID, "meta").text) == run.meta
@@ -200,7 +214,7 @@ def test_run_ops_filter_and_op_detail(
     # the filter: a condition of the query language, the run's rows only
     box = browser.find_element(By.ID, "where")
     box.send_keys("func = 'linear' and absmax > 1")
-    browser.find_element(By.ID, "filter").click()
+    go(browser, browser.find_element(By.ID, "filter"))
     want = [
         r["label"]
         for r in store.query(
@@ -218,7 +232,7 @@ def test_run_ops_filter_and_op_detail(
         box = browser.find_element(By.ID, "where")
         box.clear()
         box.send_keys(attempt)
-        browser.find_element(By.ID, "filter").click()
+        go(browser, browser.find_element(By.ID, "filter"))
         assert message in browser.find_element(By.ID, "query-error").text
         assert texts(browser, "tr.op") == []
     shot(browser, artifacts, "run-query-error")
@@ -227,9 +241,9 @@ def test_run_ops_filter_and_op_detail(
     box = browser.find_element(By.ID, "where")
     box.clear()
     box.send_keys("func = 'relu'")
-    browser.find_element(By.ID, "filter").click()
+    go(browser, browser.find_element(By.ID, "filter"))
     (label,) = texts(browser, "tr.op td.label")
-    browser.find_element(By.LINK_TEXT, label).click()
+    go(browser, browser.find_element(By.LINK_TEXT, label))
     op = run[label]
     assert browser.find_element(By.ID, "label").text == label
     assert browser.find_element(By.ID, "func").text == "relu"
@@ -246,13 +260,13 @@ def test_run_ops_filter_and_op_detail(
 
     # a parent, by its link; a 3-D tensor sliced at another leading index
     parent = op.parents[0]
-    browser.find_element(By.CSS_SELECTOR, "#parents a").click()
+    go(browser, browser.find_element(By.CSS_SELECTOR, "#parents a"))
     assert browser.find_element(By.ID, "label").text == parent
     assert label in texts(browser, "#children li")[0]
     at = browser.find_element(By.ID, "at")
     at.clear()
     at.send_keys("1")
-    browser.find_element(By.ID, "slice").click()
+    go(browser, browser.find_element(By.ID, "slice"))
     tensor = run[parent].out
     assert tensor is not None and tensor.ndim == 3
     check_tensor_view(browser, tensor, heatmap=tensor[1])
@@ -311,8 +325,8 @@ def test_graph(server: str, browser: WebDriver, store_path: Path, artifacts: Pat
     store = tl.open(store_path, create=False)
     run = store["base"]
     browser.get(server + "/")
-    browser.find_element(By.LINK_TEXT, "base").click()
-    browser.find_element(By.ID, "graph-link").click()
+    go(browser, browser.find_element(By.LINK_TEXT, "base"))
+    go(browser, browser.find_element(By.ID, "graph-link"))
     shot(browser, artifacts, "graph")
     nodes = browser.find_elements(By.CSS_SELECTOR, "#graph a.node")
     assert [n.get_attribute("data-label") for n in nodes] == run.labels
@@ -321,7 +335,7 @@ def test_graph(server: str, browser: WebDriver, store_path: Path, artifacts: Pat
     assert browser.find_element(By.ID, "edges").text == str(edges)
     target = next(n for n in nodes if n.get_attribute("data-label") == "relu_1_21")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", target)
-    target.find_element(By.CSS_SELECTOR, "text").click()
+    go(browser, target.find_element(By.CSS_SELECTOR, "text"))
     assert browser.find_element(By.ID, "label").text == "relu_1_21"
 
 
@@ -331,9 +345,9 @@ def test_compare(server: str, browser: WebDriver, store_path: Path, artifacts: P
     first = comparison.first_divergence()
     assert first is not None and first["func"] == "linear" and first["module"] == "head"
     browser.get(server + "/")
-    browser.find_element(By.LINK_TEXT, "base").click()
+    go(browser, browser.find_element(By.LINK_TEXT, "base"))
     Select(browser.find_element(By.ID, "compare-with")).select_by_visible_text("tweaked")
-    browser.find_element(By.ID, "compare").click()
+    go(browser, browser.find_element(By.ID, "compare"))
     shot(browser, artifacts, "compare")
     assert browser.find_element(By.ID, "first-key").text == first["key"]
     assert browser.find_element(By.ID, "first-max").text == g6(first["max_abs_diff"])
@@ -344,7 +358,7 @@ def test_compare(server: str, browser: WebDriver, store_path: Path, artifacts: P
     assert shown == comparison.summary()
     highlighted = browser.find_elements(By.CSS_SELECTOR, "tr.pair.first")
     assert len(highlighted) == 1 and first["key"] in highlighted[0].text
-    browser.find_element(By.ID, "first-link").click()
+    go(browser, browser.find_element(By.ID, "first-link"))
     assert browser.find_element(By.ID, "label").text == first["label_a"]
 
     # runs that differ from their input on: the first divergence is the input
@@ -362,19 +376,52 @@ def test_hostile_names_are_text(
     assert browser.title != "pwned"
     row_meta = texts(browser, "tr.run td.meta")[-1]
     assert json.loads(row_meta) == HOSTILE_META
-    browser.find_element(By.LINK_TEXT, HOSTILE).click()
+    go(browser, browser.find_element(By.LINK_TEXT, HOSTILE))
     no_alert(browser)
     assert browser.find_element(By.ID, "run-name").text == HOSTILE
     assert f"{HOSTILE_MODULE}" in texts(browser, "tr.op td")
     assert browser.find_elements(By.CSS_SELECTOR, "img[src='x'], main b, main i, script") == []
     shot(browser, artifacts, "hostile")
-    browser.find_element(By.ID, "graph-link").click()
+    go(browser, browser.find_element(By.ID, "graph-link"))
     no_alert(browser)
     assert browser.find_elements(By.CSS_SELECTOR, "#graph a.node")
     browser.get(server + "/")
-    browser.find_element(By.LINK_TEXT, HOSTILE).click()
-    browser.find_element(By.CSS_SELECTOR, "tr.op td.label a").click()
+    go(browser, browser.find_element(By.LINK_TEXT, HOSTILE))
+    go(browser, browser.find_element(By.CSS_SELECTOR, "tr.op td.label a"))
     assert browser.find_element(By.ID, "run-link").text == HOSTILE
+
+
+def test_steps_and_unsaved_ops(
+    server: str, browser: WebDriver, store_path: Path, artifacts: Path
+) -> None:
+    """A run of two forward passes: each step's ops, graph and op pages; an op whose
+    tensor was not saved has statistics only when they were taken (here: none)."""
+    run = tl.open(store_path, create=False)["steps"]
+    browser.get(server + "/")
+    go(browser, browser.find_element(By.LINK_TEXT, "steps"))
+    Select(browser.find_element(By.NAME, "step")).select_by_visible_text("1")
+    go(browser, browser.find_element(By.ID, "filter"))
+    step = run.step(1)
+    assert texts(browser, "tr.op td.label") == step.labels
+    assert browser.find_element(By.ID, "total").text == str(len(step))
+    linear = step.find(func="linear")[0]
+    go(browser, browser.find_element(By.LINK_TEXT, linear.label))
+    assert linear.stats is not None and linear.out is not None
+    assert linear.out.shape[1] == 5  # step 1's tensor (step 0's has 8 tokens)
+    assert browser.find_element(By.ID, "stat-mean").text == g6(linear.stats.mean)
+    assert browser.find_element(By.ID, "shape").text == "x".join(map(str, linear.out.shape))
+    check_tensor_view(browser, linear.out)
+    shot(browser, artifacts, "op-step-1")
+    parent = step[linear.parents[0]]
+    assert parent.func == "layer_norm" and not parent.saved
+    go(browser, browser.find_element(By.LINK_TEXT, parent.label))
+    assert browser.find_element(By.ID, "label").text == parent.label
+    assert browser.find_element(By.ID, "saved").text == "no"
+    assert browser.find_element(By.ID, "no-tensor").text.startswith("not saved")
+    assert browser.find_element(By.ID, "stat-mean").text == ""
+    browser.get(server + "/graph?run=steps&step=1")
+    nodes = browser.find_elements(By.CSS_SELECTOR, "#graph a.node")
+    assert [n.get_attribute("data-label") for n in nodes] == step.labels
 
 
 def _request(url: str, method: str = "GET", host: str | None = None) -> tuple[int, str]:

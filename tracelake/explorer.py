@@ -49,7 +49,7 @@ GRAPH_NODES = 2000
 HEATMAP_SIDE = 128
 HEATMAP_ROW = 1024
 #: Largest tensor whose histogram covers all of it (else: the heatmap's slice).
-HISTOGRAM_BYTES = 64 << 20
+HISTOGRAM_BYTES = 16 << 20
 #: Runs kept read op by op for comparisons.
 RUN_CACHE = 16
 #: Rows of a comparison shown around its first divergence.
