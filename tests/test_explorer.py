@@ -443,6 +443,8 @@ def test_read_only_and_local(server: str, store_path: Path) -> None:
     assert _request(server + "/", host="attacker.example")[0] == 400
     status, body = _request(server + "/run?run=bsae")
     assert status == 404 and "did you mean &#39;base&#39;" in body
+    status, body = _request(server + "/graph?run=steps&step=2")
+    assert status == 404 and "has steps 0..1; step 2 does not exist" in body
     with urllib.request.urlopen(server + "/") as response:
         policy = response.headers["Content-Security-Policy"]
     assert "default-src 'none'" in policy and "script-src" not in policy

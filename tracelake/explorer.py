@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tracelake import drawing
-from tracelake.errors import LabelError, QueryError, RunNotFoundError, TraceLakeError
+from tracelake.errors import (
+    LabelError,
+    QueryError,
+    RecorderError,
+    RunNotFoundError,
+    TraceLakeError,
+)
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -55,11 +61,14 @@ RUN_CACHE = 16
 #: Rows of a comparison shown around its first divergence.
 COMPARE_ROWS = 100
 
-RUN_COLUMNS = (
+#: What the runs list and a run's op table select (the query language's column names).
+RUN_COLUMNS = ", ".join(
     "id name created steps op_count bytes model_class torch_version device host "
-    "param_fingerprint input_fingerprint meta"
+    "param_fingerprint input_fingerprint meta".split()
 )
-OP_COLUMNS = "idx label func kind module shape dtype saved mean std absmax source_file source_line"
+OP_COLUMNS = ", ".join(
+    "idx label func kind module shape dtype saved mean std absmax source_file source_line".split()
+)
 STAT_COLUMNS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
 
 _CSP = (
@@ -161,14 +170,17 @@ class Explorer:
     def _run_names(self) -> list[str]:
         return [r["name"] for r in self.store.query("select name from runs order by id")]
 
-    def _run_info(self, name: str) -> dict[str, Any]:
-        rows = list(
-            self.store.query(
-                f"select {', '.join(RUN_COLUMNS.split())} from runs where name = :n", n=name
-            )
-        )
+    def _run_info(self, name: str, step: int = 0) -> dict[str, Any]:
+        """The run's catalog row (``RunNotFoundError`` with suggestions if there is no
+        complete run of that name; ``RecorderError`` if it has no step ``step``)."""
+        rows = list(self.store.query(f"select {RUN_COLUMNS} from runs where name = :n", n=name))
         if not rows:
             raise RunNotFoundError(name, self._run_names())
+        steps = int(rows[0]["steps"] or 0)
+        if not 0 <= step < max(steps, 1):
+            raise RecorderError(
+                f"run {name!r} has steps 0..{steps - 1}; step {step} does not exist"
+            )
         return _run_row(rows[0])
 
     # -- views ------------------------------------------------------------------------
@@ -179,7 +191,7 @@ class Explorer:
         total = 0
         try:
             cond = _condition("runs", where)
-            text = f"select {', '.join(RUN_COLUMNS.split())} from runs where true{cond}"
+            text = f"select {RUN_COLUMNS} from runs where true{cond}"
             total = self._count("runs", f"true{cond}", {})
             rows = [
                 _run_row(r)
@@ -211,7 +223,7 @@ class Explorer:
         return int(result[0]["n"]) if result else 0
 
     def run(self, name: str, step: int, where: str, offset: int) -> Page:
-        info = self._run_info(name)
+        info = self._run_info(name, step)
         params = {"run": name, "step": step}
         error = None
         rows: list[dict[str, Any]] = []
@@ -220,7 +232,7 @@ class Explorer:
         try:
             cond = _condition("ops", where)
             base = f"run = :run and step = :step{cond}"
-            text = f"select {', '.join(OP_COLUMNS.split())} from ops where {base}"
+            text = f"select {OP_COLUMNS} from ops where {base}"
             total = self._count("ops", base, params)
             rows = list(
                 self.store.query(
@@ -290,7 +302,7 @@ class Explorer:
         return self._ops_by_idx(name, step, [r[side] for r in found])
 
     def op(self, name: str, step: int, label: str, at: str) -> Page:
-        info = self._run_info(name)
+        info = self._run_info(name, step)
         rows = list(
             self.store.query(
                 "select * from ops where run = :run and step = :step and label = :label",
@@ -394,7 +406,7 @@ class Explorer:
         }
 
     def graph(self, name: str, step: int) -> Page:
-        info = self._run_info(name)
+        info = self._run_info(name, step)
         params = {"run": name, "step": step}
         ops = list(
             self.store.query(
