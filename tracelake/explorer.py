@@ -62,12 +62,13 @@ RUN_CACHE = 16
 COMPARE_ROWS = 100
 
 #: What the runs list and a run's op table select (the query language's column names).
-RUN_COLUMNS = ", ".join(
-    "id name created steps op_count bytes model_class torch_version device host "
-    "param_fingerprint input_fingerprint meta".split()
+RUN_COLUMNS = (
+    "id, name, created, steps, op_count, bytes, model_class, torch_version, device, host, "
+    "param_fingerprint, input_fingerprint, meta"
 )
-OP_COLUMNS = ", ".join(
-    "idx label func kind module shape dtype saved mean std absmax source_file source_line".split()
+OP_COLUMNS = (
+    "idx, label, func, kind, module, shape, dtype, saved, mean, std, absmax, source_file, "
+    "source_line"
 )
 STAT_COLUMNS = ("mean", "std", "min", "max", "absmax", "l2", "frac_zero", "nan_count", "inf_count")
 
