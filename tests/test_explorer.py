@@ -16,13 +16,11 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 from browser import chromium
+from png import png_pixels
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -273,24 +272,6 @@ def test_run_ops_filter_and_op_detail(
     shot(browser, artifacts, "op-slice")
 
 
-def png_pixels(src: str) -> np.ndarray:
-    """The RGB pixels of the heatmap's data: URI (8-bit RGB, filter 0: what it writes)."""
-    data = base64.b64decode(src.split(",", 1)[1])
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width, height = 8, b"", 0, 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            width, height = struct.unpack(">II", body[:8])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(height, width, 3)
-
-
 def check_tensor_view(
     browser: WebDriver, tensor: torch.Tensor | None, heatmap: torch.Tensor | None = None
 ) -> None:
@@ -312,7 +293,7 @@ def check_tensor_view(
     assert int(img.get_attribute("data-rows") or 0) == grid.shape[0]
     assert int(img.get_attribute("data-cols") or 0) == grid.shape[1]
     assert int(img.get_property("naturalWidth") or 0) > 0  # the browser decoded it
-    pixels = png_pixels(img.get_attribute("src") or "")
+    pixels = png_pixels(base64.b64decode((img.get_attribute("src") or ",").split(",", 1)[1]))
     scale = pixels.shape[0] // grid.shape[0]
     cells = pixels[::scale, ::scale].astype(int)
     red, blue = cells[..., 0], cells[..., 2]

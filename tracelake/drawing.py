@@ -68,7 +68,8 @@ class Histogram:
 
 
 def histogram(values: np.ndarray, bins: int = 40) -> Histogram:
-    """The histogram of an array's finite values (numpy's ``histogram`` over their range)."""
+    """The histogram of an array's finite values (numpy's ``histogram`` over their range;
+    one bin where numpy cannot make ``bins`` finite ones)."""
     data = np.asarray(values).reshape(-1)
     if data.dtype == np.bool_:
         data = data.astype(np.int8)
@@ -76,7 +77,13 @@ def histogram(values: np.ndarray, bins: int = 40) -> Histogram:
     finite = data[np.isfinite(data)]
     if finite.size == 0:
         return Histogram([], [], int(data.size))
-    counts, edges = np.histogram(finite, bins=bins)
+    try:
+        with np.errstate(all="ignore"):
+            counts, edges = np.histogram(finite, bins=bins)
+        if not np.isfinite(edges).all():
+            raise ValueError("the range overflows")
+    except ValueError:  # a range too narrow (one large value) or too wide for the bins
+        counts, edges = np.array([finite.size]), np.array([finite.min(), finite.max()])
     return Histogram(counts.tolist(), edges.tolist(), int(data.size - finite.size))
 
 
