@@ -56,6 +56,8 @@ HEATMAP_SIDE = 128
 HEATMAP_ROW = 1024
 #: Largest tensor whose histogram covers all of it (else: the heatmap's slice).
 HISTOGRAM_BYTES = 16 << 20
+#: The Host headers the explorer answers by default.
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 #: Runs kept read op by op for comparisons.
 RUN_CACHE = 16
 #: Rows of a comparison shown around its first divergence.
@@ -592,7 +594,7 @@ def create_app(store: Store | str, allowed_hosts: list[str] | None = None) -> St
         ),
         Route("/compare", render(lambda r: explorer.compare(q(r, "a"), q(r, "b")))),
     ]
-    hosts = allowed_hosts or ["127.0.0.1", "localhost", "::1", "[::1]"]
+    hosts = allowed_hosts or list(LOCAL_HOSTS)
     return Starlette(
         routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)]
     )
@@ -603,7 +605,7 @@ def _hosts(host: str) -> list[str] | None:
     itself; any when bound to every interface (the user asked for it)."""
     if host in ("0.0.0.0", "::", ""):
         return ["*"]
-    return ["127.0.0.1", "localhost", "::1", "[::1]", host]
+    return [*LOCAL_HOSTS, host]
 
 
 def _server(store: Store | str, host: str, port: int) -> Any:
