@@ -149,6 +149,11 @@ class Comparison:
         count = len(self._pairs) if limit is None else min(limit, len(self._pairs))
         return [self._row(k) for k in range(count)]
 
+    def row(self, k: int) -> dict[str, Any]:
+        """Row ``k`` alone (computing only its pair's metrics): a window of a long
+        comparison without reading every tensor."""
+        return self._row(k)
+
     def df(self) -> pandas.DataFrame:
         """One row per aligned pair (or one-sided entry)."""
         import pandas

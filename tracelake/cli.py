@@ -452,7 +452,24 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--color", default=None, help="colour by a statistic (absmax, ...)")
     graph.add_argument("--diff", default=None, metavar="RUN", help="colour by difference to RUN")
     graph.add_argument("--collapse", action="append", default=[], help="collapse a module")
+    serve = commands.add_parser(
+        "serve", help="browse a store in a web browser (read-only; needs the `web` extra)"
+    )
+    serve.add_argument("store", help="the store's directory")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
+    serve.add_argument("--port", type=int, default=8765, help="the port (default 8765)")
+    serve.set_defaults(handler=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tracelake.explorer import serve  # Starlette and uvicorn load only for this command
+
+    store = tl.open(args.store, create=False)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"tracelake explorer of {store.path}: http://{host}:{args.port}/", flush=True)
+    serve(store, args.host, args.port)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
