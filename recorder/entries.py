@@ -8,6 +8,7 @@ run can read them lazily behind the same entry classes.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass, field
@@ -116,6 +117,15 @@ def _with(row: tuple, field: int, value: Any) -> tuple:
     return (*row[:field], value, *row[field + 1 :])
 
 
+#: The last finished recordings: (raw rows, final rows, labels, passes). A model recorded
+#: again with the same graph (every training step) skips the grouping, whose cost grows
+#: with the graph: equal raw rows (plain values only) give equal final ones.
+_SETTLED: collections.deque[tuple[tuple, list[tuple], list[str], dict[int, int]]] = (
+    collections.deque(maxlen=8)
+)
+_SETTLED_MAX_ROWS = 100_000
+
+
 class OpTable:
     """Metadata of every entry of one recording, one row tuple per entry.
 
@@ -150,6 +160,24 @@ class OpTable:
         counting that spelling's layers and ``n_layer`` all layers in the order of their
         first passes, with ``:pass`` if it ran several passes. Rows whose fields change
         are rewritten."""
+        rows = self.rows
+        raw = tuple(rows)
+        # A graph recorded before (the same model again) is labelled as then. Comparing
+        # rows is cheap: equal rows share their values (sites, shapes, names).
+        for settled in _SETTLED:
+            if settled[0] == raw:
+                _SETTLED.remove(settled)
+                _SETTLED.append(settled)
+                _, final, labels, passes = settled
+                rows[:] = final
+                self.labels = list(labels)
+                self.passes = dict(passes)
+                return
+        self._settle()
+        if len(rows) <= _SETTLED_MAX_ROWS:
+            _SETTLED.append((raw, list(rows), list(self.labels), dict(self.passes)))
+
+    def _settle(self) -> None:
         rows = self.rows
         for index, row in enumerate(rows):
             func = row[FUNC]
@@ -214,9 +242,16 @@ class OpTable:
         """Entries that consumed entry ``index`` (computed for all entries on first use)."""
         if self._children is None:
             kids: list[list[int]] = [[] for _ in self.rows]
+            writes: list[tuple[int, int]] = []
             for child, row in enumerate(self.rows):
+                if row[KIND] == "buffer" and row[PARENTS]:
+                    writes.append((row[PARENTS][0], child))
+                    continue
                 for parent in row[PARENTS]:
                     kids[parent].append(child)
+            # As TorchLens lists them: the buffers a call wrote after its other children.
+            for parent, child in writes:
+                kids[parent].append(child)
             self._children = [tuple(dict.fromkeys(k)) for k in kids]
         return self._children[index]
 

@@ -31,6 +31,7 @@ from .record import ROW_DEFAULTS
 from .trees import leaves_of
 
 __all__ = [
+    "BUFFER_WRITERS",
     "Events",
     "Interceptor",
     "SourceFinder",
@@ -299,6 +300,12 @@ class SourceFinder:
             cls._sweep_at = max(_SWEEP_MIN, 2 * len(codes))
 
 
+#: Functions that may update the buffers they read (batch norm's running statistics):
+#: each buffer they take gets a new entry after the call (labels.Labeller.on_call). They
+#: always take the Python path (their cache entry says ``None`` for "writes").
+BUFFER_WRITERS = frozenset({"batch_norm", "instance_norm"})
+
+
 def _writes(name: str) -> bool:
     """Whether a function of this name writes into an argument, whatever its arguments:
     a trailing underscore (add_), an augmented assignment (iadd) and x[i] = v. ``out=`` and
@@ -356,10 +363,12 @@ class _Mode(TorchFunctionMode):
         known = self._funcs.get(func)
         if known is None:
             name = func_name(func)
-            known = (name, _writes(name))
+            known = (name, None if name in BUFFER_WRITERS else _writes(name))
             if _cacheable(func):
                 self._funcs[func] = known
         name, writes = known
+        if writes is None:  # see BUFFER_WRITERS
+            writes = False
         if kwargs:
             # One rule says what writes in place: the name (above), out=, and
             # inplace=True (F.relu(x, inplace=True)).

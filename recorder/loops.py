@@ -93,7 +93,7 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
     for index, row in enumerate(rows):
         if row[_KIND] == "op":
             base, full = _keys(rows, index, raw)
-        else:  # each model input and output is its own class
+        else:  # each model input and output, each buffer entry is its own class
             base = full = f"{raw[index]}_{row[_KIND]}"
         keys.append((base, full))
         members.setdefault(base, []).append(raw[index])
@@ -103,7 +103,7 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
         label = raw[index]
         kind = row[_KIND]
         parents = tuple(raw[p] for p in dict.fromkeys(row[_PARENTS]))
-        if kind == "input" or (kind == "op" and not parents):
+        if not parents and kind != "output":  # inputs, buffers, ops of no tensors
             sources.append(label)
         params: Any = tuple(row[_PARAMS])
         modules = row[_MODULES]
@@ -120,7 +120,7 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
             func_name=row[_FUNC] if kind == "op" else "none",
             param_barcodes=params,
             output_slot=row[_OUT_INDEX] if kind == "op" and _multi_output(rows, index) else None,
-            recurrence_anchored=bool(modules),
+            recurrence_anchored=bool(modules) or kind == "buffer",
             module_site=tuple(path for path, _ in modules),
             arg_signature="no_args" if params else None,
         )
