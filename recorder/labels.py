@@ -283,7 +283,7 @@ class Labeller:
             refs.append(_ref(tensor))
             if self._emit is not None:
                 self._emit(index, tensor, -1)
-            i += 1  # noqa: SIM113 (a counter costs a third of enumerate here, per op)
+            i += 1  # a counter costs a third of enumerate here, per op
         if name in BUFFER_WRITERS:
             # batch_norm may update the running statistics it reads: as TorchLens does,
             # each buffer it takes gets a new entry, a child of the call, which later
