@@ -38,6 +38,7 @@ __all__ = [
     "flatten_tensors",
     "func_family",
     "func_name",
+    "func_spellings",
     "operator_name",
     "spelling",
 ]
@@ -176,6 +177,25 @@ def spelling(func: str) -> str:
             func = func[len(prefix) :]
             break
     return func.lower().replace("_", "")
+
+
+#: How many spellings :func:`func_spellings` gives: always this many, so that the query
+#: that compares with them does not depend on the name.
+N_SPELLINGS = 24
+
+
+@functools.cache
+def func_spellings(name: str) -> tuple[str, ...]:
+    """The ``func`` values of ``name``'s family (:func:`func_family`) with only case and
+    underscores taken out (``fft_fft`` is ``fftfft``): what a query compares
+    ``replace(lower(func), '_', '')`` with, so that ``func = 'layernorm'`` selects
+    ``layer_norm``. Padded to :data:`N_SPELLINGS` by repeating the first."""
+    family = func_family(name)
+    plain = [family, *(a for a, b in OPERATOR_ALIASES.items() if b == family)]
+    plain += [a for a, b in _TORCHLENS_NAMES.items() if b == family]
+    found = [*plain, *(p.rstrip("_") + f for f in plain for p in _NAMESPACES)]
+    found = list(dict.fromkeys(found))[:N_SPELLINGS]
+    return tuple(found + found[:1] * (N_SPELLINGS - len(found)))
 
 
 @functools.cache

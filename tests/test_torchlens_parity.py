@@ -145,3 +145,22 @@ def test_labels_are_stable_between_runs() -> None:
     for name in ("LoopSinMul", "ReusedSequential", "LstmCellLoop"):
         model, inputs = MODELS[name]()
         assert tl.trace(model, *inputs).labels == tl.trace(model, *inputs).labels
+
+
+def test_store_keeps_the_labels_and_func_takes_either_name(tmp_path: Any) -> None:
+    model, inputs = MODELS["Spelling"]()
+    trace = tl.trace(model, *inputs)
+    store = tl.open(tmp_path / "runs.tl")
+    store.record(model, *inputs, name="a")
+    reopened = tl.open(tmp_path / "runs.tl")
+    run = reopened["a"]
+    assert run.labels == trace.labels
+    assert "buffer_1" in run.labels and "layernorm_1_5" in run.labels
+    for name in ("layer_norm", "layernorm"):
+        rows = reopened.query(f"select label from ops where func = '{name}'").df()
+        assert rows["label"].tolist() == ["layernorm_1_5"], name
+    both = reopened.query("select label from ops where func = 'batch_norm' or func = 'zeroslike'")
+    assert sorted(both.df()["label"]) == ["batchnorm_1_2", "zeroslike_1_6"]
+    for op in trace:
+        if op.out is not None:
+            assert torch.equal(run[op.label].out, op.out), op.label
