@@ -34,7 +34,6 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	-$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python benchmarks/capture_overhead.py
 
 lint: $(STAMP)

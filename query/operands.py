@@ -15,6 +15,7 @@ from datetime import date, datetime
 from typing import Any, Literal
 
 from tracelake.errors import QueryCompileError
+from tracelake.recorder.intercept import func_spellings
 
 from . import ast
 from .parser import INT64
@@ -514,6 +515,16 @@ class Operands:
                 if found is not None:
                     src, ids = found
                     return f'{src.sql}."run_id" {node.op} {self.bind(ids[0])}'
+            for func, name in ((node.left, node.right), (node.right, node.left)):
+                if (
+                    isinstance(func, ast.Column | ast.GraphRef)
+                    and func.name == "func"
+                    and isinstance(name, ast.Literal)
+                    and isinstance(name.value, str)
+                ):
+                    # torch's name and TorchLens's spelling select alike (layer_norm,
+                    # layernorm; div, truediv), as tl.func() does.
+                    return self._func_family(node, func, name)
         return self._predicate(
             node,
             lambda: (
@@ -521,6 +532,20 @@ class Operands:
                 f"{self.operand(node.right, node.left)}"
             ),
         )
+
+    def _func_family(self, node: ast.Compare, func: ast.Expr, name: ast.Literal) -> str:
+        """``func = '...'``: the name itself, or any name of its family spelled with case
+        and underscores taken out (:func:`func_spellings`)."""
+
+        def sql() -> str:
+            column = self.operand(func)
+            exact = f"{column} = {self.bind(name.value)}"
+            spelled = f"replace(lower({column}), {self.bind('_')}, {self.bind('')})"
+            spellings = ", ".join(self.bind(s) for s in func_spellings(str(name.value)))
+            match = f"({exact} OR {spelled} IN ({spellings}))"
+            return match if node.op == "=" else f"NOT {match}"
+
+        return self._predicate(node, sql)
 
     def visit_Like(self, node: ast.Like) -> str:
         for side in (node.expr, node.pattern):

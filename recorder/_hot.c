@@ -324,6 +324,10 @@ static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
         goto fail;
     }
     PyObject *param = PyDict_GetItemWithError(self->params, key);
+    if (param && !PyUnicode_CheckExact(param)) {
+        Py_DECREF(key);
+        return 0; /* a buffer's first read: the Python path makes its entry */
+    }
     if (param) {
         Py_INCREF(param);
         s->params[s->n_params++] = param;

@@ -8,6 +8,7 @@ run can read them lazily behind the same entry classes.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from . import compiled
+from .intercept import OPERATOR_FUNCS, operator_name, spelling
+from .loops import group_layers
 from .record import Stats, position
 from .trees import Structure, plain_spec
 
@@ -66,12 +68,11 @@ INTERVENED = position("intervened")
 RULE = position("rule")
 
 
-def _layer_label(func: str, inplace: bool, n_func: int, n_layer: int) -> str:
+def _layer_label(func: str, n_func: int, n_layer: int) -> str:
     if not n_layer:
         return f"{func}_{n_func}"  # input_1, output_1
-    if inplace and func[-1] == "_":  # in-place variants count with their function
-        return f"{func[:-1]}_{n_func}_{n_layer}"
-    return f"{func}_{n_func}_{n_layer}"
+    # TorchLens's spelling: in-place variants count with their function (add_ is add).
+    return f"{spelling(func)}_{n_func}_{n_layer}"
 
 
 def op_keys(rows: list[tuple], labels: list[str]) -> list[str]:
@@ -121,6 +122,20 @@ def block_of(path: str) -> int | None:
     return None
 
 
+def _with(row: tuple, field: int, value: Any) -> tuple:
+    """``row`` with the value at position ``field`` replaced."""
+    return (*row[:field], value, *row[field + 1 :])
+
+
+#: The last finished recordings: (raw rows, final rows, labels, passes). A model recorded
+#: again with the same graph (every training step) skips the grouping, whose cost grows
+#: with the graph: equal raw rows (plain values only) give equal final ones.
+_SETTLED: collections.deque[tuple[tuple, list[tuple], list[str], dict[int, int]]] = (
+    collections.deque(maxlen=8)
+)
+_SETTLED_MAX_ROWS = 100_000
+
+
 class OpTable:
     """Metadata of every entry of one recording, one row tuple per entry.
 
@@ -140,27 +155,81 @@ class OpTable:
     def layer_label(self, layer: int) -> str:
         """The label of a layer (given by its first entry), without pass."""
         row = self.rows[layer]
-        return _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
+        return _layer_label(row[FUNC], row[N_FUNC], row[N_LAYER])
 
     def num_passes(self, layer: int) -> int:
         return self.passes.get(layer, 1)
 
     def finish(self) -> None:
-        """Write the final labels: a layer's label, with ``:pass`` if it ran several."""
-        hot = compiled.hot()
-        if hot is not None:
-            self.labels = hot.labels(self.rows, self.passes)
-            return
-        passes = self.passes
+        """Group ops into layers and write the final labels, as TorchLens does.
+
+        Operators get their own names where torch reported another (``x / y`` came as
+        ``div``: :func:`~.intercept.operator_name`); layers and passes are TorchLens's
+        (:func:`~.loops.group_layers`); a layer is ``{function}_{n_func}_{n_layer}`` in
+        TorchLens's spelling of the function (:func:`~.intercept.spelling`), ``n_func``
+        counting that spelling's layers and ``n_layer`` all layers in the order of their
+        first passes, with ``:pass`` if it ran several passes. Rows whose fields change
+        are rewritten."""
+        rows = self.rows
+        raw = tuple(rows)
+        # A graph recorded before (the same model again) is labelled as then. Comparing
+        # rows is cheap: equal rows share their values (sites, shapes, names).
+        for settled in _SETTLED:
+            if settled[0] == raw:
+                _SETTLED.remove(settled)
+                _SETTLED.append(settled)
+                _, final, labels, passes = settled
+                rows[:] = final
+                self.labels = list(labels)
+                self.passes = dict(passes)
+                return
+        self._settle()
+        if len(rows) <= _SETTLED_MAX_ROWS:
+            _SETTLED.append((raw, list(rows), list(self.labels), dict(self.passes)))
+
+    def _settle(self) -> None:
+        rows = self.rows
+        for index, row in enumerate(rows):
+            func = row[FUNC]
+            if func in OPERATOR_FUNCS:  # x / y reached the recording as div
+                named = operator_name(func, row[SITE])
+                if named != func:
+                    rows[index] = _with(row, FUNC, named)
+        layers, pass_nums = group_layers(rows)
+        passes: dict[int, int] = {}
+        for layer, pass_num in zip(layers, pass_nums, strict=True):
+            if pass_num > 1:
+                passes[layer] = max(passes.get(layer, 1), pass_num)
+        self.passes = passes
         labels: list[str] = []
         append = labels.append
-        for index, row in enumerate(self.rows):
-            layer = row[LAYER]
-            if layer != index:
-                append(f"{labels[layer][:-2]}:{row[PASS]}")
+        counts: dict[str, int] = {}
+        n_layer = 0
+        for index, row in enumerate(rows):
+            layer, pass_num = layers[index], pass_nums[index]
+            if row[KIND] != "op":
+                append(f"{row[FUNC]}_{row[N_FUNC]}")
                 continue
-            label = _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
-            append(f"{label}:1" if layer in passes else label)
+            if layer != index:
+                first = rows[layer]
+                n_func, n_this = first[N_FUNC], first[N_LAYER]
+                append(f"{labels[layer][:-2]}:{pass_num}")
+            else:
+                spelled = spelling(row[FUNC])
+                n_func = counts[spelled] = counts.get(spelled, 0) + 1
+                n_layer += 1
+                n_this = n_layer
+                label = f"{spelled}_{n_func}_{n_this}"
+                append(f"{label}:1" if layer in passes else label)
+            if (row[LAYER], row[PASS], row[N_FUNC], row[N_LAYER]) != (
+                layer,
+                pass_num,
+                n_func,
+                n_this,
+            ):
+                row = _with(row, LAYER, layer)
+                row = _with(row, PASS, pass_num)
+                rows[index] = _with(_with(row, N_FUNC, n_func), N_LAYER, n_this)
         self.labels = labels
 
     @property
@@ -183,9 +252,16 @@ class OpTable:
         """Entries that consumed entry ``index`` (computed for all entries on first use)."""
         if self._children is None:
             kids: list[list[int]] = [[] for _ in self.rows]
+            writes: list[tuple[int, int]] = []
             for child, row in enumerate(self.rows):
+                if row[KIND] == "buffer" and row[PARENTS]:
+                    writes.append((row[PARENTS][0], child))
+                    continue
                 for parent in row[PARENTS]:
                     kids[parent].append(child)
+            # As TorchLens lists them: the buffers a call wrote after its other children.
+            for parent, child in writes:
+                kids[parent].append(child)
             self._children = [tuple(dict.fromkeys(k)) for k in kids]
         return self._children[index]
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
-from .intercept import SourceFinder, flatten_tensors
+from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
 from .record import make_row
 
 __all__ = ["Emitter", "Labeller"]
@@ -97,8 +97,11 @@ class Labeller:
         self._modules: dict[int, tuple[weakref.ref, str]] = {
             id(m): (weakref.ref(m), path) for path, m in model.named_modules() if path
         }
-        self._params: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
-        self._params.update({id(b): n for n, b in model.named_buffers()})
+        # Parameters by name; a buffer as a 1-tuple of its name, which the compiled path
+        # hands to Python (it takes str names only): a buffer's first read makes its
+        # buffer_N entry (TorchLens's), later reads are its children.
+        self._params: dict[int, Any] = {id(p): n for n, p in model.named_parameters()}
+        self._params.update({id(b): (n,) for n, b in model.named_buffers()})
         # A tensor's producer: the row index under its id(), confirmed by the weak
         # reference to the row's tensor (one per row), so a dead tensor whose id was
         # reused is never confused with it. Plain ints as values keep the GC's tracked
@@ -113,8 +116,7 @@ class Labeller:
         self._calls: dict[str, int] = {}
         self._first_call: dict[str, list[int]] = {}
         self._func_counts: dict[str, int] = {}
-        self._n_inputs = 0
-        self._n_outputs = 0
+        self._numbers: dict[str, int] = {}  # inputs, outputs, buffers so far
         self._codes = SourceFinder.codes
         self._classify = SourceFinder.classify
 
@@ -148,11 +150,14 @@ class Labeller:
                 if not isinstance(tensor, _Tensor):
                     continue
                 producer = self._producer(tensor)
+                known = self._params.get(id(tensor)) if producer < 0 else None
+                if known is not None and known.__class__ is not str:
+                    producer = self._boundary("buffer", tensor, -1)
                 if producer >= 0:
                     parents += (producer,)
                     where += (key,)
-                elif id(tensor) in self._params:
-                    params = (*params, self._params[id(tensor)])
+                elif known is not None:
+                    params = (*params, known)
         return parents, where, params
 
     # -- events from the interceptor ---------------------------------------------------
@@ -200,8 +205,14 @@ class Labeller:
             elif value.__class__ in _SCALARS:
                 continue
             elif isinstance(value, _Tensor):
-                if id(value) in self._params:
-                    params = (*params, self._params[id(value)])
+                known = self._params.get(id(value))
+                if known is None:
+                    continue
+                if known.__class__ is str:
+                    params = (*params, known)
+                else:  # a buffer's first read
+                    parents += (self._boundary("buffer", value, -1),)
+                    where = (*where, pos)
             elif (value.__class__ is list or value.__class__ is tuple) and value:
                 parents, where, params = self._scan_more(((pos, value),), parents, where, params)
         if kwargs:
@@ -279,7 +290,16 @@ class Labeller:
             refs.append(_ref(tensor))
             if self._emit is not None:
                 self._emit(index, tensor, -1)
-            i += 1  # noqa: SIM113 (a counter costs a third of enumerate here, per op)
+            i += 1  # a counter costs a third of enumerate here, per op
+        if name in BUFFER_WRITERS:
+            # batch_norm may update the running statistics it reads: as TorchLens does,
+            # each buffer it takes gets a new entry, a child of the call, which later
+            # reads see.
+            written = len(rows) - i
+            for value in args:
+                known = self._params.get(id(value)) if isinstance(value, _Tensor) else None
+                if known is not None and known.__class__ is not str:
+                    self._boundary("buffer", value, written)
 
     def _repeat_of(self, root: _Frame, index: int, name: str, out_index: int) -> int:
         """The layer this op repeats: the op at the same position of the first call of
@@ -349,13 +369,10 @@ class Labeller:
 
     # -- the model's inputs and outputs --------------------------------------------------
 
-    def _boundary(self, kind: str, tensor: torch.Tensor, parent: int) -> None:
-        if kind == "input":
-            self._n_inputs += 1
-            number = self._n_inputs
-        else:
-            self._n_outputs += 1
-            number = self._n_outputs
+    def _boundary(self, kind: str, tensor: torch.Tensor, parent: int) -> int:
+        """Add an entry that is not an op: a model input or output, or a buffer (read
+        first, or written by ``parent``); return its index."""
+        number = self._numbers[kind] = self._numbers.get(kind, 0) + 1
         rows = self._rows
         index = len(rows)
         parents = (parent,) if parent >= 0 else ()
@@ -363,7 +380,7 @@ class Labeller:
             make_row(
                 func=kind,
                 kind=kind,
-                modules=(),
+                modules=self._live[_STACK_KEY] if kind == "buffer" else (),
                 parents=parents,
                 parent_args=(0,) * len(parents),
                 site=None,
@@ -382,15 +399,19 @@ class Labeller:
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:
-            self._emit(index, tensor, parent)
+            self._emit(index, tensor, parent if kind == "output" else -1)
+        return index
 
     def add_inputs(self, args: tuple, kwargs: dict) -> None:
         for tensor in flatten_tensors([*args, *kwargs.values()]):
             self._boundary("input", tensor, -1)
 
     def add_outputs(self, output: Any) -> None:
-        for tensor in flatten_tensors(output):
-            self._boundary("output", tensor, self._producer(tensor))
+        tensors = flatten_tensors(output)
+        # Producers first: a tensor returned twice (return y, y) is two outputs of y's op.
+        producers = [self._producer(tensor) for tensor in tensors]
+        for tensor, producer in zip(tensors, producers, strict=True):
+            self._boundary("output", tensor, producer)
 
     # -- final labels --------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ A selector answers two questions: does it select this op entry (by function, mod
 label), and does it select this module call's entry. They compose with ``&``, ``|`` and
 ``~``. Arguments are checked when a selector is built; wrong types raise ``TypeError``.
 
-    tl.func("relu", "gelu")          ops by function name (in-place variants included)
+    tl.func("relu", "gelu")          ops by function name (torch's or TorchLens's spelling,
+                                     in-place variants included)
     tl.in_module("encoder")          ops executed inside encoder or its submodules, and
                                      the module entries of encoder and its submodules
     tl.module("encoder.layers.0")    module entries, by exact named_modules() path
@@ -17,6 +18,8 @@ from __future__ import annotations
 import ast
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
+
+from .intercept import func_family
 
 if TYPE_CHECKING:
     from .entries import ModuleEntry, OpEntry
@@ -78,11 +81,13 @@ def _within(path: str, prefix: str) -> bool:
 class _Func(Selector):
     def __init__(self, names: tuple[str, ...]):
         self.names = names
-        # A name selects its in-place variant too: nn.ReLU(inplace=True) runs relu_.
-        self._match = frozenset(names) | {n + "_" for n in names}
+        # Torch's name and TorchLens's spelling select the same ops (layer_norm and
+        # layernorm, div and truediv), and a name selects its in-place variant too:
+        # nn.ReLU(inplace=True) runs relu_, x += y is iadd.
+        self._match = frozenset(func_family(n) for n in names)
 
     def matches_op(self, op: OpEntry) -> bool:
-        return op.func in self._match
+        return func_family(op.func) in self._match
 
     def matches_module(self, entry: ModuleEntry) -> bool:
         return False
@@ -193,7 +198,9 @@ class _Not(Selector):
 
 
 def func(*names: str) -> Selector:
-    """Ops by the torch function's plain name: ``tl.func("relu", "gelu")``."""
+    """Ops by function name: ``tl.func("relu", "gelu")``. Torch's name and TorchLens's
+    spelling select the same ops (``"layer_norm"``, ``"layernorm"``; ``"div"`` and
+    ``"truediv"``), in-place variants included."""
     return _Func(_names("func", names))
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
+from tracelake.recorder.intercept import spelling
 
 UNARY = {
     "relu": torch.relu,
@@ -57,10 +58,17 @@ def test_random_programs_are_recorded_consistently(steps) -> None:
     log = tl.trace(model, x)
     assert [op.func for op in log] == ["input", *(name for name, _, _ in steps), "output"]
     assert len(set(log.labels)) == len(log)
+    # Layers numbered in the order of their first passes, as TorchLens numbers them; a
+    # repeated op sequence (exp of exp of exp...) may be one layer with passes.
     counts: dict[str, int] = {}
-    for n, op in enumerate(log.ops[1:-1], start=1):
-        counts[op.func] = counts.get(op.func, 0) + 1
-        assert op.label == f"{op.func}_{counts[op.func]}_{n}"
+    n = 0
+    for op in log.ops[1:-1]:
+        if op.pass_num == 1:
+            func = spelling(op.func)
+            counts[func] = counts.get(func, 0) + 1
+            n += 1
+            assert op.layer == f"{func}_{counts[func]}_{n}"
+        assert op.label == (op.layer if op.num_passes == 1 else f"{op.layer}:{op.pass_num}")
     for op in log:
         assert all(op.label in log[p].children for p in op.parents)
         assert all(op.label in log[c].parents for c in op.children)

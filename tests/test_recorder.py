@@ -56,11 +56,11 @@ def test_functional_ops_are_recorded_with_plain_names() -> None:
         "linear_1_1",
         "relu_1_2",
         "add_1_3",
-        "T_1_4",
+        "t_1_4",
         "matmul_1_5",
         "softmax_1_6",
         "view_1_7",
-        "scaled_dot_product_attention_1_8",
+        "scaleddotproductattention_1_8",
         "gelu_1_9",
         "sum_1_10",
         "output_1",
@@ -90,11 +90,13 @@ def test_operators_and_inplace_names() -> None:
             return -y
 
     log = tl.trace(Ops(), torch.ones(3))
-    assert func_of(log)[1:-1] == ["rsub", "div", "add_", "setitem", "neg"]
-    assert log.labels[1:-1] == ["rsub_1_1", "div_1_2", "add_1_3", "setitem_1_4", "neg_1_5"]
+    # The func column: torch's names, and an operator's own name where it has one.
+    assert func_of(log)[1:-1] == ["rsub", "truediv", "iadd", "setitem", "neg"]
+    # Labels in TorchLens's spelling (its names for x / 3 and y += 1).
+    assert log.labels[1:-1] == ["rsub_1_1", "truediv_1_2", "iadd_1_3", "setitem_1_4", "neg_1_5"]
     assert [op.inplace for op in log][1:-1] == [False, False, True, True, False]
     # in-place ops consume the tensor they overwrite
-    assert log["setitem_1_4"].parents == ("add_1_3",)
+    assert log["setitem_1_4"].parents == ("iadd_1_3",)
     assert log["neg_1_5"].parents == ("setitem_1_4",)
 
 
@@ -243,18 +245,19 @@ def test_repeated_module_calls_share_layers_and_count_passes() -> None:
             return self.out(x)
 
     log = tl.trace(Loop(), torch.randn(2, 3))
+    # TorchLens's labels: the add in the loop body is a pass of one layer too.
     assert log.labels == [
         "input_1",
         "linear_1_1:1",
         "tanh_1_2:1",
-        "add_1_3",
+        "add_1_3:1",
         "linear_1_1:2",
         "tanh_1_2:2",
-        "add_2_4",
+        "add_1_3:2",
         "linear_1_1:3",
         "tanh_1_2:3",
-        "add_3_5",
-        "linear_2_6",
+        "add_1_3:3",
+        "linear_2_4",
         "output_1",
     ]
     assert log["linear_1_1:2"].pass_num == 2
@@ -392,3 +395,50 @@ def test_iterating_a_tensor_records_the_unbind() -> None:
     assert [op.label for op in log][1:4] == ["unbind_1_1", "unbind_2_2", "unbind_3_3"]
     assert log["stack_1_7"].parents == ("mul_1_4", "mul_2_5", "mul_3_6")
     assert torch.equal(log.output, Rows()(x))
+
+
+def test_labels_use_torchlens_spelling_and_func_selects_either_name() -> None:
+    class Spelled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.norm(x).div(2) / 3
+            y = y + torch.zeros_like(y) + torch.fft.fft(y).real + y.T + y.data
+            y %= 5
+            return y.add_(1)
+
+    x = torch.randn(4, 4)
+    log = tl.trace(Spelled(), x)
+    assert log.labels[1:-1] == [
+        "layernorm_1_1",
+        "div_1_2",
+        "truediv_1_3",
+        "zeroslike_1_4",
+        "add_1_5",
+        "fft_1_6",
+        "real_1_7",
+        "add_2_8",
+        "t_1_9",
+        "add_3_10",
+        "detach_1_11",
+        "add_4_12",
+        "imod_1_13",
+        "add_5_14",
+    ]
+    funcs = [op.func for op in log][1:-1]
+    assert funcs[:3] == ["layer_norm", "div", "truediv"] and funcs[-2:] == ["imod", "add_"]
+    for torch_name, torchlens_name in [
+        ("layer_norm", "layernorm"),
+        ("zeros_like", "zeroslike"),
+        ("div", "truediv"),
+        ("fft_fft", "fft"),
+        ("remainder", "imod"),
+    ]:
+        a = tl.trace(Spelled(), x, save=tl.func(torch_name))
+        b = tl.trace(Spelled(), x, save=tl.func(torchlens_name))
+        saved = [op.label for op in a if op.saved]
+        assert saved and saved == [op.label for op in b if op.saved], torch_name
+    div = tl.trace(Spelled(), x, save=tl.func("div"))
+    assert [op.label for op in div if op.saved] == ["div_1_2", "truediv_1_3"]
