@@ -148,6 +148,10 @@ class OpTable:
         self.passes: dict[int, int] = {}
         self.labels: list[str] = []
         self._keys: list[str] | None = None
+        #: While recording: the settled graphs whose raw rows this one has matched so
+        #: far, and how many of its rows were checked (:meth:`settled_label`).
+        self._alike: list[tuple[tuple, list[tuple], list[str], dict[int, int]]] | None = None
+        self._alike_checked = 0
         self._blocks: list[int | None] | None = None
         self._children: list[tuple[int, ...]] | None = None
         self._sources: dict[tuple[Any, int], SourceLocation] = {}
@@ -186,6 +190,26 @@ class OpTable:
         self._settle()
         if len(rows) <= _SETTLED_MAX_ROWS:
             _SETTLED.append((raw, list(rows), list(self.labels), dict(self.passes)))
+
+    def settled_label(self, index: int) -> str | None:
+        """While recording: the final label entry ``index`` will get, where a graph
+        recorded before in this process began with the same rows (the same model again),
+        else None. Final labels come from grouping the whole graph (:meth:`finish`), so a
+        selector naming one (``tl.label("add_12_170:2")``) can only be matched during
+        the forward through a graph seen before; the check is incremental (each row is
+        compared once) and is made only for label selectors."""
+        if len(self.labels) > index:  # finished: the labels are final
+            return self.labels[index]
+        rows = self.rows
+        if self._alike is None:
+            self._alike = list(_SETTLED)
+        alike = self._alike
+        while self._alike_checked <= index and alike:
+            at = self._alike_checked
+            row = rows[at]
+            alike[:] = [s for s in alike if len(s[0]) > at and s[0][at] == row]
+            self._alike_checked += 1
+        return alike[0][2][index] if alike and index < self._alike_checked else None
 
     def _settle(self) -> None:
         rows = self.rows
@@ -386,6 +410,11 @@ class OpEntry:
     @property
     def layer(self) -> str:
         return self._table.layer_label(self._row[LAYER])
+
+    def settled_label(self) -> str | None:
+        """The final label, or while recording the one a graph seen before gave this
+        entry (None if none did: :meth:`OpTable.settled_label`)."""
+        return self._table.settled_label(self.index)
 
     @property
     def num_passes(self) -> int:

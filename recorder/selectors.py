@@ -131,6 +131,12 @@ class _Label(Selector):
         self._order = labels
 
     def matches_op(self, op: OpEntry) -> bool:
+        # During a recording an entry's label is not final yet (layers and passes are
+        # grouped once the forward is over): the label a graph seen before gave it
+        # decides, else the one numbered so far.
+        final = op.settled_label()
+        if final is not None:
+            return final in self.labels or final.partition(":")[0] in self.labels
         return op.layer in self.labels or f"{op.layer}:{op.pass_num}" in self.labels
 
     def matches_module(self, entry: ModuleEntry) -> bool:

@@ -99,3 +99,24 @@ def test_bad_stats_option() -> None:
 def test_selectors_have_readable_reprs() -> None:
     selector = tl.func("relu") & ~tl.in_module("encoder") | tl.label("input_1")
     assert repr(selector) == "((tl.func('relu') & ~tl.in_module('encoder')) | tl.label('input_1'))"
+
+
+class _SinLoop(torch.nn.Module):
+    """A parameter-free loop: TorchLens's grouping makes its ops passes of one layer
+    only once the forward is over."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.sin(x) * 2
+        return x
+
+
+def test_a_label_read_from_a_trace_selects_that_op_in_the_next_recording() -> None:
+    model, x = _SinLoop(), torch.randn(4)
+    first = tl.trace(model, x, save=tl.none())
+    sins = [op.label for op in first if op.func == "sin"]
+    assert sins == ["sin_1_1:1", "sin_1_1:2", "sin_1_1:3"]  # TorchLens's labels
+    again = tl.trace(model, x, save=tl.label("sin_1_1:2"))
+    assert [op.label for op in again if op.saved] == ["sin_1_1:2"]
+    every_pass = tl.trace(model, x, save=tl.label("sin_1_1"))
+    assert [op.label for op in every_pass if op.saved] == sins
