@@ -14,6 +14,7 @@ import torch
 
 from tracelake.errors import TraceLakeWarning
 
+from .backward import CaptureOptions, GradEdges, as_options
 from .emit import MemoryEmitter
 from .entries import OpTable
 from .intercept import Interceptor
@@ -21,7 +22,7 @@ from .labels import Emitter, Labeller
 from .selectors import as_selector
 from .trace import Trace
 
-__all__ = ["ForwardRecording", "check_model", "record_forward", "trace"]
+__all__ = ["ForwardRecording", "check_model", "grad_edges", "record_forward", "trace"]
 
 log = logging.getLogger("tracelake.recorder")
 
@@ -46,6 +47,20 @@ class _Warner:
             TraceLakeWarning,
             stacklevel=2,
         )
+
+
+def grad_edges(capture: Any, save: Any, save_grads: Any, table: OpTable) -> GradEdges | None:
+    """What a backward-ready recording notes during the forward (None when ``capture``
+    does not ask for it; ``save_grads`` then must not be given)."""
+    options = as_options(capture)
+    if not options.backward_ready:
+        if save_grads is not None:
+            raise ValueError(
+                "save_grads= selects gradients of a backward-ready recording: pass "
+                "capture=tl.options.CaptureOptions(backward_ready=True) too"
+            )
+        return None
+    return GradEdges(as_selector(save if save_grads is None else save_grads), table)
 
 
 def check_model(model: object) -> torch.nn.Module:
@@ -102,7 +117,13 @@ def record_forward(
 
 
 def trace(
-    model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved", **kwargs: Any
+    model: torch.nn.Module,
+    *args: Any,
+    save: Any = None,
+    stats: str = "saved",
+    capture: CaptureOptions | None = None,
+    save_grads: Any = None,
+    **kwargs: Any,
 ) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
 
@@ -112,13 +133,17 @@ def trace(
     picks the tensors to keep as detached copies. ``stats="all"`` also computes summary
     statistics of ops that are not saved (saved ones always have them). Remaining
     positional and keyword arguments go to the model.
+
+    ``capture=tl.options.CaptureOptions(backward_ready=True)`` makes the trace ready for
+    ``trace.backward(loss)``, which records the gradient of ``loss`` with respect to the
+    output of each op ``save_grads`` selects (a selector; default: ``save``).
     """
     model = check_model(model)
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
     table = OpTable()
-    emitter = MemoryEmitter(selector, stats, table)
+    emitter = MemoryEmitter(selector, stats, table, grad_edges(capture, save, save_grads, table))
     labeller, output = record_forward(model, args, kwargs, emitter, table)
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()

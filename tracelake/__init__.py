@@ -44,6 +44,7 @@ from tracelake.recorder import (
     trace,
 )
 from tracelake.recorder import all_ as all
+from tracelake import options
 from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
 from tracelake.store.compare import compare
@@ -94,5 +95,6 @@ __all__ = [
     "module",
     "none",
     "open",
+    "options",
     "trace",
 ]
