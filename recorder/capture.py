@@ -19,10 +19,10 @@ from .emit import MemoryEmitter
 from .entries import OpTable
 from .intercept import Interceptor
 from .labels import Emitter, Labeller
-from .selectors import as_selector
+from .selectors import Selector, as_selector
 from .trace import Trace
 
-__all__ = ["ForwardRecording", "check_model", "grad_edges", "record_forward", "trace"]
+__all__ = ["ForwardRecording", "check_model", "grad_selector", "record_forward", "trace"]
 
 log = logging.getLogger("tracelake.recorder")
 
@@ -49,9 +49,10 @@ class _Warner:
         )
 
 
-def grad_edges(capture: Any, save: Any, save_grads: Any, table: OpTable) -> GradEdges | None:
-    """What a backward-ready recording notes during the forward (None when ``capture``
-    does not ask for it; ``save_grads`` then must not be given)."""
+def grad_selector(capture: Any, save: Any, save_grads: Any) -> Selector | None:
+    """The selector of the ops whose gradients a backward-ready recording keeps (None
+    when ``capture`` does not ask for backward capture; ``save_grads`` then must not be
+    given). Default: ``save``'s."""
     options = as_options(capture)
     if not options.backward_ready:
         if save_grads is not None:
@@ -60,7 +61,7 @@ def grad_edges(capture: Any, save: Any, save_grads: Any, table: OpTable) -> Grad
                 "capture=tl.options.CaptureOptions(backward_ready=True) too"
             )
         return None
-    return GradEdges(as_selector(save if save_grads is None else save_grads), table)
+    return as_selector(save if save_grads is None else save_grads)
 
 
 def check_model(model: object) -> torch.nn.Module:
@@ -142,8 +143,10 @@ def trace(
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
+    grads = grad_selector(capture, save, save_grads)
     table = OpTable()
-    emitter = MemoryEmitter(selector, stats, table, grad_edges(capture, save, save_grads, table))
+    edges = None if grads is None else GradEdges(grads, table)
+    emitter = MemoryEmitter(selector, stats, table, edges)
     labeller, output = record_forward(model, args, kwargs, emitter, table)
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()

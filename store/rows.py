@@ -61,6 +61,7 @@ __all__ = [
     "distinct_codes",
     "load_step",
     "run_tables",
+    "stat_columns",
 ]
 
 _I32, _I64, _STR = pa.int32(), pa.int64(), pa.string()
@@ -295,9 +296,21 @@ def _add_stats(
             values[start + index] = [0.0 if v is None else v for v in row]
             valid[start + index] = [v is not None for v in row]
         start += len(table.rows)
+    cols.update(_stat_arrays(values, valid))
+
+
+def stat_columns(stats: tuple[np.ndarray, np.ndarray], slot_of: np.ndarray) -> dict[str, Any]:
+    """The statistics columns of rows whose tensors are in slots ``slot_of`` (-1: none),
+    from a writer's statistics matrix (``TensorWriter.stat_matrix``)."""
+    return _stat_arrays(stats[0][slot_of], stats[1][slot_of])
+
+
+def _stat_arrays(values: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
+    cols = {}
     for k, (name, is_int) in enumerate(zip(STAT_FIELDS, _STAT_IS_INT, strict=True)):
         column = values[:, k].astype(np.int64) if is_int else values[:, k]
         cols[name] = pa.array(column, mask=~valid[:, k])
+    return cols
 
 
 def _array(values: Any, type_: pa.DataType) -> Any:

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from tracelake.recorder.record import (
     EDGES,
+    GRADS,
     I32,
     I64,
     MODULES,
@@ -86,9 +87,9 @@ TENSORS = Table(
 )
 
 #: Every catalog table, in the order a new catalog creates them.
-TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES)}
+TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES, GRADS)}
 #: The tables holding a run's rows (by ``run_id``).
-RUN_TABLES = ("ops", "tensors", "edges", "modules")
+RUN_TABLES = ("ops", "tensors", "edges", "modules", "grads")
 
 
 def ident(name: str) -> str:

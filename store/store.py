@@ -17,8 +17,10 @@ import pandas
 import pyarrow as pa
 import torch
 
-from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.errors import RecorderError, RunNotFoundError, StoreError, TraceLakeWarning
 from tracelake.recorder import ForwardRecording, OpTable, check_model
+from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges
+from tracelake.recorder.capture import grad_selector
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
 
@@ -44,6 +46,7 @@ from .layout import (
     trash_run_dir,
     validate_name,
 )
+from .grads import StoreGrads, grads_table
 from .rows import run_tables
 from .run import Run
 from .tensors import RunArrays
@@ -133,6 +136,8 @@ class Recording:
         meta: Any,
         overwrite: bool,
         max_inflight: int,
+        capture: Any = None,
+        save_grads: Any = None,
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -146,6 +151,10 @@ class Recording:
         self.name = validate_name(name) if name is not None else None
         self.model = model
         self._selector = as_selector(save)
+        self._grad_selector = grad_selector(capture, save, save_grads)
+        self._grads: StoreGrads | None = None
+        self._backward: BackwardCapture | None = None
+        self._grad_steps: list[GradEdges] = []  # one per step, when backward-ready
         self._stats = stats
         self._meta = meta
         self._overwrite = overwrite
@@ -184,6 +193,9 @@ class Recording:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
             self._writer = TensorWriter(arrays, self._max_inflight)
+            if self._grad_selector is not None:
+                self._grads = StoreGrads(self._writer)
+                self._backward = BackwardCapture(self._grad_steps, self._grads)
         except BaseException:
             self._fail()  # no block runs, so no __exit__ will
             raise
@@ -218,7 +230,9 @@ class Recording:
         self._writer.step = len(self._steps)
         self._step_start = len(self._writer.slots)
         table = OpTable()
-        return table, StoreEmitter(self._selector, self._stats, table, self._writer)
+        grads = self._grad_selector
+        edges = None if grads is None else GradEdges(grads, table)
+        return table, StoreEmitter(self._selector, self._stats, table, self._writer, edges)
 
     def _end(
         self,
@@ -232,6 +246,8 @@ class Recording:
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
+        if emitter.grad_edges is not None:
+            self._grad_steps.append(emitter.grad_edges)
         if not self._fingerprints:
             self._fingerprints = {
                 "param_fingerprint": _fingerprint(list(model.named_parameters())),
@@ -259,6 +275,21 @@ class Recording:
         recording.stop(output)
         self._end(model, recording, table, emitter, args, kwargs)
         return output
+
+    def backward(self, loss: Any, gradient: Any = None, **options: Any) -> None:
+        """``torch.autograd.backward(loss, gradient, **options)``, storing the gradient of
+        ``loss`` with respect to the output of each op of the steps recorded so far that
+        ``save_grads=`` selects (the ``grads`` table: one row per op and fire, in the
+        engine's order; ``run[label].grad``). Each call is a separate backward pass. The
+        recording must be ``capture=tl.options.CaptureOptions(backward_ready=True)``."""
+        if self._backward is None:
+            raise RecorderError(
+                "this recording is not backward-ready: open it with capture="
+                "tl.options.CaptureOptions(backward_ready=True), then call rec.backward(loss)"
+            )
+        if not self._steps or self._writer is None:
+            raise StoreError("call rec.backward(loss) inside the block, after a forward pass")
+        self._backward.backward(loss, gradient, **options)
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
@@ -326,6 +357,15 @@ class Recording:
             merged = run_tables(
                 self.run_id, self._steps, writer.slots, lambda: (writer.stat_matrix(), writer.codec)
             )
+        if self._grads is not None:
+            merged["grads"] = grads_table(
+                self.run_id,
+                self._grads.fires,
+                [table.labels for table, _, _ in self._steps],
+                writer.slots,
+                writer.stat_matrix(),
+                writer.lost,
+            )
         gone = writer.lost | self._discarded
         if gone:
             merged["tensors"] = merged["tensors"].filter(
@@ -349,6 +389,8 @@ class Recording:
         )
         self._release()
         self._steps = []
+        for edges in self._grad_steps:
+            edges.clear()  # the autograd graph is the user's again
 
     def _drop(self, lost: set[int]) -> None:
         """Record the entries of tensors written in place, unseen, while being stored as
@@ -443,9 +485,15 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        capture: CaptureOptions | None = None,
+        save_grads: Any = None,
     ) -> Recording:
-        """A run of several forward passes (steps); see :class:`Recording`."""
-        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight)
+        """A run of several forward passes (steps); see :class:`Recording`. With
+        ``capture=tl.options.CaptureOptions(backward_ready=True)``, ``rec.backward(loss)``
+        stores gradients too (of the ops ``save_grads`` selects; default ``save``)."""
+        return Recording(
+            self, name, model, save, stats, meta, overwrite, max_inflight, capture, save_grads
+        )
 
     def record(
         self,
@@ -457,6 +505,8 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        backward: Callable[[Any], Any] | None = None,
+        save_grads: Any = None,
         **kwargs: Any,
     ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
@@ -465,8 +515,18 @@ class Store:
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
+
+        ``backward``: a function of the model's output returning a loss; the run then
+        also stores the gradient of that loss with respect to each op ``save_grads``
+        selects (default ``save``), as ``rec.backward(loss)`` does in a recording.
         """
         model = check_model(model)
+        if backward is not None and not callable(backward):
+            raise TypeError(
+                "backward= takes a function of the model's output returning the loss "
+                f"(lambda out: out.sum()), not {type(backward).__name__}"
+            )
+        capture = CaptureOptions(backward_ready=True) if backward is not None else None
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),
@@ -476,10 +536,14 @@ class Store:
             meta,
             overwrite,
             max_inflight,
+            capture,
+            save_grads,
         )
         rec.model_class = type(model).__name__
         with rec:
-            rec.record(model, *args, **kwargs)
+            output = rec.record(model, *args, **kwargs)
+            if backward is not None:
+                rec.backward(backward(output))
         assert rec.info is not None
         return self._open_run(rec.info)  # its metadata is read when first asked for
 

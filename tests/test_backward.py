@@ -5,6 +5,11 @@ process."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from grad_reference import GradHookMode, module_grad_outputs
@@ -143,3 +148,85 @@ def test_refusals():
     trace.cleanup()
     with pytest.raises(tl.RecorderError, match="cleanup"):
         trace.backward(model(x).sum())
+
+
+_READ_BACK = r"""
+import hashlib, json, sys
+import tracelake as tl
+store = tl.open(sys.argv[1], create=False)
+run = store[sys.argv[2]]
+out = []
+for op in run:
+    out.append([op.kind, [
+        [str(g.dtype), list(g.shape), hashlib.sha256(g.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+        for g in op.grads
+    ]])
+print(json.dumps(out))
+"""
+
+
+def _digest(t: torch.Tensor) -> list:
+    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return [str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_stored_grads_read_back_bitwise_in_a_new_process(name, tmp_path):
+    build = MODELS[name]
+    model, inputs = build()
+    store = tl.open(tmp_path / "runs.tl")
+    store.record(model, *inputs, name="r", backward=loss_of, max_inflight=8 << 20)
+    plain = plain_param_grads(build)
+    for n, p in model.named_parameters():
+        if n in plain:
+            assert_bitwise(p.grad, plain[n], n)
+
+    ref_model, ref_inputs = build()
+    mode = GradHookMode()
+    with mode:
+        output = ref_model(*ref_inputs)
+    loss_of(output).backward()
+    want = [[_digest(g) for g in grads] for _, per_call in mode.calls for grads in per_call]
+
+    code = "import torch\n" + _READ_BACK
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "runs.tl"), "r"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    every = json.loads(done.stdout)
+    got = [grads for kind, grads in every if kind == "op"]
+    assert got == want
+    assert sum(map(len, got)) > len(got) // 2
+
+    # The grads table: one row per op and fire, queryable with out and its reductions.
+    res = store.query("select label, out, norm(out), node from grads where run = 'r' order by fire")
+    df = res.df()
+    assert len(df) == sum(len(grads) for _, grads in every)  # model outputs too
+    first = df.iloc[0]
+    assert_bitwise(res.tensors("out")[0], store["r"][first["label"]].grad, first["label"])
+    assert abs(first["norm(out)"] - float(res.tensors("out")[0].double().norm())) < 1e-6
+
+
+def test_recording_block_backward_calls_are_separate_fires(tmp_path):
+    model, (x,) = mlp()
+    store = tl.open(tmp_path / "runs.tl")
+    with store.recording("r", model, capture=BACKWARD, save_grads=tl.func("relu")) as rec:
+        loss = loss_of(model(x))
+        rec.backward(loss, retain_graph=True)
+        rec.backward(loss * 2)
+    rows = store.sql("select label, backward, fire, node from grads order by fire")
+    assert list(rows["backward"]) == [1, 1, 2, 2]
+    assert list(rows["node"]) == ["ReluBackward0"] * 4
+    assert list(rows["fire"]) == sorted(rows["fire"]) and rows["fire"].is_unique
+    run = store["r"]
+    for op in run:
+        if op.func == "relu":
+            one, two = op.grads
+            assert_bitwise(two, one * 2, op.label)
+    with pytest.raises(tl.RecorderError, match="backward-ready"):
+        with store.recording("s", model) as rec:
+            rec.backward(model(x).sum())
+    with pytest.raises(TypeError, match="backward="):
+        store.record(model, x, backward=1.0)
