@@ -172,4 +172,4 @@ def test_the_catalog_has_the_store_schema_and_rows() -> None:
         t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
         for t in TABLES
     }
-    assert counts == {"runs": 4, "ops": 12, "tensors": 0, "edges": 12, "modules": 4}
+    assert counts == {"runs": 4, "ops": 12, "tensors": 0, "edges": 12, "modules": 4, "grads": 0}
