@@ -43,13 +43,19 @@ class CaptureOptions:
     """
 
     backward_ready: bool = False
+    #: Record each call's function and non-tensor arguments (``OpTable.call_args``; the
+    #: catalog's ``args`` column, as JSON), so that ``tl.validate`` can recompute saved
+    #: ops. The interception then runs in Python (the compiled path does not see
+    #: arguments).
+    record_args: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backward_ready, bool):
-            raise TypeError(
-                f"CaptureOptions(backward_ready=...) takes True or False, "
-                f"not {type(self.backward_ready).__name__}"
-            )
+        for name in ("backward_ready", "record_args"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"CaptureOptions({name}=...) takes True or False, not {type(value).__name__}"
+                )
 
 
 def as_options(capture: Any) -> CaptureOptions:

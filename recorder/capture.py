@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -82,9 +83,13 @@ class ForwardRecording:
     and ends it in its post-hook): ``start(args, kwargs)``, the forward, ``stop(output)``.
     ``stop`` must run even if the forward raises (it removes the mode and hooks)."""
 
-    def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
+    def __init__(
+        self, model: torch.nn.Module, emitter: Emitter, table: OpTable, record_args: bool = False
+    ):
         Interceptor.refuse_nesting()
         self.labeller = Labeller(model, emitter, table)
+        if record_args:
+            self.labeller.record_args()
         self._interceptor = Interceptor(self.labeller, _Warner())
 
     def start(self, args: tuple, kwargs: dict) -> None:
@@ -101,12 +106,17 @@ class ForwardRecording:
 
 
 def record_forward(
-    model: torch.nn.Module, args: tuple, kwargs: dict, emitter: Emitter, table: OpTable
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    emitter: Emitter,
+    table: OpTable,
+    record_args: bool = False,
 ) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    recording = ForwardRecording(model, emitter, table)
+    recording = ForwardRecording(model, emitter, table, record_args)
     recording.start(args, kwargs)
     try:
         output = model(*args, **kwargs)
@@ -147,7 +157,8 @@ def trace(
     table = OpTable()
     edges = None if grads is None else GradEdges(grads, table)
     emitter = MemoryEmitter(selector, stats, table, edges)
-    labeller, output = record_forward(model, args, kwargs, emitter, table)
+    record_args = as_options(capture).record_args
+    labeller, output = record_forward(model, args, kwargs, emitter, table, record_args)
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()
     for index in lost:
@@ -157,4 +168,6 @@ def trace(
             TraceLakeWarning,
             stacklevel=2,
         )
-    return Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    result = Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    result.model_ref = weakref.ref(model)
+    return result

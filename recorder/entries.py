@@ -122,6 +122,8 @@ class OpTable:
         self.rows: list[tuple] = []
         self.passes: dict[int, int] = {}
         self.labels: list[str] = []
+        #: Entry -> its call, encoded (recordings with ``record_args``; see arguments.py).
+        self.call_args: dict[int, Any] = {}
         self._keys: list[str] | None = None
         self._blocks: list[int | None] | None = None
         self._children: list[tuple[int, ...]] | None = None

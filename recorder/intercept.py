@@ -270,6 +270,8 @@ class _Mode(TorchFunctionMode):
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
+        #: CaptureOptions(record_args=True): encodes each call (see arguments.py)
+        self._call_args = getattr(events, "call_args", None)
         _Mode._sweep_funcs_at = _trim_funcs(_Mode._sweep_funcs_at)
         self._funcs = _FUNCS
 
@@ -297,7 +299,10 @@ class _Mode(TorchFunctionMode):
             out = func(*args)
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
             try:
-                self._on_call(name, args, kwargs, (out,), writes)
+                if self._call_args is not None:
+                    self._with_args(func, name, args, kwargs, (out,), writes)
+                else:
+                    self._on_call(name, args, kwargs, (out,), writes)
             except Exception as exc:  # never break the user's forward pass
                 self._on_error(name, exc)
             return out
@@ -317,10 +322,22 @@ class _Mode(TorchFunctionMode):
         else:
             return out
         try:
-            self._on_call(name, args, kwargs, tensors, writes)
+            if self._call_args is not None:
+                self._with_args(func, name, args, kwargs, tensors, writes)
+            else:
+                self._on_call(name, args, kwargs, tensors, writes)
         except Exception as exc:  # never break the user's forward pass
             self._on_error(name, exc)
         return out
+
+    def _with_args(
+        self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple, writes: bool
+    ) -> None:
+        """``on_call``, the call's arguments encoded first (before its outputs become
+        the producers of their tensors) and given to the rows it added."""
+        call = self._call_args.encode(func, args, kwargs)
+        self._on_call(name, args, kwargs, tensors, writes)
+        self._call_args.assign(call, len(tensors))
 
     def _before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         try:
@@ -371,7 +388,9 @@ class Interceptor:
     def __init__(self, events: Events, on_error: Callable[[str, BaseException], None]):
         self._events = events
         self._on_error = on_error
-        self._fused_state = getattr(events, "fused_state", None) if compiled.ENABLED else None
+        # The compiled path does not see arguments: recordings that encode them use Python's.
+        fused = compiled.ENABLED and getattr(events, "call_args", None) is None
+        self._fused_state = getattr(events, "fused_state", None) if fused else None
         self._mode: Any = (_FusedMode if self._fused_state is not None else _Mode)(events, on_error)
         self._thread = threading.get_ident()
         self._handles: list[Any] = []

@@ -223,6 +223,11 @@ OPS = Table(
         Field("source_file", STR, "the user code's file that issued the call"),
         Field("source_line", I32, "its line"),
         Field("source_func", STR, "its function"),
+        Field(
+            "args",
+            STR,
+            "the call's function and non-tensor arguments as JSON (CaptureOptions(record_args=True))",
+        ),
         *_stat_fields(),
         # Kept by the recorder only: parents become the edges table, the call site the
         # source_* columns.

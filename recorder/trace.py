@@ -8,7 +8,7 @@ runs later answer through the same class); :class:`Trace` is the in-memory resul
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -180,6 +180,11 @@ class TraceView:
             rows.append(row)
         return pandas.DataFrame(rows)
 
+    def call_args(self) -> dict[int, Any]:
+        """Op index -> its call, encoded (recordings with ``CaptureOptions(
+        record_args=True)``; see ``recorder/arguments.py``): what ``tl.validate`` reads."""
+        return self._table.call_args
+
     def _summary(self) -> str:
         saved = sum(1 for op in self if op.saved)
         return f"{len(self)} ops ({saved} saved), {len(self._modules)} module calls"
@@ -205,6 +210,8 @@ class Trace(TraceView):
         self.output = output
         self.model_class = model_class
         self._backward: BackwardCapture | None = None
+        #: The recorded model, while it lives (``tl.validate`` reads its parameters).
+        self.model_ref: Callable[[], Any] | None = None
         if emitter.grad_edges is not None:
             emitter.grads = MemoryGrads()
             self._backward = BackwardCapture([emitter.grad_edges], emitter.grads)

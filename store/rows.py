@@ -270,6 +270,7 @@ def _op_columns(
         "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
         "source_line": _taken([w.line if w else None for w in where], site_of, _I32),
         "source_func": _taken([w.function if w else None for w in where], site_of, _STR),
+        "args": _call_args(tables, n),
     }
     for name in PLAIN_ROW_COLUMNS:
         cols[name] = columns[position(name)]
@@ -278,6 +279,24 @@ def _op_columns(
         for name, produce in PRODUCERS.items():
             cols[name] = produce(ops)
     return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
+
+
+def _call_args(tables: list[OpTable], n: int) -> list[str | None]:
+    """Each op's encoded call as JSON (recordings with ``record_args``), encoded here, at
+    commit, rather than on the forward thread."""
+    if not any(table.call_args for table in tables):
+        return [None] * n
+    encoded: dict[int, str] = {}  # one text per call (a call's several outputs share it)
+
+    def text(call: Any) -> str | None:
+        if call is None:
+            return None
+        known = encoded.get(id(call))
+        if known is None:
+            known = encoded[id(call)] = json.dumps(call, allow_nan=False)
+        return known
+
+    return [text(t.call_args.get(i)) for t in tables for i in range(len(t.rows))]
 
 
 def _add_stats(

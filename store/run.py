@@ -207,6 +207,14 @@ class StepView(TraceView):
         self.run = run
         self.step = step
 
+    def call_args(self) -> dict[int, Any]:
+        """Op idx -> its call as JSON text, from the catalog's ``args`` column."""
+        rows = self.run._query(
+            "SELECT idx, args FROM ops WHERE run_id = ? AND step = ? AND args IS NOT NULL",
+            [self.run.id, self.step],
+        ).fetchall()
+        return dict(rows)
+
     def _entry(self, index: int) -> OpEntry:  # the view's hook: entries of its class
         return StoredOpEntry(self._op_table, self._source, index)
 

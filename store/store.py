@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -19,7 +20,7 @@ import torch
 
 from tracelake.errors import RecorderError, RunNotFoundError, StoreError, TraceLakeWarning
 from tracelake.recorder import ForwardRecording, OpTable, check_model
-from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges
+from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges, as_options
 from tracelake.recorder.capture import grad_selector
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
@@ -152,6 +153,7 @@ class Recording:
         self.model = model
         self._selector = as_selector(save)
         self._grad_selector = grad_selector(capture, save, save_grads)
+        self._record_args = as_options(capture).record_args
         self._grads: StoreGrads | None = None
         self._backward: BackwardCapture | None = None
         self._grad_steps: list[GradEdges] = []  # one per step, when backward-ready
@@ -262,7 +264,7 @@ class Recording:
         """Record one forward pass of ``model`` as the next step; return its output."""
         model = check_model(model)
         table, emitter = self._begin(model)
-        recording = ForwardRecording(model, emitter, table)
+        recording = ForwardRecording(model, emitter, table, self._record_args)
         recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
         try:
@@ -297,7 +299,7 @@ class Recording:
             return  # the model calling itself: part of the step already running
         try:
             table, emitter = self._begin(module)
-            recording = ForwardRecording(module, emitter, table)
+            recording = ForwardRecording(module, emitter, table, self._record_args)
             recording.start(args, kwargs)
             self._auto = (recording, table, emitter, args, kwargs)
         except Exception as exc:
@@ -505,6 +507,7 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        capture: CaptureOptions | None = None,
         backward: Callable[[Any], Any] | None = None,
         save_grads: Any = None,
         **kwargs: Any,
@@ -516,7 +519,9 @@ class Store:
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
 
-        ``backward``: a function of the model's output returning a loss; the run then
+        ``capture``: ``tl.options.CaptureOptions`` (``record_args=True`` keeps each call's
+        arguments, for ``tl.validate``). ``backward``: a function of the model's output
+        returning a loss; the run then
         also stores the gradient of that loss with respect to each op ``save_grads``
         selects (default ``save``), as ``rec.backward(loss)`` does in a recording.
         """
@@ -526,7 +531,9 @@ class Store:
                 "backward= takes a function of the model's output returning the loss "
                 f"(lambda out: out.sum()), not {type(backward).__name__}"
             )
-        capture = CaptureOptions(backward_ready=True) if backward is not None else None
+        capture = as_options(capture)
+        if backward is not None:
+            capture = dataclasses.replace(capture, backward_ready=True)
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),

@@ -49,6 +49,7 @@ def test_public_names_are_pinned() -> None:
             "none",
             "open",
             "options",
+            "validate",
             "trace",
         ]
     )

@@ -42,6 +42,7 @@ from tracelake.recorder import (
     module,
     none,
     trace,
+    validate,
 )
 from tracelake.recorder import all_ as all
 from tracelake import options
@@ -97,4 +98,5 @@ __all__ = [
     "open",
     "options",
     "trace",
+    "validate",
 ]
