@@ -41,7 +41,7 @@ def function_name(func: Any) -> list[str]:
         owner = getattr(func, "__self__", None)
         return ["getattr", str(getattr(owner, "__name__", ""))]
     owner = getattr(func, "__objclass__", None)
-    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", "")
+    qualname = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", ""))
     if owner is not None:
         module = owner.__module__
         if not qualname.startswith(owner.__qualname__ + "."):
@@ -72,7 +72,7 @@ def resolve_function(name: list[str]) -> Any:
         return None
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
-        if obj is None or part.startswith("__") and part not in _DUNDERS:
+        if obj is None or (part.startswith("__") and part not in _DUNDERS):
             return None
         obj = getattr(obj, part, None)
     return obj if callable(obj) else None
@@ -81,11 +81,48 @@ def resolve_function(name: list[str]) -> Any:
 #: Dunder methods a recorded call may name (operators, indexing).
 _DUNDERS = frozenset(
     f"__{n}__"
-    for n in (
-        "getitem setitem add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv "
-        "floordiv rfloordiv mod rmod pow rpow matmul rmatmul neg pos abs invert and rand or "
-        "ror xor rxor lshift rshift eq ne lt le gt ge"
-    ).split()
+    for n in [
+        "getitem",
+        "setitem",
+        "add",
+        "radd",
+        "iadd",
+        "sub",
+        "rsub",
+        "isub",
+        "mul",
+        "rmul",
+        "imul",
+        "truediv",
+        "rtruediv",
+        "itruediv",
+        "floordiv",
+        "rfloordiv",
+        "mod",
+        "rmod",
+        "pow",
+        "rpow",
+        "matmul",
+        "rmatmul",
+        "neg",
+        "pos",
+        "abs",
+        "invert",
+        "and",
+        "rand",
+        "or",
+        "ror",
+        "xor",
+        "rxor",
+        "lshift",
+        "rshift",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+    ]
 )
 
 

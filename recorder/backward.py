@@ -76,7 +76,7 @@ class GradFire(NamedTuple):
     fire: int  # order of the node's fire among all fires of the recording (from 0)
     node: str  # the autograd node's class name: AddmmBackward0, AccumulateGrad, ...
     step: int  # the forward pass (step) of the op
-    index: int  # the op entry
+    op: int  # the op entry (its index in the step)
 
 
 def node_name(node: Any) -> str:
@@ -190,7 +190,7 @@ class MemoryGrads:
         self._checked = 0
 
     def keep(self, fire: GradFire, grad: torch.Tensor) -> None:
-        self._by_op.setdefault((fire.step, fire.index), []).append(len(self.fires))
+        self._by_op.setdefault((fire.step, fire.op), []).append(len(self.fires))
         self.fires.append(fire)
         self.tensors.append(grad)
         self._versions.append(grad._version)

@@ -335,9 +335,11 @@ class _Mode(TorchFunctionMode):
     ) -> None:
         """``on_call``, the call's arguments encoded first (before its outputs become
         the producers of their tensors) and given to the rows it added."""
-        call = self._call_args.encode(func, args, kwargs)
+        recorder = self._call_args
+        assert recorder is not None
+        call = recorder.encode(func, args, kwargs)
         self._on_call(name, args, kwargs, tensors, writes)
-        self._call_args.assign(call, len(tensors))
+        recorder.assign(call, len(tensors))
 
     def _before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         try:

@@ -226,7 +226,7 @@ OPS = Table(
         Field(
             "args",
             STR,
-            "the call's function and non-tensor arguments as JSON (CaptureOptions(record_args=True))",
+            "the call's function and non-tensor arguments as JSON (with record_args=True)",
         ),
         *_stat_fields(),
         # Kept by the recorder only: parents become the edges table, the call site the

@@ -36,6 +36,7 @@ class GradRecord(NamedTuple):
     label: str  # the forward op (pass-qualified)
     grad: torch.Tensor | None
 
+
 #: Row fields ``df()`` shows as they are (those a catalog column keeps unconverted),
 #: besides the columns it derives itself.
 _EXTRA_FIELDS = tuple(
@@ -251,7 +252,7 @@ class Trace(TraceView):
         self._backward.backward(loss, gradient, **options)
         for fire in grads.done():
             warnings.warn(
-                f"the gradient of {self._table.labels[fire.index]} (backward call "
+                f"the gradient of {self._table.labels[fire.op]} (backward call "
                 f"{fire.backward}) was written in place after autograd handed it over, "
                 "so it is not kept",
                 TraceLakeWarning,
@@ -268,7 +269,7 @@ class Trace(TraceView):
             return []
         labels = self._table.labels
         return [
-            GradRecord(f.backward, f.fire, f.node, labels[f.index], grad)
+            GradRecord(f.backward, f.fire, f.node, labels[f.op], grad)
             for f, grad in zip(grads.fires, grads.tensors, strict=True)
         ]
 

@@ -30,10 +30,40 @@ __all__ = ["Mismatch", "ValidationReport", "validate"]
 
 #: Functions whose result depends on the random number generator's state.
 _RANDOM = frozenset(
-    "dropout dropout_ alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d "
-    "native_dropout rrelu rrelu_ rand randn randint randperm rand_like randn_like "
-    "randint_like bernoulli bernoulli_ multinomial normal normal_ uniform_ poisson "
-    "exponential_ random_ cauchy_ log_normal_ geometric_ empty empty_like new_empty".split()
+    [
+        "dropout",
+        "dropout_",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "native_dropout",
+        "rrelu",
+        "rrelu_",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "bernoulli",
+        "bernoulli_",
+        "multinomial",
+        "normal",
+        "normal_",
+        "uniform_",
+        "poisson",
+        "exponential_",
+        "random_",
+        "cauchy_",
+        "log_normal_",
+        "geometric_",
+        "empty",
+        "empty_like",
+        "new_empty",
+    ]
 )
 #: (rtol, atol) by dtype, as torch.testing.assert_close's defaults.
 _TOLERANCE = {
@@ -92,7 +122,7 @@ def _params_of(model: Any) -> dict[str, torch.Tensor]:
         return {}
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= takes the recorded torch.nn.Module, not {type(model).__name__}")
-    named = dict(model.named_parameters(remove_duplicate=False))
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     return named
 
@@ -106,8 +136,9 @@ def _compare(saved: torch.Tensor, got: Any) -> tuple[bool, float, str]:
     if torch.equal(got, saved) or (saved.numel() == 0):
         return True, 0.0, ""
     if saved.dtype.is_floating_point or saved.dtype.is_complex:
-        a, b = got.to(torch.complex128 if saved.dtype.is_complex else torch.float64), saved.to(
-            torch.complex128 if saved.dtype.is_complex else torch.float64
+        a, b = (
+            got.to(torch.complex128 if saved.dtype.is_complex else torch.float64),
+            saved.to(torch.complex128 if saved.dtype.is_complex else torch.float64),
         )
         same_nan = torch.isnan(a) == torch.isnan(b)
         diff = (a - b).abs().nan_to_num(nan=0.0)
@@ -233,8 +264,7 @@ def validate(target: Any, *args: Any, model: Any = None, **kwargs: Any) -> Valid
             recorded.cleanup()
     if args or kwargs:
         raise TypeError(
-            "model inputs go with a model (tl.validate(model, x)); a trace or run takes "
-            "only model="
+            "model inputs go with a model (tl.validate(model, x)); a trace or run takes only model="
         )
     if model is None:
         ref = getattr(target, "model_ref", None)

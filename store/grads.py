@@ -66,8 +66,8 @@ def grads_table(
     columns: dict[str, Any] = {
         "run_id": np.full(n, run_id, dtype=np.int32),
         "step": [f.step for f, _ in fires],
-        "idx": [f.index for f, _ in fires],
-        "label": [labels[f.step][f.index] for f, _ in fires],
+        "idx": [f.op for f, _ in fires],
+        "label": [labels[f.step][f.op] for f, _ in fires],
         "backward": [f.backward for f, _ in fires],
         "fire": [f.fire for f, _ in fires],
         "node": [f.node for f, _ in fires],

@@ -37,6 +37,7 @@ from .catalog import (
     writer_alive,
 )
 from .compare import Comparison, compare
+from .grads import StoreGrads, grads_table
 from .layout import (
     StorePaths,
     check_run_marker,
@@ -47,7 +48,6 @@ from .layout import (
     trash_run_dir,
     validate_name,
 )
-from .grads import StoreGrads, grads_table
 from .rows import run_tables
 from .run import Run
 from .tensors import RunArrays

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-
 from hook_capture import flatten
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["GradHookMode", "module_grad_outputs"]
 

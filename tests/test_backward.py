@@ -56,7 +56,7 @@ def test_every_op_grad_equals_tensor_hooks(name):
     want = [(func, grads) for func, per_call in mode.calls for grads in per_call]
     assert len(got) == len(want), f"{len(got)} ops recorded, hooks saw {len(want)} tensors"
     compared = 0
-    for (func, op), (_, grads) in zip(got, want, strict=True):
+    for (_, op), (_, grads) in zip(got, want, strict=True):
         assert len(op.grads) == len(grads), f"{op.label}: {len(op.grads)} vs {len(grads)} grads"
         for mine, theirs in zip(op.grads, grads, strict=True):
             assert_bitwise(mine, theirs, op.label)
@@ -157,10 +157,11 @@ store = tl.open(sys.argv[1], create=False)
 run = store[sys.argv[2]]
 out = []
 for op in run:
-    out.append([op.kind, [
-        [str(g.dtype), list(g.shape), hashlib.sha256(g.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
-        for g in op.grads
-    ]])
+    digests = []
+    for g in op.grads:
+        data = g.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        digests.append([str(g.dtype), list(g.shape), hashlib.sha256(data).hexdigest()])
+    out.append([op.kind, digests])
 print(json.dumps(out))
 """
 
@@ -225,8 +226,10 @@ def test_recording_block_backward_calls_are_separate_fires(tmp_path):
         if op.func == "relu":
             one, two = op.grads
             assert_bitwise(two, one * 2, op.label)
-    with pytest.raises(tl.RecorderError, match="backward-ready"):
-        with store.recording("s", model) as rec:
-            rec.backward(model(x).sum())
+    with (
+        pytest.raises(tl.RecorderError, match="backward-ready"),
+        store.recording("s", model) as rec,
+    ):
+        rec.backward(model(x).sum())
     with pytest.raises(TypeError, match="backward="):
         store.record(model, x, backward=1.0)

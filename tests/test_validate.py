@@ -100,8 +100,9 @@ def test_a_stored_run_validates_with_its_model(tmp_path):
     assert call["fn"] == ["torch.nn.functional", "layer_norm"]
     assert call["kwargs"]["eps"] == pytest.approx(1e-5)
     plain = store.record(model, *inputs, name="plain")
-    assert store.sql("select count(*) as n from ops where args is not null and run_id = 2")[
-        "n"
-    ][0] == 0
+    assert (
+        store.sql("select count(*) as n from ops where args is not null and run_id = 2")["n"][0]
+        == 0
+    )
     with pytest.raises(tl.RecorderError, match="record_args"):
         tl.validate(plain, model=model)

@@ -10,6 +10,7 @@ run = store.record(model, x, name="baseline", save=tl.func("relu"))
 store["baseline"]["relu_1_2"].out
 """
 
+from tracelake import options
 from tracelake.errors import (
     AmbiguousLabelError,
     CatalogError,
@@ -45,7 +46,6 @@ from tracelake.recorder import (
     validate,
 )
 from tracelake.recorder import all_ as all
-from tracelake import options
 from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
 from tracelake.store.compare import compare
