@@ -95,7 +95,7 @@ class Mismatch:
 class ValidationReport:
     """What :func:`validate` found: ``matched`` (labels recomputed to their saved
     value), ``mismatches`` (:class:`Mismatch`), ``skipped`` (label -> why it could not
-    be recomputed). True (``bool(report)``) when nothing mismatched."""
+    be recomputed); labels of a run of several steps start with ``step k:``. True (``bool(report)``) when nothing mismatched."""
 
     matched: list[str] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -212,7 +212,9 @@ def _calls_of(view: Any) -> dict[int, Any]:
     return {i: json.loads(c) if isinstance(c, str) else c for i, c in calls.items()}
 
 
-def _validate_view(view: Any, params: dict[str, torch.Tensor], report: ValidationReport) -> None:
+def _validate_view(
+    view: Any, params: dict[str, torch.Tensor], report: ValidationReport, prefix: str = ""
+) -> None:
     calls = _calls_of(view)
     if not calls:
         raise RecorderError(
@@ -234,15 +236,15 @@ def _validate_view(view: Any, params: dict[str, torch.Tensor], report: Validatio
             except Exception as exc:  # the function refused the recorded arguments
                 reason = f"recomputing raised {type(exc).__name__}: {exc}"
         if reason is not None:
-            report.skipped[op.label] = reason
+            report.skipped[prefix + op.label] = reason
             continue
         saved = op.out
         assert saved is not None
         same, worst, detail = _compare(saved, got)
         if same:
-            report.matched.append(op.label)
+            report.matched.append(prefix + op.label)
         else:
-            report.mismatches.append(Mismatch(op.label, op.func, worst, detail))
+            report.mismatches.append(Mismatch(prefix + op.label, op.func, worst, detail))
 
 
 def validate(target: Any, *args: Any, model: Any = None, **kwargs: Any) -> ValidationReport:
@@ -272,10 +274,10 @@ def validate(target: Any, *args: Any, model: Any = None, **kwargs: Any) -> Valid
     params = _params_of(model)
     report = ValidationReport()
     views = target.steps if hasattr(target, "steps") else [target]
-    for view in views:
+    for k, view in enumerate(views):
         if not hasattr(view, "call_args"):
             raise TypeError(
                 f"tl.validate takes a model, a trace or a stored run, not {type(target).__name__}"
             )
-        _validate_view(view, params, report)
+        _validate_view(view, params, report, f"step {k}: " if len(views) > 1 else "")
     return report

@@ -106,3 +106,14 @@ def test_a_stored_run_validates_with_its_model(tmp_path):
     )
     with pytest.raises(tl.RecorderError, match="record_args"):
         tl.validate(plain, model=model)
+
+
+def test_a_run_of_several_steps_names_the_step(tmp_path):
+    model, (x,) = MODELS["mlp"]()
+    store = tl.open(tmp_path / "runs.tl")
+    with store.recording("r", model, capture=ARGS):
+        model(x)
+        model(x * 2)
+    report = tl.validate(store["r"], model=model)
+    assert report.ok and not report.skipped
+    assert {label.split(":")[0] for label in report.matched} == {"step 0", "step 1"}
