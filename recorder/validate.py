@@ -95,7 +95,8 @@ class Mismatch:
 class ValidationReport:
     """What :func:`validate` found: ``matched`` (labels recomputed to their saved
     value), ``mismatches`` (:class:`Mismatch`), ``skipped`` (label -> why it could not
-    be recomputed); labels of a run of several steps start with ``step k:``. True (``bool(report)``) when nothing mismatched."""
+    be recomputed); labels of a run of several steps start with ``step k:``. True
+    (``bool(report)``) when nothing mismatched."""
 
     matched: list[str] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
