@@ -14,7 +14,11 @@ Forward + backward of ``loss = last_hidden_state.square().mean()``:
   save=tl.none(), save_grads=tl.all())`` then ``trace.backward(loss)``;
 * ``tracelake: every act + grad``: the same saving every activation too;
 * ``store: every grad``: ``store.record(..., save=tl.none(), save_grads=tl.all(),
-  backward=loss)`` into a fresh store (commit included).
+  backward=loss)`` into a fresh store (commit included);
+* ``store: none + plain bwd``: a recording block saving nothing (``save=tl.none()``)
+  around a forward and a plain backward, into a fresh store: a stored run's fixed costs
+  (catalog transactions, fsync) with the same work, so the difference to the line above
+  is what storing the gradients costs.
 
 Forward only, no grad (the cost of ``record_args`` for ``tl.validate``):
 
@@ -93,12 +97,21 @@ def _conditions(model: torch.nn.Module, x: torch.Tensor, root: str) -> dict[str,
 
     count = iter(range(1_000_000))
 
-    def store() -> None:
-        path = f"{root}/s{next(count)}"
-        st = tl.open(path)
-        st.record(model, x, use_cache=False, save=tl.none(), save_grads=tl.all(), backward=_loss)
-        st.close()
-        shutil.rmtree(path)
+    def store(grads: bool) -> Callable[[], None]:
+        def run() -> None:
+            path = f"{root}/s{next(count)}"
+            st = tl.open(path)
+            if grads:
+                st.record(
+                    model, x, use_cache=False, save=tl.none(), save_grads=tl.all(), backward=_loss
+                )
+            else:  # the same run's fixed costs (catalog, fsync), a plain backward in it
+                with st.recording("r", model, save=tl.none()):
+                    _loss(model(x, use_cache=False)).backward()
+            st.close()
+            shutil.rmtree(path)
+
+        return run
 
     def forward(capture: Any) -> Callable[[], None]:
         def run() -> None:
@@ -115,7 +128,8 @@ def _conditions(model: torch.nn.Module, x: torch.Tensor, root: str) -> dict[str,
         "hooks: every grad": hooks,
         "tracelake: every grad": grads(tl.none()),
         "tracelake: every act + grad": grads(tl.all()),
-        "store: every grad": store,
+        "store: every grad": store(True),
+        "store: none + plain bwd": store(False),
         "plain fwd": forward(None),
         "tracelake none": forward(tl.options.CaptureOptions()),
         "tracelake none+args": forward(ARGS),
@@ -147,9 +161,17 @@ def main() -> None:
                 conditions[name]()
                 times[name].append(time.process_time() - start)
                 model.zero_grad(set_to_none=True)
+        trace = tl.trace(
+            model, x, use_cache=False, capture=BACKWARD, save=tl.none(), save_grads=tl.all()
+        )
+        trace.backward(_loss(trace.output))
+        fires = trace.grad_fires
+        grad_bytes = sum(f.grad.nbytes for f in fires if f.grad is not None)
+        model.zero_grad(set_to_none=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"GPT-2 config, input {tuple(x.shape)}, {options.repeats} rounds, CPU time")
+    print(f"every grad: {len(fires)} gradients, {grad_bytes / 2**20:.0f} MiB per call")
     print(f"{'condition':30} {'ms/call':>9} {'ratio':>7}  reference")
     for name, samples in times.items():
         ref = _REFERENCE.get(name, "plain fwd+bwd")
