@@ -28,6 +28,7 @@ from .schema import (
     REDUCTIONS,
     SCALARS,
     STATS,
+    TENSOR_TABLES,
     Kind,
     closest,
     ident,
@@ -205,8 +206,10 @@ class Operands:
 
     def ops_source(self, node: Any, what: str) -> Source:
         src = self.source(node)
-        if src.table != "ops":
-            raise self.refuse(f"{what} is a column of ops, not of {src.table}", node)
+        if src.table not in TENSOR_TABLES:
+            raise self.refuse(
+                f"{what} is a column of {' and '.join(TENSOR_TABLES)}, not of {src.table}", node
+            )
         return src
 
     def _runs_row(self, src: Source) -> str:
@@ -226,7 +229,7 @@ class Operands:
                 return str(self.visit(aliased))
         src = self.source(node)
         if node.name not in src.columns:
-            extra = ", out" if src.table == "ops" else ""
+            extra = ", out" if src.table in TENSOR_TABLES else ""
             hint = closest(node.name, [*src.columns, *(["out"] if extra else [])])
             raise self.refuse(
                 f"unknown column {node.name!r}{hint}"

@@ -27,6 +27,7 @@ __all__ = [
     "SCALARS",
     "STATS",
     "TABLE_NAMES",
+    "TENSOR_TABLES",
     "Kind",
     "closest",
     "ident",
@@ -35,9 +36,12 @@ __all__ = [
 ]
 
 #: Tables a query can read, in the order error messages list them.
-TABLE_NAMES = ("ops", "runs", "modules", "edges", "rules", "calls")
+TABLE_NAMES = ("ops", "runs", "modules", "edges", "grads", "rules", "calls")
+#: Tables whose rows locate a tensor (``out``: an op's output; a grad row's gradient).
+TENSOR_TABLES = ("ops", "grads")
 
-#: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops``
+#: Whole-tensor reductions of ``out``, each answered by a statistics column of ``ops`` (and
+#: of ``grads``)
 #: (the language says ``norm`` for the ``l2`` column). ``sum`` has no column of its own:
 #: it is ``mean`` times the element count.
 STATS = {"mean": "mean", "std": "std", "min": "min", "max": "max", "absmax": "absmax", "norm": "l2"}

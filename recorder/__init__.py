@@ -10,6 +10,7 @@ from .entries import ModuleEntry, OpEntry, OpTable, SourceLocation
 from .selectors import Selector, all_, func, in_module, label, module, none
 from .stats import Stats, compute_stats
 from .trace import Trace, TraceView
+from .validate import ValidationReport, validate
 
 __all__ = [
     "ForwardRecording",
@@ -21,6 +22,7 @@ __all__ = [
     "Stats",
     "Trace",
     "TraceView",
+    "ValidationReport",
     "all_",
     "check_model",
     "compute_stats",
@@ -31,4 +33,5 @@ __all__ = [
     "none",
     "record_forward",
     "trace",
+    "validate",
 ]

@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
 from tracelake.errors import TraceLakeWarning
 
+from .backward import CaptureOptions, GradEdges, as_options
 from .emit import MemoryEmitter
 from .entries import OpTable
 from .intercept import Interceptor
 from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
 from .replay import encode_call
-from .selectors import as_selector
+from .selectors import Selector, as_selector
 from .trace import Trace
 
-__all__ = ["ForwardRecording", "check_model", "record_forward", "trace"]
+__all__ = ["ForwardRecording", "check_model", "grad_selector", "record_forward", "trace"]
 
 log = logging.getLogger("tracelake.recorder")
 
@@ -48,6 +50,21 @@ class _Warner:
             TraceLakeWarning,
             stacklevel=2,
         )
+
+
+def grad_selector(capture: Any, save: Any, save_grads: Any) -> Selector | None:
+    """The selector of the ops whose gradients a backward-ready recording keeps (None
+    when ``capture`` does not ask for backward capture; ``save_grads`` then must not be
+    given). Default: ``save``'s."""
+    options = as_options(capture)
+    if not options.backward_ready:
+        if save_grads is not None:
+            raise ValueError(
+                "save_grads= selects gradients of a backward-ready recording: pass "
+                "capture=tl.options.CaptureOptions(backward_ready=True) too"
+            )
+        return None
+    return as_selector(save if save_grads is None else save_grads)
 
 
 def check_model(model: object) -> torch.nn.Module:
@@ -75,16 +92,18 @@ class ForwardRecording:
         table: OpTable,
         interventions: Interventions | None = None,
         step: int = 0,
+        *,
+        record_args: bool = False,
     ):
         Interceptor.refuse_nesting()
-        if interventions:  # the rules see each op before the emitter does
-            wrapper = interventions.step(step, table, emitter)
-            self.labeller = Labeller(model, wrapper, table)
+        # the rules see each op before the emitter does
+        wrapper = interventions.step(step, table, emitter) if interventions else None
+        self.labeller = Labeller(model, emitter if wrapper is None else wrapper, table)
+        if wrapper is not None:
             wrapper.bind(self.labeller)
-            self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
-        else:
-            self.labeller = Labeller(model, emitter, table)
-            self._interceptor = Interceptor(self.labeller, _Warner())
+        if record_args:  # before the interceptor, which picks its path by it
+            self.labeller.record_args()
+        self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
@@ -106,11 +125,12 @@ def record_forward(
     emitter: Emitter,
     table: OpTable,
     interventions: Interventions | None = None,
+    record_args: bool = False,
 ) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    recording = ForwardRecording(model, emitter, table, interventions)
+    recording = ForwardRecording(model, emitter, table, interventions, record_args=record_args)
     recording.start(args, kwargs)
     try:
         output = model(*args, **kwargs)
@@ -127,6 +147,8 @@ def trace(
     save: Any = None,
     stats: str = "saved",
     intervene: Any = None,
+    capture: CaptureOptions | None = None,
+    save_grads: Any = None,
     **kwargs: Any,
 ) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
@@ -139,15 +161,24 @@ def trace(
     ``tl.when(selector, action)`` or a list of them, applied to the ops they select as
     the forward runs (``trace.interventions`` audits them). Remaining positional and
     keyword arguments go to the model.
+
+    ``capture=tl.options.CaptureOptions(backward_ready=True)`` makes the trace ready for
+    ``trace.backward(loss)``, which records the gradient of ``loss`` with respect to the
+    output of each op ``save_grads`` selects (a selector; default: ``save``).
     """
     model = check_model(model)
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
     interventions = Interventions(as_rules(intervene))
+    grads = grad_selector(capture, save, save_grads)
     table = OpTable()
-    emitter = MemoryEmitter(selector, stats, table)
-    labeller, output = record_forward(model, args, kwargs, emitter, table, interventions)
+    edges = None if grads is None else GradEdges(grads, table)
+    emitter = MemoryEmitter(selector, stats, table, edges)
+    record_args = as_options(capture).record_args
+    labeller, output = record_forward(
+        model, args, kwargs, emitter, table, interventions, record_args
+    )
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()
     for index in lost:
@@ -161,4 +192,5 @@ def trace(
     result.interventions = interventions
     result.call = encode_call(args, kwargs)
     interventions.warn_unused()
+    result.model_ref = weakref.ref(model)
     return result

@@ -16,6 +16,7 @@ import torch
 
 from tracelake.errors import RecorderError
 
+from .backward import GradEdges, MemoryGrads
 from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
 from .stats import Stats, StatsGatherer, compute_stats
@@ -209,7 +210,9 @@ class SelectingEmitter:
     how a tensor is kept (``_keep``, returning a slot number) and whether a slot still
     holds a tensor's current value (``_holds``)."""
 
-    def __init__(self, selector: Selector, stats: str, table: OpTable):
+    def __init__(
+        self, selector: Selector, stats: str, table: OpTable, grads: GradEdges | None = None
+    ):
         self._selector = selector
         self._const = selector.constant
         self._stats_all = stats == "all"
@@ -219,7 +222,10 @@ class SelectingEmitter:
         # unsaved ops' statistics: small tensors' gathered, complete at finish_ops()
         self._gather = StatsGatherer() if self._stats_all else None
         #: False when no op entry needs anything: the labeller then skips on_entry.
-        self.wants_ops = self._const is not False or self._stats_all
+        #: The autograd nodes of entries whose gradients a later backward call records
+        #: (``CaptureOptions(backward_ready=True)``), or None.
+        self.grad_edges = grads
+        self.wants_ops = self._const is not False or self._stats_all or grads is not None
         #: Whether every entry is selected (``tl.all()``): a subclass may then keep a
         #: new tensor without asking the selector.
         self.saves_all = self._const is True
@@ -239,6 +245,8 @@ class SelectingEmitter:
         return self._keep(tensor)
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
+        if self.grad_edges is not None:
+            self.grad_edges.add(index, tensor)
         selected = self._const
         if selected is None:
             selected = self._selector.matches_op(OpEntry(self._table, None, index))
@@ -287,9 +295,13 @@ class SelectingEmitter:
 class MemoryEmitter(SelectingEmitter):
     """Keeps selected tensors in memory for an in-memory trace; a :class:`TensorSource`."""
 
-    def __init__(self, selector: Selector, stats: str, table: OpTable):
-        super().__init__(selector, stats, table)
+    def __init__(
+        self, selector: Selector, stats: str, table: OpTable, grads: GradEdges | None = None
+    ):
+        super().__init__(selector, stats, table, grads)
         self.slots = TensorSlots()
+        #: Gradients kept by ``Trace.backward`` (None until then).
+        self.grads: MemoryGrads | None = None
         self._keep = self.slots.put  # type: ignore[method-assign]
         self._holds = self.slots.holds  # type: ignore[method-assign]
 
@@ -324,6 +336,13 @@ class MemoryEmitter(SelectingEmitter):
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return self.slots.get(slot)  # type: ignore[return-value]
 
+    def op_grads(self, index: int) -> list[torch.Tensor | None]:
+        if self.grads is None:
+            return []
+        if self.slots.freed:
+            raise _freed_error()
+        return [grad for _, grad in self.grads.grads(0, index)]
+
     @property
     def nbytes(self) -> int:
         """Bytes held by saved tensors, each storage counted once."""
@@ -338,3 +357,7 @@ class MemoryEmitter(SelectingEmitter):
 
     def cleanup(self) -> None:
         self.slots.free()
+        if self.grads is not None:
+            self.grads.free()
+        if self.grad_edges is not None:
+            self.grad_edges.clear()  # the autograd graph is the user's again

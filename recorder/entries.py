@@ -147,6 +147,8 @@ class OpTable:
         self.rows: list[tuple] = []
         self.passes: dict[int, int] = {}
         self.labels: list[str] = []
+        #: Entry -> its call, encoded (recordings with ``record_args``; see arguments.py).
+        self.call_args: dict[int, Any] = {}
         self._keys: list[str] | None = None
         #: While recording: the settled graphs whose raw rows this one has matched so
         #: far, and how many of its rows were checked (:meth:`settled_label`).
@@ -351,6 +353,8 @@ class OpEntry:
     - ``saved``, ``out`` (the detached copy, or ``None``) and ``stats`` (summary
       statistics, or ``None`` when the tensor was neither saved nor asked for with
       ``stats="all"``).
+    - ``grad`` / ``grads``: gradients of a loss with respect to ``out`` after
+      ``trace.backward(loss)`` (a recording made ``backward_ready``).
     """
 
     __slots__ = ("_row", "_table", "_tensors", "index")
@@ -450,6 +454,20 @@ class OpEntry:
     @property
     def stats(self) -> Stats | None:
         return self._tensors.op_stats(self.index) if self._tensors is not None else None
+
+    @property
+    def grads(self) -> list[torch.Tensor | None]:
+        """The gradients of the loss with respect to this op's output, one per backward
+        call that reached it, in order (``trace.backward(loss)``); ``None`` for a value
+        that could not be kept."""
+        read = getattr(self._tensors, "op_grads", None)
+        return [] if read is None else list(read(self.index))
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The gradient from the latest backward call that reached this op, or None."""
+        grads = self.grads
+        return grads[-1] if grads else None
 
     def __eq__(self, other: object) -> bool:
         return (

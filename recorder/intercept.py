@@ -377,6 +377,8 @@ class _Mode(TorchFunctionMode):
         self._events = events
         self._on_call = events.on_call
         self._on_error = on_error
+        #: CaptureOptions(record_args=True): encodes each call (see arguments.py)
+        self._call_args = getattr(events, "call_args", None)
         _Mode._sweep_funcs_at = _trim_funcs(_Mode._sweep_funcs_at)
         self._funcs = _FUNCS
 
@@ -406,7 +408,10 @@ class _Mode(TorchFunctionMode):
             out = func(*args)
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
             try:
-                self._on_call(name, args, kwargs, (out,), writes)
+                if self._call_args is not None:
+                    self._with_args(func, name, args, kwargs, (out,), writes)
+                else:
+                    self._on_call(name, args, kwargs, (out,), writes)
             except Exception as exc:  # never break the user's forward pass
                 self._on_error(name, exc)
             return out
@@ -426,10 +431,25 @@ class _Mode(TorchFunctionMode):
         else:
             return out
         try:
-            self._on_call(name, args, kwargs, tensors, writes)
+            if self._call_args is not None:
+                self._with_args(func, name, args, kwargs, tensors, writes)
+            else:
+                self._on_call(name, args, kwargs, tensors, writes)
         except Exception as exc:  # never break the user's forward pass
             self._on_error(name, exc)
         return out
+
+    def _with_args(
+        self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple, writes: bool
+    ) -> None:
+        """``on_call``, the call's arguments encoded first (before its outputs become
+        the producers of their tensors) and given to the rows it added."""
+        recorder = self._call_args
+        assert recorder is not None
+        call = recorder.encode(func, args, kwargs)
+        start = recorder.row_count()
+        self._on_call(name, args, kwargs, tensors, writes)
+        recorder.assign(call, start, len(tensors))
 
     def _before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         try:
@@ -522,9 +542,10 @@ class Interceptor:
     ):
         self._events = events
         self._on_error = on_error
-        self._fused_state = (
-            getattr(events, "fused_state", None) if compiled.ENABLED and swaps is None else None
-        )
+        # The compiled path cannot hand back a changed tensor (interventions) and does not
+        # see arguments (recordings that encode them): those use Python's.
+        fused = compiled.ENABLED and swaps is None and getattr(events, "call_args", None) is None
+        self._fused_state = getattr(events, "fused_state", None) if fused else None
         self._mode: Any = (
             _InterveningMode(events, on_error, swaps)
             if swaps is not None

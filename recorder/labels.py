@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .arguments import ArgsRecorder
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
 from .record import make_row
@@ -119,6 +120,15 @@ class Labeller:
         self._numbers: dict[str, int] = {}  # inputs, outputs, buffers so far
         self._codes = SourceFinder.codes
         self._classify = SourceFinder.classify
+        #: Encodes each call's arguments (CaptureOptions(record_args=True)), or None.
+        self.call_args: ArgsRecorder | None = None
+
+    def record_args(self) -> None:
+        """Encode every call's arguments into ``table.call_args`` (before the recording
+        starts; the interception then runs in Python, see arguments.py)."""
+        self.call_args = ArgsRecorder(
+            self.table.call_args, self._rows, self._producer, self._params
+        )
 
     # -- producers -------------------------------------------------------------------
 

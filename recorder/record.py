@@ -34,6 +34,7 @@ __all__ = [
     "BOOL",
     "EDGES",
     "F64",
+    "GRADS",
     "I32",
     "I64",
     "MODULES",
@@ -238,6 +239,11 @@ OPS = Table(
         Field("source_file", STR, "the user code's file that issued the call"),
         Field("source_line", I32, "its line"),
         Field("source_func", STR, "its function"),
+        Field(
+            "args",
+            STR,
+            "the call's function and non-tensor arguments as JSON (with record_args=True)",
+        ),
         *_stat_fields(),
         # Kept by the recorder only: parents become the edges table, the call site the
         # source_* columns.
@@ -257,6 +263,30 @@ EDGES = Table(
         Field("child", I32, "the consuming entry's idx"),
         Field("arg", STR, "where the parent came in: '0', 'weight', '0.2' (a list item)"),
         Field("edge", I32, "the order of the child's parents"),
+    ),
+)
+
+#: The ``grads`` table: one row per op gradient a backward call recorded (a store's
+#: ``rec.backward(loss)``), in the order the autograd engine ran the ops' nodes. Its
+#: tensor columns are named as ``ops``' are, so ``out`` reads the gradient.
+GRADS = Table(
+    "grads",
+    (
+        Field("run_id", I32, "the run's id"),
+        Field("step", I32, "the forward pass (step) of the op"),
+        Field("idx", I32, "the op's idx in its step"),
+        Field("label", STR, "the op's label (pass-qualified)"),
+        Field("backward", I32, "which backward call of the run (from 1)"),
+        Field("fire", I32, "the fire of the op's autograd node, in execution order (from 0)"),
+        Field("node", STR, "the autograd node's class: AddmmBackward0, AccumulateGrad, ..."),
+        Field("shape", list_of(I64), "the gradient's shape"),
+        Field("dtype", STR, "the gradient's dtype"),
+        Field("nbytes", I64, "the gradient's size in bytes"),
+        Field("saved", BOOL, "whether the gradient was saved"),
+        Field("tensor", I32, "the saved gradient's slot in the run's tensors table"),
+        Field("array", STR, "the Zarr array holding it"),
+        Field("byte_offset", I64, "where it starts in a packed array"),
+        *_stat_fields(),
     ),
 )
 

@@ -7,11 +7,15 @@ runs later answer through the same class); :class:`Trace` is the in-memory resul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tracelake.errors import AmbiguousLabelError, LabelError
+import torch
 
+from tracelake.errors import AmbiguousLabelError, LabelError, RecorderError, TraceLakeWarning
+
+from .backward import BackwardCapture, MemoryGrads
 from .entries import ModuleEntry, OpEntry, OpTable, TensorSource
 from .record import OPS, STAT_FIELDS, TRANSFORMED
 
@@ -27,7 +31,18 @@ if TYPE_CHECKING:
     from .intervene import Interventions
     from .replay import ReplayReport
 
-__all__ = ["Trace", "TraceView"]
+__all__ = ["GradRecord", "Trace", "TraceView"]
+
+
+class GradRecord(NamedTuple):
+    """One op's gradient from one fire of its autograd node (see ``Trace.grad_fires``)."""
+
+    backward: int  # which backward call (from 1)
+    fire: int  # the node's fire, in the engine's execution order (from 0)
+    node: str  # the autograd node: AddmmBackward0, AccumulateGrad, ...
+    label: str  # the forward op (pass-qualified)
+    grad: torch.Tensor | None
+
 
 #: Row fields ``df()`` shows as they are (those a catalog column keeps unconverted),
 #: besides the columns it derives itself.
@@ -208,6 +223,11 @@ class TraceView:
 
         return trace_html(self)
 
+    def call_args(self) -> dict[int, Any]:
+        """Op index -> its call, encoded (recordings with ``CaptureOptions(
+        record_args=True)``; see ``recorder/arguments.py``): what ``tl.validate`` reads."""
+        return self._table.call_args
+
     def _summary(self) -> str:
         saved = sum(1 for op in self if op.saved)
         return f"{len(self)} ops ({saved} saved), {len(self._modules)} module calls"
@@ -238,6 +258,12 @@ class Trace(TraceView):
         self._emitter = emitter
         self.output = output
         self.model_class = model_class
+        self._backward: BackwardCapture | None = None
+        #: The recorded model, while it lives (``tl.validate`` reads its parameters).
+        self.model_ref: Callable[[], Any] | None = None
+        if emitter.grad_edges is not None:
+            emitter.grads = MemoryGrads()
+            self._backward = BackwardCapture([emitter.grad_edges], emitter.grads)
 
     def replay(self, model: Any, atol: float = 1e-6, rtol: float = 1e-5) -> ReplayReport:
         """Run this forward pass again on ``model`` from the saved inputs, with the same
@@ -257,6 +283,52 @@ class Trace(TraceView):
         """Free every saved tensor and the model output; metadata stays readable."""
         self._emitter.cleanup()
         self.output = None
+        self._backward = None
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward(self, loss: Any, gradient: Any = None, **options: Any) -> None:
+        """Run ``torch.autograd.backward(loss, gradient, **options)`` and record, for each
+        op selected by ``save_grads=`` (default ``save=``), the gradient of ``loss`` with
+        respect to its output: ``trace[label].grad`` (the latest call's), ``.grads`` (one
+        per call), and :attr:`grad_fires` (every fire of an op's autograd node, in the
+        order the engine ran them). ``options`` are torch's (``retain_graph``,
+        ``create_graph``, ``inputs``); each call is a separate backward pass. The trace
+        must have been recorded with ``capture=tl.options.CaptureOptions(
+        backward_ready=True)``; ``loss`` may be computed outside the model."""
+        if self._emitter.slots.freed:
+            raise RecorderError("this trace was freed by cleanup(); record it again")
+        if self._backward is None:
+            raise RecorderError(
+                "this trace was not recorded backward-ready: record it with "
+                "capture=tl.options.CaptureOptions(backward_ready=True), then call "
+                "trace.backward(loss)"
+            )
+        grads = self._emitter.grads
+        assert grads is not None
+        self._backward.backward(loss, gradient, **options)
+        for fire in grads.done():
+            warnings.warn(
+                f"the gradient of {self._table.labels[fire.op]} (backward call "
+                f"{fire.backward}) was written in place after autograd handed it over, "
+                "so it is not kept",
+                TraceLakeWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def grad_fires(self) -> list[GradRecord]:
+        """Every gradient recorded by :meth:`backward`, in the order the autograd engine
+        ran the ops' nodes: which backward call, which fire, the node, the op's label
+        (pass-qualified) and the gradient (``None`` once freed)."""
+        grads = self._emitter.grads
+        if grads is None:
+            return []
+        labels = self._table.labels
+        return [
+            GradRecord(f.backward, f.fire, f.node, labels[f.op], grad)
+            for f, grad in zip(grads.fires, grads.tensors, strict=True)
+        ]
 
     def __enter__(self) -> Trace:
         return self

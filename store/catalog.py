@@ -591,7 +591,7 @@ class CatalogMirror:
                 if new:
                     marks = ", ".join("?" * len(new))
                     for name in RUN_TABLES:
-                        if name not in present:  # a table newer than this catalog
+                        if name not in present:  # a table declared since it was written
                             continue
                         columns = select_list(TABLES[name], present[name])
                         incoming[name] = src.sql(

@@ -62,6 +62,7 @@ __all__ = [
     "distinct_codes",
     "load_step",
     "run_tables",
+    "stat_columns",
 ]
 
 _I32, _I64, _STR = pa.int32(), pa.int64(), pa.string()
@@ -289,6 +290,7 @@ def _op_columns(
         "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
         "source_line": _taken([w.line if w else None for w in where], site_of, _I32),
         "source_func": _taken([w.function if w else None for w in where], site_of, _STR),
+        "args": _call_args(tables, n),
     }
     for name in PLAIN_ROW_COLUMNS:
         cols[name] = columns[position(name)]
@@ -297,6 +299,24 @@ def _op_columns(
         for name, produce in PRODUCERS.items():
             cols[name] = produce(ops)
     return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
+
+
+def _call_args(tables: list[OpTable], n: int) -> list[str | None]:
+    """Each op's encoded call as JSON (recordings with ``record_args``), encoded here, at
+    commit, rather than on the forward thread."""
+    if not any(table.call_args for table in tables):
+        return [None] * n
+    encoded: dict[int, str] = {}  # one text per call (a call's several outputs share it)
+
+    def text(call: Any) -> str | None:
+        if call is None:
+            return None
+        known = encoded.get(id(call))
+        if known is None:
+            known = encoded[id(call)] = json.dumps(call, allow_nan=False)
+        return known
+
+    return [text(t.call_args.get(i)) for t in tables for i in range(len(t.rows))]
 
 
 def _add_stats(
@@ -315,9 +335,21 @@ def _add_stats(
             values[start + index] = [0.0 if v is None else v for v in row]
             valid[start + index] = [v is not None for v in row]
         start += len(table.rows)
+    cols.update(_stat_arrays(values, valid))
+
+
+def stat_columns(stats: tuple[np.ndarray, np.ndarray], slot_of: np.ndarray) -> dict[str, Any]:
+    """The statistics columns of rows whose tensors are in slots ``slot_of`` (-1: none),
+    from a writer's statistics matrix (``TensorWriter.stat_matrix``)."""
+    return _stat_arrays(stats[0][slot_of], stats[1][slot_of])
+
+
+def _stat_arrays(values: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
+    cols = {}
     for k, (name, is_int) in enumerate(zip(STAT_FIELDS, _STAT_IS_INT, strict=True)):
         column = values[:, k].astype(np.int64) if is_int else values[:, k]
         cols[name] = pa.array(column, mask=~valid[:, k])
+    return cols
 
 
 def _array(values: Any, type_: pa.DataType) -> Any:

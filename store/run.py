@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -143,7 +144,10 @@ class _RunTensors:
         op_slots: dict[int, int],
         stats: dict[int, Stats],
         labels: list[str],
+        grads: Callable[[], dict[int, list[int | None]]] | None = None,
     ):
+        self._grads_of = grads
+        self._grads: dict[int, list[int | None]] | None = None
         self.arrays = arrays
         self._slots = slots
         self._op_slots = op_slots
@@ -168,6 +172,17 @@ class _RunTensors:
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return LazyTensor(self.arrays, self._slots[slot], f"tensor {slot}").read()
+
+    def op_grads(self, index: int) -> list[torch.Tensor | None]:
+        """Op ``index``'s stored gradients, in fire order (read from the catalog's
+        ``grads`` rows of this step on first use)."""
+        if self._grads is None:
+            self._grads = self._grads_of() if self._grads_of is not None else {}
+        label = f"the gradient of {self._labels[index]}"
+        return [
+            None if slot is None else LazyTensor(self.arrays, self._slots[slot], label).read()
+            for slot in self._grads.get(index, ())
+        ]
 
 
 class StoredOpEntry(OpEntry):
@@ -198,6 +213,14 @@ class StepView(TraceView):
         self._source = tensors
         self.run = run
         self.step = step
+
+    def call_args(self) -> dict[int, Any]:
+        """Op idx -> its call as JSON text, from the catalog's ``args`` column."""
+        rows = self.run._query(
+            "SELECT idx, args FROM ops WHERE run_id = ? AND step = ? AND args IS NOT NULL",
+            [self.run.id, self.step],
+        ).fetchall()
+        return dict(rows)
 
     def _entry(self, index: int) -> OpEntry:  # the view's hook: entries of its class
         return StoredOpEntry(self._op_table, self._source, index)
@@ -239,6 +262,16 @@ class Run:
             self._slots = {r[0]: TensorSlot(*r[1:]) for r in rows}
         return self._slots
 
+    def _load_grads(self, step: int) -> dict[int, list[int | None]]:
+        """Op idx -> the slots of its stored gradients in fire order (None: not saved)."""
+        grads: dict[int, list[int | None]] = {}
+        for idx, slot in self._query(
+            "SELECT idx, tensor FROM grads WHERE run_id = ? AND step = ? ORDER BY fire",
+            [self.id, step],
+        ).fetchall():
+            grads.setdefault(idx, []).append(slot)
+        return grads
+
     def step(self, k: int) -> StepView:
         if not isinstance(k, int) or not 0 <= k < self.num_steps:
             raise RecorderError(
@@ -247,7 +280,14 @@ class Run:
         view = self._steps.get(k)
         if view is None:
             table, modules, op_slots, stats = load_step(self._query, self.id, k)
-            tensors = _RunTensors(self._arrays, self._load_slots(), op_slots, stats, table.labels)
+            tensors = _RunTensors(
+                self._arrays,
+                self._load_slots(),
+                op_slots,
+                stats,
+                table.labels,
+                functools.partial(self._load_grads, k),
+            )
             view = self._steps[k] = StepView(self, k, table, tensors, modules)
         return view
 

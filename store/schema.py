@@ -19,6 +19,7 @@ import pyarrow as pa
 from tracelake.recorder.record import (
     BOOL,
     EDGES,
+    GRADS,
     I32,
     I64,
     MODULES,
@@ -114,9 +115,11 @@ CALLS = Table(
 )
 
 #: Every catalog table, in the order a new catalog creates them.
-TABLES: dict[str, Table] = {t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES, RULES, CALLS)}
+TABLES: dict[str, Table] = {
+    t.name: t for t in (RUNS, OPS, TENSORS, EDGES, MODULES, GRADS, RULES, CALLS)
+}
 #: The tables holding a run's rows (by ``run_id``).
-RUN_TABLES = ("ops", "tensors", "edges", "modules", "rules", "calls")
+RUN_TABLES = ("ops", "tensors", "edges", "modules", "grads", "rules", "calls")
 
 
 def ident(name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -17,8 +18,16 @@ import pandas
 import pyarrow as pa
 import torch
 
-from tracelake.errors import InterventionError, RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.errors import (
+    InterventionError,
+    RecorderError,
+    RunNotFoundError,
+    StoreError,
+    TraceLakeWarning,
+)
 from tracelake.recorder import ForwardRecording, OpTable, check_model
+from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges, as_options
+from tracelake.recorder.capture import grad_selector
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.intervene import Interventions, as_rules
 from tracelake.recorder.replay import ReplayReport, encode_call
@@ -36,6 +45,7 @@ from .catalog import (
     writer_alive,
 )
 from .compare import Comparison, compare
+from .grads import StoreGrads, grads_table
 from .layout import (
     StorePaths,
     check_run_marker,
@@ -137,6 +147,8 @@ class Recording:
         overwrite: bool,
         max_inflight: int,
         intervene: Any = None,
+        capture: Any = None,
+        save_grads: Any = None,
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -152,6 +164,11 @@ class Recording:
         self._selector = as_selector(save)
         self.interventions = Interventions(as_rules(intervene))
         self._calls: list[str] = []
+        self._grad_selector = grad_selector(capture, save, save_grads)
+        self._record_args = as_options(capture).record_args
+        self._grads: StoreGrads | None = None
+        self._backward: BackwardCapture | None = None
+        self._grad_steps: list[GradEdges] = []  # one per step, when backward-ready
         self._stats = stats
         self._meta = meta
         self._overwrite = overwrite
@@ -190,6 +207,9 @@ class Recording:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
             self._writer = TensorWriter(arrays, self._max_inflight)
+            if self._grad_selector is not None:
+                self._grads = StoreGrads(self._writer)
+                self._backward = BackwardCapture(self._grad_steps, self._grads)
         except BaseException:
             self._fail()  # no block runs, so no __exit__ will
             raise
@@ -224,7 +244,9 @@ class Recording:
         self._writer.step = len(self._steps)
         self._step_start = len(self._writer.slots)
         table = OpTable()
-        return table, StoreEmitter(self._selector, self._stats, table, self._writer)
+        grads = self._grad_selector
+        edges = None if grads is None else GradEdges(grads, table)
+        return table, StoreEmitter(self._selector, self._stats, table, self._writer, edges)
 
     def _end(
         self,
@@ -239,6 +261,8 @@ class Recording:
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
         self._calls.append(encode_call(args, kwargs))
+        if emitter.grad_edges is not None:
+            self._grad_steps.append(emitter.grad_edges)
         if not self._fingerprints:
             self._fingerprints = {
                 "param_fingerprint": _fingerprint(list(model.named_parameters())),
@@ -253,7 +277,14 @@ class Recording:
         """Record one forward pass of ``model`` as the next step; return its output."""
         model = check_model(model)
         table, emitter = self._begin(model)
-        recording = ForwardRecording(model, emitter, table, self.interventions, len(self._steps))
+        recording = ForwardRecording(
+            model,
+            emitter,
+            table,
+            self.interventions,
+            len(self._steps),
+            record_args=self._record_args,
+        )
         recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
         try:
@@ -267,6 +298,21 @@ class Recording:
         self._end(model, recording, table, emitter, args, kwargs)
         return output
 
+    def backward(self, loss: Any, gradient: Any = None, **options: Any) -> None:
+        """``torch.autograd.backward(loss, gradient, **options)``, storing the gradient of
+        ``loss`` with respect to the output of each op of the steps recorded so far that
+        ``save_grads=`` selects (the ``grads`` table: one row per op and fire, in the
+        engine's order; ``run[label].grad``). Each call is a separate backward pass. The
+        recording must be ``capture=tl.options.CaptureOptions(backward_ready=True)``."""
+        if self._backward is None:
+            raise RecorderError(
+                "this recording is not backward-ready: open it with capture="
+                "tl.options.CaptureOptions(backward_ready=True), then call rec.backward(loss)"
+            )
+        if not self._steps or self._writer is None:
+            raise StoreError("call rec.backward(loss) inside the block, after a forward pass")
+        self._backward.backward(loss, gradient, **options)
+
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
         if self._depth > 1 or self._auto is not None:
@@ -274,7 +320,12 @@ class Recording:
         try:
             table, emitter = self._begin(module)
             recording = ForwardRecording(
-                module, emitter, table, self.interventions, len(self._steps)
+                module,
+                emitter,
+                table,
+                self.interventions,
+                len(self._steps),
+                record_args=self._record_args,
             )
             recording.start(args, kwargs)
             self._auto = (recording, table, emitter, args, kwargs)
@@ -340,6 +391,15 @@ class Recording:
             merged = run_tables(
                 self.run_id, self._steps, writer.slots, lambda: (writer.stat_matrix(), writer.codec)
             )
+        if self._grads is not None:
+            merged["grads"] = grads_table(
+                self.run_id,
+                self._grads.fires,
+                [table.labels for table, _, _ in self._steps],
+                writer.slots,
+                writer.stat_matrix(),
+                writer.lost,
+            )
         gone = writer.lost | self._discarded
         if gone:
             merged["tensors"] = merged["tensors"].filter(
@@ -363,6 +423,8 @@ class Recording:
         )
         self._release()
         self._steps = []
+        for edges in self._grad_steps:
+            edges.clear()  # the autograd graph is the user's again
 
     def _drop(self, lost: set[int]) -> None:
         """Record the entries of tensors written in place, unseen, while being stored as
@@ -458,10 +520,26 @@ class Store:
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         intervene: Any = None,
+        capture: CaptureOptions | None = None,
+        save_grads: Any = None,
     ) -> Recording:
         """A run of several forward passes (steps); see :class:`Recording`. ``intervene``:
-        rules applied to every step (as :meth:`record`'s)."""
-        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight, intervene)
+        rules applied to every step (as :meth:`record`'s). With
+        ``capture=tl.options.CaptureOptions(backward_ready=True)``, ``rec.backward(loss)``
+        stores gradients too (of the ops ``save_grads`` selects; default ``save``)."""
+        return Recording(
+            self,
+            name,
+            model,
+            save,
+            stats,
+            meta,
+            overwrite,
+            max_inflight,
+            intervene=intervene,
+            capture=capture,
+            save_grads=save_grads,
+        )
 
     def record(
         self,
@@ -474,6 +552,9 @@ class Store:
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         intervene: Any = None,
+        capture: CaptureOptions | None = None,
+        backward: Callable[[Any], Any] | None = None,
+        save_grads: Any = None,
         **kwargs: Any,
     ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
@@ -485,8 +566,22 @@ class Store:
         ``intervene``: ``tl.when(selector, action)`` or a list of them, applied as the
         forward runs and kept with the run (the ``rules`` table; ``ops.intervened`` and
         ``ops.rule`` mark the ops they changed).
+
+        ``capture``: ``tl.options.CaptureOptions`` (``record_args=True`` keeps each call's
+        arguments, for ``tl.validate``). ``backward``: a function of the model's output
+        returning a loss; the run then
+        also stores the gradient of that loss with respect to each op ``save_grads``
+        selects (default ``save``), as ``rec.backward(loss)`` does in a recording.
         """
         model = check_model(model)
+        if backward is not None and not callable(backward):
+            raise TypeError(
+                "backward= takes a function of the model's output returning the loss "
+                f"(lambda out: out.sum()), not {type(backward).__name__}"
+            )
+        capture = as_options(capture)
+        if backward is not None:
+            capture = dataclasses.replace(capture, backward_ready=True)
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),
@@ -497,10 +592,14 @@ class Store:
             overwrite,
             max_inflight,
             intervene,
+            capture,
+            save_grads,
         )
         rec.model_class = type(model).__name__
         with rec:
-            rec.record(model, *args, **kwargs)
+            output = rec.record(model, *args, **kwargs)
+            if backward is not None:
+                rec.backward(backward(output))
         assert rec.info is not None
         return self._open_run(rec.info)  # its metadata is read when first asked for
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tracelake.errors import StoreError
+from tracelake.recorder.backward import GradEdges
 from tracelake.recorder.emit import SelectingEmitter, storage_address, tensor_version
 from tracelake.recorder.entries import SHAPE, OpTable
 from tracelake.recorder.selectors import Selector
@@ -445,8 +446,15 @@ class StoreEmitter(SelectingEmitter):
     """The emitter of one step of a stored run: selected tensors go to a
     :class:`TensorWriter`; module entries point at the slots they were saved in."""
 
-    def __init__(self, selector: Selector, stats: str, table: OpTable, writer: TensorWriter):
-        super().__init__(selector, stats, table)
+    def __init__(
+        self,
+        selector: Selector,
+        stats: str,
+        table: OpTable,
+        writer: TensorWriter,
+        grads: GradEdges | None = None,
+    ):
+        super().__init__(selector, stats, table, grads)
         self._writer = writer
         self._save = writer.save
         self._rows = table.rows
@@ -457,6 +465,8 @@ class StoreEmitter(SelectingEmitter):
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
         if self.saves_all and same_as < 0:  # saving all, a new tensor: straight on
+            if self.grad_edges is not None:
+                self.grad_edges.add(index, tensor)
             self.op_slots[index] = self._keep(tensor, self._rows[index][SHAPE])
         else:
             super().on_entry(index, tensor, same_as)

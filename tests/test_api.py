@@ -49,6 +49,8 @@ def test_public_names_are_pinned() -> None:
             "module",
             "none",
             "open",
+            "options",
+            "validate",
             "trace",
             # interventions and replay (issue 13)
             "InterventionError",

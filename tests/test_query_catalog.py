@@ -180,4 +180,5 @@ def test_the_catalog_has_the_store_schema_and_rows() -> None:
         "modules": 4,
         "rules": 0,
         "calls": 0,
+        "grads": 0,
     }

@@ -1,9 +1,5 @@
 """The README's translation table from forward hooks, row by row: every ```python block
 that starts with ``# readme-test: expected=VALUE`` runs and sets ``RESULT`` to VALUE.
-
-A block marked ``pending=FEATURE`` belongs to a feature another branch delivers: it is
-expected to fail here, strictly, so the run that brings the feature in must drop the
-mark (an unexpected pass fails the suite).
 """
 
 from __future__ import annotations
@@ -15,17 +11,17 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-MARK = re.compile(r"^# readme-test: expected=(.+?)(?: pending=(\w+))?$")
+MARK = re.compile(r"^# readme-test: expected=(.+)$")
 
 
-def snippets() -> list[tuple[str, str | None, str]]:
-    """(expected, pending feature or None, code) for each marked block, in order."""
+def snippets() -> list[tuple[str, str]]:
+    """(expected, code) for each marked block, in order."""
     found = []
     for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S):
         first, _, code = block.partition("\n")
         match = MARK.match(first.strip())
         if match:
-            found.append((match.group(1), match.group(2), code))
+            found.append((match.group(1), code))
     return found
 
 
@@ -39,19 +35,11 @@ def test_every_row_of_the_table_has_a_snippet() -> None:
 
 
 @pytest.mark.parametrize(
-    ("expected", "pending", "code"),
-    [
-        pytest.param(
-            *case,
-            marks=[pytest.mark.xfail(strict=True, reason=f"{case[1]} lands with its branch")]
-            if case[1]
-            else [],
-        )
-        for case in snippets()
-    ],
+    ("expected", "code"),
+    snippets(),
     ids=[f"row-{n}" for n in range(len(snippets()))],
 )
-def test_readme_snippet(expected: str, pending: str | None, code: str, tmp_path: Path) -> None:
+def test_readme_snippet(expected: str, code: str, tmp_path: Path) -> None:
     namespace: dict = {"__name__": "readme_snippet"}
     exec(compile(code, "<README snippet>", "exec"), namespace)
     assert namespace["RESULT"] == ast.literal_eval(expected)

@@ -173,7 +173,7 @@ def test_a_field_added_to_the_declaration_flows_to_queries(tmp_path: Path) -> No
 def test_the_query_docs_list_the_declared_columns() -> None:
     """docs/query.md's table of columns is the declarations', in their order."""
     text = (REPO / "docs" / "query.md").read_text()
-    for table in ("ops", "runs", "modules", "edges", "rules", "calls"):
+    for table in ("ops", "runs", "modules", "edges", "grads", "rules", "calls"):
         row = next(line for line in text.splitlines() if line.startswith(f"| `{table}` |"))
         listed = row.rsplit("|", 2)[-2].strip().strip("`").split()
         declared = [f.name for f in schema.TABLES[table].columns if f.query]

@@ -10,6 +10,7 @@ run = store.record(model, x, name="baseline", save=tl.func("relu"))
 store["baseline"]["relu_1_2"].out
 """
 
+from tracelake import options
 from tracelake.errors import (
     AmbiguousLabelError,
     CatalogError,
@@ -45,6 +46,7 @@ from tracelake.recorder import (
     module,
     none,
     trace,
+    validate,
 )
 from tracelake.recorder import all_ as all
 from tracelake.recorder.actions import (
@@ -117,12 +119,14 @@ __all__ = [
     "noise",
     "none",
     "open",
+    "options",
     "patch_from",
     "project_off",
     "replace_with",
     "scale",
     "steer",
     "trace",
+    "validate",
     "when",
     "zero_ablate",
 ]
