@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 from typing import Any, Literal
 
-from tracelake.errors import QueryCompileError
+from tracelake.errors import QueryCompileError, RunNotFoundError
 
 from . import ast
 from .parser import INT64
@@ -561,8 +561,9 @@ class Operands:
     ) -> tuple[Source, list[int | None]] | None:
         """The table and the ids of the runs named by ``values`` when ``expr`` is a
         table's ``run`` and the compiler knows the runs (null stays null; an unknown
-        name is 0, so that it compares false, never null); None when the condition must
-        join ``runs``."""
+        name bound as a parameter is 0, so that it compares false, never null; one
+        written in the query raises :class:`RunNotFoundError`, with the names closest);
+        None when the condition must join ``runs``."""
         if self.runs is None or not (isinstance(expr, ast.Column) and expr.name == "run"):
             return None
         src = self.source(expr)
@@ -574,6 +575,8 @@ class Operands:
                 name = self.param(value)
             elif isinstance(value, ast.Literal):
                 name = value.value
+                if isinstance(name, str) and name not in self.runs:  # a typo, most likely
+                    raise RunNotFoundError(name, self.runs)
             else:
                 return None
             if name is not None and not isinstance(name, str):

@@ -17,28 +17,32 @@ from __future__ import annotations
 import functools
 import html
 import os
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import torch
 
-from tracelake.errors import QueryError
-from tracelake.recorder.stats import compute_stats
-from tracelake.store.metrics import PairMetrics, sliced_metrics, tensor_metrics
-from tracelake.store.run import LazyTensor, TensorSlot
+from tracelake.errors import QueryError, TraceLakeWarning
+from tracelake.store.catalog import COMPLETE
 
 from . import ast
 from .compiler import CompiledQuery, PointLookup, compile_query
+from .operands import walk
 from .parser import parse
 from .plan import Pair, Ref, evaluate, order_rows
+from .schema import closest, json_path
 
 if TYPE_CHECKING:
     import pandas
+    import torch
 
     from tracelake.store import Store
     from tracelake.store.catalog import CatalogMirror
+    from tracelake.store.metrics import PairMetrics
+    from tracelake.store.run import LazyTensor
 
 __all__ = ["Result", "describe", "run_query", "run_sql"]
 
@@ -52,9 +56,18 @@ def _readers() -> int:
         return os.cpu_count() or 1
 
 
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch: a result whose
+    query read no tensor (all a catalog-only query returns) never needs it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def describe(value: Any) -> str:
     """A short text for a result cell: tensors as shape, dtype and mean ± std."""
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
+        from tracelake.recorder.stats import compute_stats
+
         dtype = str(value.dtype).removeprefix("torch.")
         shape = "x".join(map(str, value.shape)) or "scalar"
         if value.numel() == 0:
@@ -130,7 +143,7 @@ class Result:
                 f"cannot stack {name!r}: rows {missing[:10]} have no saved "
                 "tensor (filter with `saved = true`)"
             )
-        shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+        shapes = {tuple(v.shape) for v in values if is_tensor(v)}
         if len(shapes) > 1:
             listed = ", ".join(str(list(s)) for s in sorted(shapes)[:10])
             raise QueryError(
@@ -139,6 +152,8 @@ class Result:
             )
         if not values:
             raise QueryError(f"cannot stack {name!r}: the result has no rows")
+        import torch
+
         if not isinstance(values[0], torch.Tensor):
             return torch.tensor(values)
         return torch.stack(values)
@@ -161,7 +176,7 @@ class Result:
         for name in self._tensor_columns:
             values = self._values[name]
             index = table.column_names.index(name)
-            if values and all(not isinstance(v, torch.Tensor) for v in values):
+            if values and all(not is_tensor(v) for v in values):
                 table = table.set_column(index, name, pa.array(values, type=pa.float64()))
                 continue
             flat = [None if v is None else v.detach().reshape(-1).tolist() for v in values]
@@ -202,6 +217,8 @@ def pandas_column(values: list[Any]) -> Any:
 
 
 def _reduce(tensor: torch.Tensor, how: str) -> float | None:
+    from tracelake.recorder.stats import compute_stats
+
     stats = compute_stats(tensor)
     if how == "sum":
         return None if stats.mean is None else stats.mean * tensor.numel()
@@ -236,6 +253,8 @@ class _Fetcher:
 
     def lazy(self, row: int) -> LazyTensor | None:
         """Row ``row``'s tensor, unread; None where unsaved."""
+        from tracelake.store.run import LazyTensor, TensorSlot  # torch: only when read
+
         name, offset, nbytes, shape, dtype = self.locations[row]
         if name is None:
             return None
@@ -301,7 +320,9 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
     mirror = store.catalog
     mirror.refresh(runs=())  # the run ids to compile in
-    compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
+    parsed = _parsed(text)
+    compiled = compile_query(parsed, params, mirror.run_ids, source=text)
+    _warn_unknown_meta(mirror, parsed)
     mirror.refresh(runs=compiled.runs)  # the rows the query reads
     table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
     if table is None:
@@ -335,6 +356,41 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
         else:
             values[item.column] = got
     return Result(compiled, table, values)
+
+
+def _warn_unknown_meta(mirror: CatalogMirror, query: ast.Query) -> None:
+    """A :class:`~tracelake.TraceLakeWarning` for each ``meta.<key>`` of ``query`` that
+    no complete run has (a typo reads as null everywhere, and the query returns no row),
+    naming the keys the runs do have at that level."""
+    seen: set[tuple[str, ...]] = set()
+    for node in walk(query):
+        if not isinstance(node, ast.MetaRef) or node.keys in seen:
+            continue
+        seen.add(node.keys)
+        path = json_path(node.keys)[1:-1]  # (checked identifiers: '$.a.b' without quotes)
+        row = mirror.query(
+            "SELECT count(*) FROM runs WHERE status = ? AND json_exists(meta, ?)",
+            [COMPLETE, path],
+            runs=(),
+        ).fetchone()
+        if row is not None and row[0]:
+            continue
+        parent = "$" + "".join(f".{k}" for k in node.keys[:-1])
+        keys = mirror.query(
+            "SELECT DISTINCT unnest(json_keys(meta, ?)) FROM runs WHERE status = ? AND "
+            "json_type(meta, ?) = 'OBJECT'",
+            [parent, COMPLETE, parent],
+            runs=(),
+        ).fetchall()
+        known = sorted(str(k[0]) for k in keys)
+        name = "meta." + ".".join(node.keys)
+        hint = closest(node.keys[-1], known)
+        listed = ", ".join(known[:20]) if known else "none"
+        warnings.warn(
+            f"no run has {name}, so it is null in every row{hint} (keys there: {listed})",
+            TraceLakeWarning,
+            stacklevel=4,
+        )
 
 
 class _Pairs:
@@ -401,6 +457,8 @@ class _Pairs:
         b = self._fetcher(pair.right.source).lazy(row)
         metrics = None
         if a is not None and b is not None:
+            from tracelake.store.metrics import sliced_metrics, tensor_metrics
+
             if pair.left.index is None and pair.right.index is None:
                 metrics = sliced_metrics(a, b, pair.atol, pair.rtol)
             else:

@@ -18,7 +18,7 @@ from .emit import MemoryEmitter
 from .entries import OpTable
 from .intercept import Interceptor
 from .labels import Emitter, Labeller
-from .selectors import as_selector
+from .selectors import as_selector, warn_unmatched
 from .trace import Trace
 
 __all__ = ["ForwardRecording", "check_model", "record_forward", "trace"]
@@ -129,4 +129,7 @@ def trace(
             TraceLakeWarning,
             stacklevel=2,
         )
-    return Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    log = Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    if selector.constant is None:  # a name in save= that matched nothing: likely a typo
+        warn_unmatched(selector, log, log.modules)
+    return log

@@ -412,10 +412,12 @@ class CatalogWriter:
         return info
 
     @guarded("cannot change the run's status in the catalog")
-    def set_status(self, run_id: int, status: str) -> None:
+    def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
+        """Set run ``run_id``'s status (``error``: why it failed, for ``failed``)."""
         with self._transaction() as con:
             con.execute(
-                "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
+                "UPDATE runs SET status = ?, finished = ?, error = ? WHERE id = ?",
+                [status, _now(), error, run_id],
             )
 
     @guarded("cannot delete the run from the catalog")

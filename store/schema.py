@@ -66,6 +66,13 @@ RUNS = Table(
         Field("host", STR, "the recording host"),
         Field("pid", I32, "the recording process"),
         Field("seq", I64, "commit order"),
+        # Queries see complete runs only, where it is always NULL: not one of their columns.
+        Field(
+            "error",
+            STR,
+            "why a failed run failed: its exception's type and message",
+            query=False,
+        ),
     ),
 )
 

@@ -8,19 +8,13 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
-from typing import Any
-
-import pandas
-import pyarrow as pa
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
-from tracelake.recorder import ForwardRecording, OpTable, check_model
-from tracelake.recorder.intercept import flatten_tensors
-from tracelake.recorder.selectors import as_selector
 
 from .boundary import CatalogCursor
 from .catalog import (
@@ -33,8 +27,8 @@ from .catalog import (
     CatalogWriter,
     writer_alive,
 )
-from .compare import Comparison, compare
 from .layout import (
+    DEFAULT_MAX_INFLIGHT,
     StorePaths,
     check_run_marker,
     fsync_tree,
@@ -44,11 +38,22 @@ from .layout import (
     trash_run_dir,
     validate_name,
 )
-from .rows import run_tables
-from .run import Run
-from .tensors import RunArrays
 from .verify import Problem, VerifyReport, verify_files, verify_run
-from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
+
+if TYPE_CHECKING:
+    import pandas
+    import torch
+
+    from tracelake.recorder import ForwardRecording, OpTable
+
+    from .compare import Comparison
+    from .run import Run
+    from .tensors import RunArrays
+    from .writer import StoreEmitter, TensorWriter
+
+# torch, the recorder and the array code load when a run is recorded or read, not with
+# the store: listing, deleting and collecting runs need only the catalog (the command
+# line's `tracelake runs` starts without torch).
 
 __all__ = ["Recording", "Store", "last_opened", "open_store"]
 
@@ -89,6 +94,8 @@ def _os_errors(what: str) -> Any:
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
     """A short hash of names, shapes, dtypes and a strided sample of values (the whole
     tensor when it is small): cheap even for large models."""
+    import torch
+
     h = hashlib.blake2b(digest_size=12)
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for name, tensor in named:
@@ -140,6 +147,9 @@ class Recording:
             self._meta_json = json.dumps(meta)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
+        from tracelake.recorder import check_model
+        from tracelake.recorder.selectors import as_selector
+
         if model is not None:
             check_model(model)
         self.store = store
@@ -172,6 +182,11 @@ class Recording:
     # -- the block --------------------------------------------------------------------------
 
     def __enter__(self) -> Recording:
+        import torch
+
+        from .tensors import RunArrays
+        from .writer import TensorWriter
+
         if self.name is None:
             self.name = _generated_name(self.model)
         info = {
@@ -208,11 +223,15 @@ class Recording:
                 self._fail()
                 raise
         else:
-            self._fail()
+            self._fail(exc)
 
     # -- steps ------------------------------------------------------------------------------
 
     def _begin(self, model: torch.nn.Module) -> tuple[OpTable, StoreEmitter]:
+        from tracelake.recorder import OpTable
+
+        from .writer import StoreEmitter
+
         if self._writer is None:
             raise StoreError("record steps inside the `with store.recording(...)` block")
         self._writer.step = len(self._steps)
@@ -229,6 +248,8 @@ class Recording:
         args: tuple,
         kwargs: dict,
     ) -> None:
+        from tracelake.recorder.intercept import flatten_tensors
+
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
@@ -244,6 +265,8 @@ class Recording:
 
     def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Record one forward pass of ``model`` as the next step; return its output."""
+        from tracelake.recorder import ForwardRecording, check_model
+
         model = check_model(model)
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
@@ -265,6 +288,8 @@ class Recording:
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
         try:
+            from tracelake.recorder import ForwardRecording
+
             table, emitter = self._begin(module)
             recording = ForwardRecording(module, emitter, table)
             recording.start(args, kwargs)
@@ -307,6 +332,10 @@ class Recording:
     # -- the end ----------------------------------------------------------------------------
 
     def _commit(self) -> None:
+        import pyarrow as pa
+
+        from .rows import run_tables
+
         writer = self._writer
         assert writer is not None and self.name is not None
         if not self._steps:
@@ -319,6 +348,17 @@ class Recording:
             writer.close()  # the last chunks' statistics, writes and syncs: done by now
             return writer.stat_matrix(), writer.codec
 
+        if self._selector.constant is None:  # a name in save= that matched nothing
+            from tracelake.recorder import TraceView
+            from tracelake.recorder.selectors import warn_unmatched
+
+            views = [TraceView(table, None, modules) for table, modules, _ in self._steps]
+            warn_unmatched(
+                self._selector,
+                (op for view in views for op in view),
+                (m for view in views for m in view.modules),
+                stacklevel=3,
+            )
         writer.flush()  # the workers finish the last chunks while the tables are built
         merged = run_tables(self.run_id, self._steps, writer.slots, written)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
@@ -368,15 +408,18 @@ class Recording:
                 if lost.intersection(entry.input_slots or (), entry.output_slots or ()):
                     entry.input_slots = entry.output_slots = entry.structure = None
 
-    def _fail(self) -> None:
+    def _fail(self, error: BaseException | None = None) -> None:
         """Give the run up (called while its error is on the way out, which says more
-        than a second one). A run whose status could not be set stays ``recording``
+        than a second one; ``error``: that error, default the one being handled, kept as
+        the run's ``error``). A run whose status could not be set stays ``recording``
         without a live writer: listed as interrupted, reclaimed by ``gc()`` all the same."""
+        error = error if error is not None else sys.exc_info()[1]
+        reason = f"{type(error).__name__}: {error}" if error is not None else None
         try:
             if self._writer is not None:
                 self._writer.abort()
             if self.run_id >= 0:
-                self.store._catalog.set_status(self.run_id, FAILED)
+                self.store._catalog.set_status(self.run_id, FAILED, reason)
         except StoreError as exc:
             log.warning("could not mark run %r failed: %s", self.name, exc)
         finally:
@@ -398,8 +441,17 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], create: bool = True):
         self.paths = StorePaths(path)
+        existed = self.paths.marker.exists()
         with _os_errors(f"cannot open the store at {str(self.paths.root)!r}"):
             self.paths.check(create)
+        if not existed:  # said aloud: a mistyped path would otherwise look like no runs
+            log.info("created a new store at %s", self.paths.root)
+            warnings.warn(
+                f"created a new, empty store at {str(self.paths.root)!r} (to open only an "
+                "existing one: tl.open(path, create=False))",
+                TraceLakeWarning,
+                stacklevel=3,
+            )
         # The catalog file is made by the first transaction that needs it (a new store's
         # first run, usually): until then readers see no runs (no ``catalog.gen`` yet),
         # and a new store costs no transaction of its own.
@@ -466,6 +518,8 @@ class Store:
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
         """
+        from tracelake.recorder import check_model
+
         model = check_model(model)
         rec = Recording(
             self,
@@ -497,6 +551,8 @@ class Store:
         looked up when omitted), kept open: zarr metadata is read once. For the query
         room, which reads the tensors of many runs' rows at once. ``StoreError`` if the
         run's directory holds another run's data (its identity marker disagrees)."""
+        from .tensors import RunArrays
+
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
             if name is None or created is None:
@@ -509,6 +565,8 @@ class Store:
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
+        from .run import Run
+
         arrays = self.arrays(info["id"], info["name"], info.get("created"))
         return Run(info, arrays, self._run_query(info["id"]))
 
@@ -532,31 +590,44 @@ class Store:
             and self._run_info("name = ? AND status = ?", [name, COMPLETE]) is not None
         )
 
-    def __iter__(self) -> Any:
-        return iter(self.runs()["name"].tolist())
+    def __iter__(self) -> Iterator[str]:
+        """The names of the complete runs, oldest first."""
+        return iter([row["name"] for row in self.run_rows()])
 
     def __len__(self) -> int:
+        """How many complete runs the store holds."""
         row = self._query("SELECT count(*) FROM runs WHERE status = ?", [COMPLETE], ()).fetchone()
         return int(row[0]) if row is not None else 0
 
-    def runs(self, all: bool = False) -> pandas.DataFrame:
-        """One row per complete run (``all=True``: also recording, interrupted, failed and
-        deleted ones): name, status, created, steps, ops, bytes, model class, torch
-        version, meta."""
+    def run_rows(self, all: bool = False) -> list[dict[str, Any]]:
+        """:meth:`runs` as plain rows (one dict per run, meta parsed), without pandas:
+        what the command line prints."""
         where = "status = ?" if not all else "status != ?"
-        df = self._query(
+        cursor = self._query(
             "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
-            f"torch_version, meta FROM runs WHERE {where} ORDER BY id",
+            f"torch_version, meta{', error' if all else ''} FROM runs WHERE {where} ORDER BY id",
             [COMPLETE if not all else COLLECTED],
             (),
-        ).df()
-        if all and len(df):
-            df["status"] = [
-                INTERRUPTED if s == RECORDING and not writer_alive(self.paths, i) else s
-                for i, s in zip(df["id"], df["status"], strict=True)
-            ]
-        df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
-        return df.drop(columns=["id"])
+        )
+        names = [d[0] for d in cursor.description]
+        rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+        for row in rows:
+            run_id = row.pop("id")
+            if row["status"] == RECORDING and not writer_alive(self.paths, run_id):
+                row["status"] = INTERRUPTED
+            row["meta"] = json.loads(row["meta"]) if row["meta"] is not None else None
+        return rows
+
+    def runs(self, all: bool = False) -> pandas.DataFrame:
+        """One row per complete run (``all=True``: also recording, interrupted, failed and
+        deleted ones, with ``error``: why a failed run failed): name, status, created,
+        steps, ops, bytes, model class, torch version, meta."""
+        import pandas
+
+        rows = self.run_rows(all)
+        columns = ["name", "status", "created", "steps", "ops", "bytes", "model_class"]
+        columns += ["torch_version", "meta"] + (["error"] if all else [])
+        return pandas.DataFrame(rows, columns=columns)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -572,6 +643,8 @@ class Store:
         """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:
         see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
         ``where``, ``steps``, ``atol``, ``rtol``, ``tensors``)."""
+        from .compare import compare
+
         return compare(a, b, store=self, **options)
 
     def sql(self, text: str) -> pandas.DataFrame:
@@ -586,7 +659,7 @@ class Store:
     def delete(self, name: str) -> None:
         """Remove run ``name`` from view at once; ``gc()`` reclaims its space."""
         if self._catalog.delete(name) < 0:
-            raise RunNotFoundError(name, self.runs()["name"].tolist())
+            raise RunNotFoundError(name, list(self))
 
     def gc(self) -> dict[str, int]:
         """Reclaim the space of deleted, failed and interrupted runs, and of run
@@ -615,18 +688,27 @@ class Store:
                 freed += remove_tree(trash)
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
-    def verify(self) -> VerifyReport:
-        """Check every chunk's checksum and that catalog and arrays agree."""
+    def verify(self, tensors: bool = True) -> VerifyReport:
+        """Check every chunk's checksum and that catalog and arrays agree.
+
+        ``tensors=False``: the catalog's half only (the store's own files, and that each
+        complete run's directory exists and belongs to its catalog row), reading no
+        chunk: quick on any store."""
         report = VerifyReport()
         verify_files(self.paths, report)
         if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
             return report
-        for info in (
-            self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
-            .df()
-            .to_dict("records")
-        ):
+        cursor = self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
+        names = [d[0] for d in cursor.description]
+        for values in cursor.fetchall():
+            info = dict(zip(names, values, strict=True))
             try:
+                check_run_marker(self.paths, info["id"], info["name"], info.get("created"))
+                if not self.paths.run_dir(info["id"]).is_dir():
+                    raise StoreError(f"the directory of run {info['name']!r} is missing")
+                if not tensors:
+                    report.runs += 1
+                    continue
                 run = self._open_run(info)
             except StoreError as exc:  # its directory holds another run's data
                 report.runs += 1
