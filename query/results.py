@@ -91,7 +91,11 @@ class Result:
     (one dict per row), ``len()``; ``sql`` and ``params`` are what ran."""
 
     def __init__(
-        self, compiled: CompiledQuery, table: pa.Table, tensor_values: dict[str, list[Any]]
+        self,
+        compiled: CompiledQuery,
+        table: pa.Table,
+        tensor_values: dict[str, list[Any]],
+        deferred: dict[str, tuple[_Fetcher, Any]] | None = None,
     ):
         self.sql = compiled.sql
         self.params = list(compiled.params)
@@ -100,11 +104,77 @@ class Result:
         self._computed = [t.column for t in compiled.tensors if t.kind == "value"]
         self._table = table.select(list(compiled.columns))
         self._values = tensor_values
+        #: Tensor columns not read yet (``run_query(lazy=True)``): column -> (its rows'
+        #: fetcher, the selection to apply); read whole on first use, or a few rows at a
+        #: time by :meth:`read_rows` (exports: memory bounded by the rows in hand).
+        self._deferred = dict(deferred or {})
+
+    @property
+    def tensor_columns(self) -> list[str]:
+        """The columns holding tensors (``out``, slices of it)."""
+        return list(self._tensor_columns)
+
+    def uniform(self, column: str) -> bool:
+        """Whether every saved tensor of ``column`` has one shape and dtype (known from
+        the catalog for a column not read yet)."""
+        if column in self._deferred:
+            fetcher, _key = self._deferred[column]
+            layouts = {(tuple(loc[3]), loc[4]) for loc in fetcher.locations if loc[0] is not None}
+        else:
+            layouts = {(tuple(v.shape), v.dtype) for v in self._values[column] if is_tensor(v)}
+        return len(layouts) <= 1
+
+    def scalar_types(self) -> dict[str, pa.DataType]:
+        """The Arrow type of each column that holds no tensors (computed values and
+        reductions: doubles)."""
+        types = {f.name: f.type for f in self._table.schema if f.name not in self._values}
+        types = {k: v for k, v in types.items() if k not in self._tensor_columns}
+        types |= {name: pa.float64() for name in self._computed}
+        for name in self._tensor_columns:  # a reduction's floats, or plain numbers
+            values = self._values.get(name)
+            if values is not None and all(not is_tensor(v) for v in values):
+                types[name] = pa.float64()
+        return types
+
+    def row_nbytes(self) -> list[int]:
+        """For each row, the stored bytes of the tensors its tensor columns read (an upper
+        bound for slices): what reading the row costs."""
+        sizes = [0] * len(self)
+        for fetcher, _key in self._deferred.values():
+            for row, location in enumerate(fetcher.locations):
+                sizes[row] += location[2] or 0
+        for name in self._tensor_columns:
+            if name not in self._deferred:
+                for row, value in enumerate(self._values[name]):
+                    sizes[row] += int(value.nbytes) if is_tensor(value) else 0
+        return sizes
+
+    def read_rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        """Rows ``start`` to ``stop`` (one dict each), their tensors read now and not
+        kept by the result: iterating a large result in slices holds one slice."""
+        columns: dict[str, list[Any]] = {}
+        for name in self.columns:
+            if name in self._deferred:
+                fetcher, key = self._deferred[name]
+                got = []
+                for row in range(start, stop):
+                    lazy = fetcher.lazy(row)
+                    got.append(None if lazy is None else lazy.read() if key is None else lazy[key])
+                columns[name] = got
+            elif name in self._values:
+                columns[name] = self._values[name][start:stop]
+            else:
+                columns[name] = self._table.column(name).slice(start, stop - start).to_pylist()
+        for values in zip(*(columns[c] for c in self.columns), strict=True):
+            yield dict(zip(self.columns, values, strict=True))
 
     def __len__(self) -> int:
         return self._table.num_rows
 
     def _column(self, name: str) -> list[Any]:
+        if name in self._deferred:  # read now, all at once, and kept
+            fetcher, key = self._deferred.pop(name)
+            self._values[name] = fetcher.fetch(key)
         if name in self._values:
             return self._values[name]
         if name not in self.columns:
@@ -161,7 +231,7 @@ class Result:
     def df(self) -> pandas.DataFrame:
         frame = self._table.to_pandas()
         for name in self._tensor_columns:
-            frame[name] = pandas_column(self._values[name])
+            frame[name] = pandas_column(self._column(name))
         for name in self._computed:
             frame[name] = self._values[name]
         return frame
@@ -174,7 +244,7 @@ class Result:
             index = table.column_names.index(name)
             table = table.set_column(index, name, pa.array(self._values[name]))
         for name in self._tensor_columns:
-            values = self._values[name]
+            values = self._column(name)
             index = table.column_names.index(name)
             if values and all(not is_tensor(v) for v in values):
                 table = table.set_column(index, name, pa.array(values, type=pa.float64()))
@@ -316,8 +386,12 @@ def _looked_up(
     )
 
 
-def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
-    """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
+def run_query(
+    store: Store, text: str, params: Mapping[str, Any] | None = None, lazy: bool = False
+) -> Result:
+    """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs
+    (``lazy``: tensor columns are read when first used, or row by row with
+    :meth:`Result.read_rows`; reductions and pair functions are computed at once)."""
     mirror = store.catalog
     mirror.refresh(runs=())  # the run ids to compile in
     parsed = _parsed(text)
@@ -341,6 +415,7 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             if item.kind == "value" and item.expr is not None:
                 values[item.column] = pairs.column(item.expr)
     fetchers: dict[int, _Fetcher] = {}
+    deferred: dict[str, tuple[_Fetcher, Any]] = {}
     for item in compiled.tensors:
         if item.kind == "value":
             continue
@@ -348,6 +423,9 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             suffix = compiled.suffixes[item.source]
             fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix)
         key = item.index if item.kind in ("slice", "reduce") else None
+        if lazy and item.kind != "reduce":
+            deferred[item.column] = (fetchers[item.source], key)
+            continue
         got = fetchers[item.source].fetch(key)
         if item.kind == "reduce":
             values[item.column] = [
@@ -355,7 +433,7 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             ]
         else:
             values[item.column] = got
-    return Result(compiled, table, values)
+    return Result(compiled, table, values, deferred)
 
 
 def _warn_unknown_meta(mirror: CatalogMirror, query: ast.Query) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
 from tracelake.recorder.record import (
     EDGES,
     I32,
@@ -31,6 +29,7 @@ from tracelake.recorder.record import (
 
 if TYPE_CHECKING:  # the catalog's connections; DuckDB itself is catalog.py's to import
     import duckdb
+    import pyarrow as pa
 
 __all__ = [
     "RUNS",
@@ -65,7 +64,6 @@ RUNS = Table(
         Field("meta", STR, "the user's metadata, as JSON"),
         Field("host", STR, "the recording host"),
         Field("pid", I32, "the recording process"),
-        Field("seq", I64, "commit order"),
         # Queries see complete runs only, where it is always NULL: not one of their columns.
         Field(
             "error",
@@ -73,6 +71,7 @@ RUNS = Table(
             "why a failed run failed: its exception's type and message",
             query=False,
         ),
+        Field("seq", I64, "commit order"),
     ),
 )
 
@@ -126,6 +125,8 @@ def _definition(field: Field) -> str:
 @functools.cache
 def arrow_schema(table: Table) -> pa.Schema:
     """The Arrow schema of ``table``'s rows, columns in declaration order."""
+    import pyarrow as pa  # (not for listing runs: the command line starts without it)
+
     return pa.schema([(f.name, f.type.arrow) for f in table.columns if f.type is not None])
 
 

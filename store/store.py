@@ -25,6 +25,7 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    read_runs,
     writer_alive,
 )
 from .layout import (
@@ -602,20 +603,18 @@ class Store:
     def run_rows(self, all: bool = False) -> list[dict[str, Any]]:
         """:meth:`runs` as plain rows (one dict per run, meta parsed), without pandas:
         what the command line prints."""
+        columns = ["name", "status", "created", "steps", "op_count", "bytes", "model_class"]
+        columns += ["torch_version", "meta"] + (["error"] if all else [])
+        rows = []
+        # (from the catalog file: listing runs copies no run's rows into a mirror)
         where = "status = ?" if not all else "status != ?"
-        cursor = self._query(
-            "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
-            f"torch_version, meta{', error' if all else ''} FROM runs WHERE {where} ORDER BY id",
-            [COMPLETE if not all else COLLECTED],
-            (),
-        )
-        names = [d[0] for d in cursor.description]
-        rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
-        for row in rows:
-            run_id = row.pop("id")
-            if row["status"] == RECORDING and not writer_alive(self.paths, run_id):
+        for info in read_runs(self.paths, where, [COMPLETE if not all else COLLECTED]):
+            row = {c: info[c] for c in columns}
+            row["ops"] = row.pop("op_count")
+            if row["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
                 row["status"] = INTERRUPTED
             row["meta"] = json.loads(row["meta"]) if row["meta"] is not None else None
+            rows.append(row)
         return rows
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
@@ -627,7 +626,9 @@ class Store:
         rows = self.run_rows(all)
         columns = ["name", "status", "created", "steps", "ops", "bytes", "model_class"]
         columns += ["torch_version", "meta"] + (["error"] if all else [])
-        return pandas.DataFrame(rows, columns=columns)
+        return pandas.DataFrame(rows, columns=columns).astype(
+            {"steps": "int64", "ops": "int64", "bytes": "int64"} if rows else {}
+        )
 
     # -- queries --------------------------------------------------------------------------
 
