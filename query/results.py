@@ -229,6 +229,7 @@ class Result:
         return torch.stack(values)
 
     def df(self) -> pandas.DataFrame:
+        """A pandas DataFrame, one row per result row; tensor columns hold tensors."""
         frame = self._table.to_pandas()
         for name in self._tensor_columns:
             frame[name] = pandas_column(self._column(name))

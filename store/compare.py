@@ -156,6 +156,7 @@ class Comparison:
         return pandas.DataFrame(self.rows(), columns=list(_COLUMNS))
 
     def arrow(self) -> pa.Table:
+        """The comparison's rows as an Arrow table (what ``df()`` holds)."""
         import pyarrow as pa
 
         rows = self.rows()
@@ -528,6 +529,7 @@ class StatsComparison(Comparison):
         return self._table.to_pandas()
 
     def arrow(self) -> pa.Table:
+        """The comparison's rows as an Arrow table."""
         return self._table
 
     def first_divergence(

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import pandas
     import torch
 
+    from tracelake.query.results import Result  # (the query room sits downstream)
     from tracelake.recorder import ForwardRecording, OpTable
 
     from .compare import Comparison
@@ -462,6 +463,7 @@ class Store:
 
     @property
     def path(self) -> str:
+        """The store's directory."""
         return str(self.paths.root)
 
     @property
@@ -632,7 +634,7 @@ class Store:
 
     # -- queries --------------------------------------------------------------------------
 
-    def query(self, text: str, **params: Any) -> Any:
+    def query(self, text: str, **params: Any) -> Result:
         """Run a query (``docs/query.md``) over every complete run; returns a
         :class:`~tracelake.query.results.Result`. ``:name`` parameters are bound from
         the keyword arguments."""
@@ -719,6 +721,7 @@ class Store:
         return report
 
     def close(self) -> None:
+        """Let go of the catalog mirror (a store is usable again after: it reopens)."""
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None

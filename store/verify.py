@@ -40,12 +40,14 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing is wrong."""
         return not self.problems
 
     def __bool__(self) -> bool:
         return self.ok
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as plain data (what ``tracelake verify --json`` prints)."""
         return {
             "ok": self.ok,
             "runs": self.runs,

@@ -174,10 +174,12 @@ def render_table(
     title: str | None = None,
     caption: str | None = None,
     width: int = 160,
+    wrap: Sequence[str] = (),
 ) -> Table:
     """A rich table of text cells, one line per row: cells longer than ``_WIDEST`` are
-    cut with an ellipsis, and the columns that do not fit into ``width`` are left out
-    (the caption lists them) rather than squeezed to unreadable slivers."""
+    cut with an ellipsis (those of the columns ``wrap`` names are folded onto more lines
+    instead), and the columns that do not fit into ``width`` are left out (the caption
+    lists them) rather than squeezed to unreadable slivers."""
     from rich.table import Table
 
     shown: list[int] = []
@@ -198,10 +200,11 @@ def render_table(
         caption = f"{caption}; {note}" if caption else note
     table = Table(title=title, caption=caption, header_style="bold")
     for i in shown:
+        folded = columns[i] in wrap
         table.add_column(
             columns[i],
-            overflow="ellipsis",
-            no_wrap=True,
+            overflow="fold" if folded else "ellipsis",
+            no_wrap=not folded,
             min_width=min(max(len(columns[i]), _NARROWEST), _WIDEST),
             max_width=_WIDEST,
         )
@@ -273,7 +276,10 @@ def _runs(args: argparse.Namespace) -> int:
     ]
     out = console()
     caption = f"{len(rows)} run(s)" if rows else "no runs yet"
-    out.print(render_table(columns, texts, f"runs in {args.store}", caption, out.width))
+    table = render_table(
+        columns, texts, f"runs in {args.store}", caption, out.width, wrap=("meta", "error")
+    )
+    out.print(table)
     return 0
 
 
