@@ -236,7 +236,8 @@ def test_parquet_and_arrow_exports_keep_dtype_shape_and_every_bit(
     assert done.returncode == 0, done.stderr
     table = pq.read_table(mixed)
     shapes = set()
-    for label, cell in zip(table.column("label").to_pylist(), table.column("out").to_pylist()):
+    labels, cells = table.column("label").to_pylist(), table.column("out").to_pylist()
+    for label, cell in zip(labels, cells, strict=True):
         tensor = stored[label]
         assert cell["dtype"] == "bfloat16" and cell["shape"] == list(tensor.shape)
         assert cell["data"] == tensor.contiguous().view(torch.int16).numpy().tobytes()
