@@ -340,23 +340,30 @@ class _Fetcher:
             if array is not None:
                 groups.setdefault((self.run_ids[row], array), []).append(row)
 
+        from tracelake.progress import Progress
+
+        total = sum(self.locations[r][2] or 0 for rows in groups.values() for r in rows)
+        bar = Progress("reading tensors", total, "bytes")  # (after a second, if watched)
+
         def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
             for _group, rows in batch:
                 for row in rows:
                     lazy = self.lazy(row)
                     assert lazy is not None  # grouped rows have an array
                     out[row] = lazy.read() if key is None else lazy[key]
+                    bar.advance(self.locations[row][2] or 0)
 
         items = list(groups.items())
-        if len(items) <= 1 or all(
-            self.locations[rows[0]][1] is not None for _, rows in items
-        ):  # packed, so small
-            read(items)
-        else:  # a few batches of groups: file reads, checksums and zstd release the GIL
-            readers = _readers()
-            batches = [items[i::readers] for i in range(min(readers, len(items)))]
-            with ThreadPoolExecutor(max_workers=len(batches)) as pool:
-                list(pool.map(read, batches))
+        with bar:
+            if len(items) <= 1 or all(
+                self.locations[rows[0]][1] is not None for _, rows in items
+            ):  # packed, so small
+                read(items)
+            else:  # a few batches of groups: file reads, checksums and zstd release the GIL
+                readers = _readers()
+                batches = [items[i::readers] for i in range(min(readers, len(items)))]
+                with ThreadPoolExecutor(max_workers=len(batches)) as pool:
+                    list(pool.map(read, batches))
         return out
 
 

@@ -147,6 +147,13 @@ class Comparison:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row as a dict (columns as in :meth:`df`)."""
+        from tracelake.progress import Progress
+
+        todo = [k for k, row in enumerate(self._rows) if row is None]
+        with Progress(f"comparing {self.a} and {self.b}", len(todo), "pairs") as bar:
+            for k in todo:
+                self._row(k)
+                bar.advance()
         return [self._row(k) for k in range(len(self._pairs))]
 
     def df(self) -> pandas.DataFrame:

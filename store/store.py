@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.progress import Progress
 
 from .boundary import CatalogCursor
 from .catalog import (
@@ -142,6 +143,7 @@ class Recording:
         meta: Any,
         overwrite: bool,
         max_inflight: int,
+        progress: bool | None = None,
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -162,6 +164,8 @@ class Recording:
         self._meta = meta
         self._overwrite = overwrite
         self._max_inflight = max_inflight
+        self._show_progress = progress
+        self._progress: Progress | None = None
         self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
         self._writer: TensorWriter | None = None
         self._lock_fd: int | None = None
@@ -201,6 +205,16 @@ class Recording:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
             self._writer = TensorWriter(arrays, self._max_inflight)
+            # Bytes written and steps, read by the bar's own thread: the forward pass never
+            # calls into it (benchmarks/progress_overhead.py).
+            writer, name = self._writer, self.name
+            self._progress = Progress(
+                f"recording {name}",
+                unit="bytes",
+                enabled=self._show_progress,
+                poll=lambda: writer.bytes_written,
+                describe=lambda: f"recording {name}: {len(self._steps)} step(s)",
+            ).__enter__()
         except BaseException:
             self._fail()  # no block runs, so no __exit__ will
             raise
@@ -428,6 +442,9 @@ class Recording:
             self._release()
 
     def _release(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -498,9 +515,12 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        progress: bool | None = None,
     ) -> Recording:
-        """A run of several forward passes (steps); see :class:`Recording`."""
-        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight)
+        """A run of several forward passes (steps); see :class:`Recording`. ``progress``:
+        a bar (bytes written, steps) for recordings over a second; None: where someone
+        watches (a terminal, a notebook), False: never."""
+        return Recording(self, name, model, save, stats, meta, overwrite, max_inflight, progress)
 
     def record(
         self,
@@ -512,6 +532,7 @@ class Store:
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        progress: bool | None = None,
         **kwargs: Any,
     ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
@@ -519,7 +540,8 @@ class Store:
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
-        buffered; the run becomes visible only once all of it is durable.
+        buffered; the run becomes visible only once all of it is durable. ``progress``:
+        a bar for recordings over a second (None: in a terminal or notebook only).
         """
         from tracelake.recorder import check_model
 
@@ -533,6 +555,7 @@ class Store:
             meta,
             overwrite,
             max_inflight,
+            progress,
         )
         rec.model_class = type(model).__name__
         with rec:
@@ -664,14 +687,19 @@ class Store:
         if self._catalog.delete(name) < 0:
             raise RunNotFoundError(name, list(self))
 
-    def gc(self) -> dict[str, int]:
+    def gc(self, progress: bool | None = None) -> dict[str, int]:
         """Reclaim the space of deleted, failed and interrupted runs, and of run
-        directories the catalog does not know. Returns what was removed."""
+        directories the catalog does not know. Returns what was removed. ``progress``: a
+        bar when it takes over a second (None: in a terminal or notebook only)."""
         dead = self._catalog.collect()  # (refused when the catalog lost runs: StoreError)
         freed = 0
-        with _os_errors(f"cannot reclaim space in {self.path!r}"):
+        with (
+            _os_errors(f"cannot reclaim space in {self.path!r}"),
+            Progress("collecting runs", len(dead), "runs", progress) as bar,
+        ):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
                 freed += remove_run_dir(self.paths, run_id)
+                bar.advance()
         orphans = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             # Held shared, the catalog lock keeps writers from registering a run (whose
@@ -691,33 +719,37 @@ class Store:
                 freed += remove_tree(trash)
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
-    def verify(self, tensors: bool = True) -> VerifyReport:
+    def verify(self, tensors: bool = True, progress: bool | None = None) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree.
 
         ``tensors=False``: the catalog's half only (the store's own files, and that each
         complete run's directory exists and belongs to its catalog row), reading no
-        chunk: quick on any store."""
+        chunk: quick on any store. ``progress``: a bar when it takes over a second (None:
+        in a terminal or notebook only)."""
         report = VerifyReport()
         verify_files(self.paths, report)
         if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
             return report
         cursor = self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
         names = [d[0] for d in cursor.description]
-        for values in cursor.fetchall():
-            info = dict(zip(names, values, strict=True))
-            try:
-                check_run_marker(self.paths, info["id"], info["name"], info.get("created"))
-                if not self.paths.run_dir(info["id"]).is_dir():
-                    raise StoreError(f"the directory of run {info['name']!r} is missing")
-                if not tensors:
+        rows = cursor.fetchall()
+        with Progress("verifying", len(rows), "runs", progress) as bar:
+            for values in rows:
+                bar.advance()
+                info = dict(zip(names, values, strict=True))
+                try:
+                    check_run_marker(self.paths, info["id"], info["name"], info.get("created"))
+                    if not self.paths.run_dir(info["id"]).is_dir():
+                        raise StoreError(f"the directory of run {info['name']!r} is missing")
+                    if not tensors:
+                        report.runs += 1
+                        continue
+                    run = self._open_run(info)
+                except StoreError as exc:  # its directory holds another run's data
                     report.runs += 1
+                    report.problems.append(Problem(info["name"], "-", str(exc)))
                     continue
-                run = self._open_run(info)
-            except StoreError as exc:  # its directory holds another run's data
-                report.runs += 1
-                report.problems.append(Problem(info["name"], "-", str(exc)))
-                continue
-            verify_run(run, self._run_query(info["id"]), report)
+                verify_run(run, self._run_query(info["id"]), report)
         return report
 
     def close(self) -> None:

@@ -78,5 +78,7 @@ def test_a_failed_run_keeps_its_reason(tmp_path: Path) -> None:
         raise RuntimeError("CUDA out of memory (pretend)")
     runs = store.runs(all=True)
     row = runs[runs["name"] == "oom"].iloc[0]
-    assert row["status"] == "failed" and row["error"] == "RuntimeError: CUDA out of memory (pretend)"
+    assert (
+        row["status"] == "failed" and row["error"] == "RuntimeError: CUDA out of memory (pretend)"
+    )
     assert "error" not in store.runs().columns  # complete runs have none

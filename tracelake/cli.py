@@ -356,9 +356,9 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("gc", "reclaim the space of deleted, failed and interrupted runs", _JSON)
+@command("gc", "reclaim the space of deleted, failed and interrupted runs", _NO_PROGRESS, _JSON)
 def _gc(args: argparse.Namespace) -> int:
-    freed = open_store(args).gc()
+    freed = open_store(args).gc(progress=None if args.progress else False)
     if args.json:
         print_json(freed)
     else:
@@ -383,7 +383,9 @@ def _gc(args: argparse.Namespace) -> int:
     _JSON,
 )
 def _verify(args: argparse.Namespace) -> int:
-    report = open_store(args).verify(tensors=not args.catalog)
+    report = open_store(args).verify(
+        tensors=not args.catalog, progress=None if args.progress else False
+    )
     if args.json:
         print_json(report.as_dict())
     else:
@@ -467,7 +469,7 @@ def _query(args: argparse.Namespace) -> int:
     if fmt != "table":
         from tracelake.query.export import export
 
-        export(result, fmt, args.output or sys.stdout, progress=args.progress)
+        export(result, fmt, args.output or sys.stdout, None if args.progress else False)
         return 0
     out = _output(args.output)
     try:

@@ -26,7 +26,8 @@ __all__ = ["DELAY", "Progress", "interactive"]
 
 #: Seconds of work before a bar appears.
 DELAY = 1.0
-#: Seconds between polls of ``poll=`` (and so between updates of such a bar).
+#: Seconds between polls of ``poll=``, and at least between two drawings of a bar (rich's
+#: own refresh thread is off: drawing takes the GIL from the work).
 _POLL = 0.25
 _ENV = "TRACELAKE_PROGRESS"
 
@@ -82,6 +83,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._drawn = 0.0
 
     def __enter__(self) -> Progress:
         self._start = time.monotonic()
@@ -121,9 +123,14 @@ class Progress:
             if self._bar is None:
                 self._bar = _start_bar(self.unit, self.total is not None)
                 self._task = self._bar.add_task(self.description, total=self.total)
+            now = time.monotonic()
+            if now - self._drawn < _POLL:
+                return
+            self._drawn = now
             self._bar.update(
                 self._task, completed=self.done, total=self.total, description=self.description
             )
+            self._bar.refresh()
 
     def close(self) -> None:
         """Stop showing (the bar disappears)."""
@@ -166,6 +173,6 @@ def _start_bar(unit: str, bounded: bool) -> Any:
         columns.append(TimeRemainingColumn())
     forced = os.environ.get(_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     shown = Console(stderr=True, force_terminal=True if forced else None)
-    bar = Progress(*columns, console=shown, transient=True)
+    bar = Progress(*columns, console=shown, transient=True, auto_refresh=False)
     bar.start()
     return bar
