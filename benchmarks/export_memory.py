@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--dir", default="/tmp/tl-export-bench")
-    parser.add_argument("--formats", nargs="+", default=["parquet", "json"])
+    parser.add_argument("--formats", nargs="+", default=["parquet", "arrow", "json"])
     args = parser.parse_args()
     root = Path(args.dir) / f"store-{args.gib:g}gib.tl"
     if not root.exists():

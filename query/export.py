@@ -214,8 +214,14 @@ def _write_arrow(
                     else:
                         fields.append(pa.field(name, scalar_types.get(name, pa.float64())))
                 schema = pa.schema(fields)
+                # Dictionary pages pay for nothing on tensor values (almost all
+                # distinct) and build a table of them: a 64 MiB float32 tensor took
+                # 1.5 GiB with them; compression gains little on them and holds a
+                # second copy of the column. Scalar columns keep both.
+                plain = [f.name for f in fields if f.name not in columns]
+                codecs = {f.name: "snappy" if f.name in plain else "none" for f in fields}
                 writer = (
-                    pq.ParquetWriter(path, schema)
+                    pq.ParquetWriter(path, schema, use_dictionary=plain, compression=codecs)
                     if fmt == "parquet"
                     else pa.ipc.new_file(path, schema)
                 )
