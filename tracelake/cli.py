@@ -563,6 +563,54 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 @command(
+    "graph",
+    "draw a run's op graph with Graphviz (needs `dot`)",
+    arg("run", help="the run's name"),
+    arg("-o", "--output", required=True, help="FILE.svg (.png, .pdf, .dot)"),
+    arg("--step", type=int, default=None, help="which step (multi-step runs)"),
+    arg("--depth", type=int, default=None, help="module depth drawn expanded"),
+    arg("--color", default=None, help="colour by a statistic (absmax, ...)"),
+    arg("--diff", default=None, metavar="RUN", help="colour by difference to RUN"),
+    arg("--collapse", action="append", default=[], help="collapse a module"),
+    _JSON,
+)
+def _graph(args: argparse.Namespace) -> int:
+    """Draw a run's op graph to a file (tracelake/graph.py; needs Graphviz's dot)."""
+    store = open_store(args)
+    run = store[args.run]
+    diff = store.compare(args.run, args.diff) if args.diff else None
+    try:
+        drawn = run.graph(  # type: ignore[attr-defined]  # (the pictures branch's)
+            step=args.step, depth=args.depth, color=args.color, diff=diff, collapse=args.collapse
+        )
+    except ValueError as exc:  # a statistic or metric that does not exist
+        print(f"tracelake graph: {exc}", file=sys.stderr)
+        return 2
+    drawn.save(args.output)
+    if args.json:
+        print_json({"output": args.output, "nodes": drawn.nodes, "ops": drawn.ops})
+    else:
+        console().print(f"{args.output}: {drawn!r}", soft_wrap=True, markup=False)
+    return 0
+
+
+@command(
+    "serve",
+    "browse a store in a web browser (read-only; needs the `web` extra)",
+    arg("--host", default="127.0.0.1", help="the address to bind (default: local)"),
+    arg("--port", type=int, default=8765, help="the port (default 8765)"),
+)
+def _serve(args: argparse.Namespace) -> int:
+    from tracelake.explorer import serve  # Starlette and uvicorn load only for this command
+
+    store = open_store(args)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"tracelake explorer of {store.path}: http://{host}:{args.port}/", flush=True)
+    serve(store, args.host, args.port)
+    return 0
+
+
+@command(
     "demo",
     "trace the built-in demo model and print its ops (--store: record and query it too)",
     arg("--json", action="store_true", help="print the ops as JSON records"),
