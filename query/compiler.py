@@ -299,7 +299,7 @@ class _Compiler(PairRules):
                     value = self.values.get(values.name)
                     items = value if isinstance(value, list | tuple) else [value]
                     values = tuple(ast.Literal(v) for v in items)
-                found = self.run_ids(cond.expr, values)
+                found = self.run_ids(cond.expr, values, not isinstance(cond.values, ast.Param))
             if found is not None:
                 src, ids = found
                 known = frozenset(i for i in ids if i is not None)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 from typing import Any, Literal
 
-from tracelake.errors import QueryCompileError
-from tracelake.recorder.intercept import func_spellings
+from tracelake.errors import QueryCompileError, RunNotFoundError
+from tracelake.recorder.names import func_spellings
 
 from . import ast
 from .parser import INT64
@@ -573,7 +573,7 @@ class Operands:
         if not values:  # an empty list: nothing is in it
             return "FALSE" if not node.negated else "TRUE"
         self.comparable(node, node.expr, *values)
-        found = self.run_ids(node.expr, values)
+        found = self.run_ids(node.expr, values, not isinstance(node.values, ast.Param))
         if found is not None:
             src, ids = found
             return f'{src.sql}."run_id" {op} ({", ".join(self.bind(i) for i in ids)})'
@@ -585,12 +585,14 @@ class Operands:
         return self._predicate(node, build)
 
     def run_ids(
-        self, expr: ast.Expr, values: tuple[ast.Expr, ...]
+        self, expr: ast.Expr, values: tuple[ast.Expr, ...], written: bool = True
     ) -> tuple[Source, list[int | None]] | None:
         """The table and the ids of the runs named by ``values`` when ``expr`` is a
         table's ``run`` and the compiler knows the runs (null stays null; an unknown
-        name is 0, so that it compares false, never null); None when the condition must
-        join ``runs``."""
+        name bound as a parameter is 0, so that it compares false, never null; one
+        written in the query raises :class:`RunNotFoundError`, with the names closest;
+        ``written=False``: ``values`` came from a list parameter); None when the
+        condition must join ``runs``."""
         if self.runs is None or not (isinstance(expr, ast.Column) and expr.name == "run"):
             return None
         src = self.source(expr)
@@ -602,6 +604,8 @@ class Operands:
                 name = self.param(value)
             elif isinstance(value, ast.Literal):
                 name = value.value
+                if written and isinstance(name, str) and name not in self.runs:  # a typo?
+                    raise RunNotFoundError(name, self.runs)
             else:
                 return None
             if name is not None and not isinstance(name, str):

@@ -16,28 +16,32 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import torch
 
-from tracelake.errors import QueryError
-from tracelake.recorder.stats import compute_stats
-from tracelake.store.metrics import PairMetrics, sliced_metrics, tensor_metrics
-from tracelake.store.run import LazyTensor, TensorSlot
+from tracelake.errors import QueryError, TraceLakeWarning
+from tracelake.store.catalog import COMPLETE
 
 from . import ast
 from .compiler import CompiledQuery, PointLookup, compile_query
+from .operands import walk
 from .parser import parse
 from .plan import Pair, Ref, evaluate, order_rows
+from .schema import closest, json_path
 
 if TYPE_CHECKING:
     import pandas
+    import torch
 
     from tracelake.store import Store
     from tracelake.store.catalog import CatalogMirror
+    from tracelake.store.metrics import PairMetrics
+    from tracelake.store.run import LazyTensor
 
 __all__ = ["Result", "describe", "run_query", "run_sql"]
 
@@ -51,9 +55,18 @@ def _readers() -> int:
         return os.cpu_count() or 1
 
 
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch: a result whose
+    query read no tensor (all a catalog-only query returns) never needs it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def describe(value: Any) -> str:
     """A short text for a result cell: tensors as shape, dtype and mean ± std."""
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
+        from tracelake.recorder.stats import compute_stats
+
         dtype = str(value.dtype).removeprefix("torch.")
         shape = "x".join(map(str, value.shape)) or "scalar"
         if value.numel() == 0:
@@ -77,7 +90,11 @@ class Result:
     (one dict per row), ``len()``; ``sql`` and ``params`` are what ran."""
 
     def __init__(
-        self, compiled: CompiledQuery, table: pa.Table, tensor_values: dict[str, list[Any]]
+        self,
+        compiled: CompiledQuery,
+        table: pa.Table,
+        tensor_values: dict[str, list[Any]],
+        deferred: dict[str, tuple[_Fetcher, Any]] | None = None,
     ):
         self.sql = compiled.sql
         self.params = list(compiled.params)
@@ -86,11 +103,77 @@ class Result:
         self._computed = [t.column for t in compiled.tensors if t.kind == "value"]
         self._table = table.select(list(compiled.columns))
         self._values = tensor_values
+        #: Tensor columns not read yet (``run_query(lazy=True)``): column -> (its rows'
+        #: fetcher, the selection to apply); read whole on first use, or a few rows at a
+        #: time by :meth:`read_rows` (exports: memory bounded by the rows in hand).
+        self._deferred = dict(deferred or {})
+
+    @property
+    def tensor_columns(self) -> list[str]:
+        """The columns holding tensors (``out``, slices of it)."""
+        return list(self._tensor_columns)
+
+    def uniform(self, column: str) -> bool:
+        """Whether every saved tensor of ``column`` has one shape and dtype (known from
+        the catalog for a column not read yet)."""
+        if column in self._deferred:
+            fetcher, _key = self._deferred[column]
+            layouts = {(tuple(loc[3]), loc[4]) for loc in fetcher.locations if loc[0] is not None}
+        else:
+            layouts = {(tuple(v.shape), v.dtype) for v in self._values[column] if is_tensor(v)}
+        return len(layouts) <= 1
+
+    def scalar_types(self) -> dict[str, pa.DataType]:
+        """The Arrow type of each column that holds no tensors (computed values and
+        reductions: doubles)."""
+        types = {f.name: f.type for f in self._table.schema if f.name not in self._values}
+        types = {k: v for k, v in types.items() if k not in self._tensor_columns}
+        types |= {name: pa.float64() for name in self._computed}
+        for name in self._tensor_columns:  # a reduction's floats, or plain numbers
+            values = self._values.get(name)
+            if values is not None and all(not is_tensor(v) for v in values):
+                types[name] = pa.float64()
+        return types
+
+    def row_nbytes(self) -> list[int]:
+        """For each row, the stored bytes of the tensors its tensor columns read (an upper
+        bound for slices): what reading the row costs."""
+        sizes = [0] * len(self)
+        for fetcher, _key in self._deferred.values():
+            for row, location in enumerate(fetcher.locations):
+                sizes[row] += location[2] or 0
+        for name in self._tensor_columns:
+            if name not in self._deferred:
+                for row, value in enumerate(self._values[name]):
+                    sizes[row] += int(value.nbytes) if is_tensor(value) else 0
+        return sizes
+
+    def read_rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        """Rows ``start`` to ``stop`` (one dict each), their tensors read now and not
+        kept by the result: iterating a large result in slices holds one slice."""
+        columns: dict[str, list[Any]] = {}
+        for name in self.columns:
+            if name in self._deferred:
+                fetcher, key = self._deferred[name]
+                got = []
+                for row in range(start, stop):
+                    lazy = fetcher.lazy(row)
+                    got.append(None if lazy is None else lazy.read() if key is None else lazy[key])
+                columns[name] = got
+            elif name in self._values:
+                columns[name] = self._values[name][start:stop]
+            else:
+                columns[name] = self._table.column(name).slice(start, stop - start).to_pylist()
+        for values in zip(*(columns[c] for c in self.columns), strict=True):
+            yield dict(zip(self.columns, values, strict=True))
 
     def __len__(self) -> int:
         return self._table.num_rows
 
     def _column(self, name: str) -> list[Any]:
+        if name in self._deferred:  # read now, all at once, and kept
+            fetcher, key = self._deferred.pop(name)
+            self._values[name] = fetcher.fetch(key)
         if name in self._values:
             return self._values[name]
         if name not in self.columns:
@@ -129,7 +212,7 @@ class Result:
                 f"cannot stack {name!r}: rows {missing[:10]} have no saved "
                 "tensor (filter with `saved = true`)"
             )
-        shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+        shapes = {tuple(v.shape) for v in values if is_tensor(v)}
         if len(shapes) > 1:
             listed = ", ".join(str(list(s)) for s in sorted(shapes)[:10])
             raise QueryError(
@@ -138,6 +221,8 @@ class Result:
             )
         if not values:
             raise QueryError(f"cannot stack {name!r}: the result has no rows")
+        import torch
+
         if not isinstance(values[0], torch.Tensor):
             return torch.tensor(values)
         return torch.stack(values)
@@ -147,7 +232,7 @@ class Result:
         (shape, dtype, mean ± std)."""
         frame = self._table.to_pandas()
         for name in self._tensor_columns:
-            frame[name] = pandas_column(self._values[name])
+            frame[name] = pandas_column(self._column(name))
         for name in self._computed:
             frame[name] = self._values[name]
         return _frame_class()(frame)
@@ -160,9 +245,9 @@ class Result:
             index = table.column_names.index(name)
             table = table.set_column(index, name, pa.array(self._values[name]))
         for name in self._tensor_columns:
-            values = self._values[name]
+            values = self._column(name)
             index = table.column_names.index(name)
-            if values and all(not isinstance(v, torch.Tensor) for v in values):
+            if values and all(not is_tensor(v) for v in values):
                 table = table.set_column(index, name, pa.array(values, type=pa.float64()))
                 continue
             flat = [None if v is None else v.detach().reshape(-1).tolist() for v in values]
@@ -241,6 +326,8 @@ def _frame_class() -> type:
 
 
 def _reduce(tensor: torch.Tensor, how: str) -> float | None:
+    from tracelake.recorder.stats import compute_stats
+
     stats = compute_stats(tensor)
     if how == "sum":
         return None if stats.mean is None else stats.mean * tensor.numel()
@@ -275,6 +362,8 @@ class _Fetcher:
 
     def lazy(self, row: int) -> LazyTensor | None:
         """Row ``row``'s tensor, unread; None where unsaved."""
+        from tracelake.store.run import LazyTensor, TensorSlot  # torch: only when read
+
         name, offset, nbytes, shape, dtype = self.locations[row]
         if name is None:
             return None
@@ -289,23 +378,30 @@ class _Fetcher:
             if array is not None:
                 groups.setdefault((self.run_ids[row], array), []).append(row)
 
+        from tracelake.progress import Progress
+
+        total = sum(self.locations[r][2] or 0 for rows in groups.values() for r in rows)
+        bar = Progress("reading tensors", total, "bytes")  # (after a second, if watched)
+
         def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
             for _group, rows in batch:
                 for row in rows:
                     lazy = self.lazy(row)
                     assert lazy is not None  # grouped rows have an array
                     out[row] = lazy.read() if key is None else lazy[key]
+                    bar.advance(self.locations[row][2] or 0)
 
         items = list(groups.items())
-        if len(items) <= 1 or all(
-            self.locations[rows[0]][1] is not None for _, rows in items
-        ):  # packed, so small
-            read(items)
-        else:  # a few batches of groups: file reads, checksums and zstd release the GIL
-            readers = _readers()
-            batches = [items[i::readers] for i in range(min(readers, len(items)))]
-            with ThreadPoolExecutor(max_workers=len(batches)) as pool:
-                list(pool.map(read, batches))
+        with bar:
+            if len(items) <= 1 or all(
+                self.locations[rows[0]][1] is not None for _, rows in items
+            ):  # packed, so small
+                read(items)
+            else:  # a few batches of groups: file reads, checksums and zstd release the GIL
+                readers = _readers()
+                batches = [items[i::readers] for i in range(min(readers, len(items)))]
+                with ThreadPoolExecutor(max_workers=len(batches)) as pool:
+                    list(pool.map(read, batches))
         return out
 
 
@@ -336,11 +432,17 @@ def _looked_up(
     )
 
 
-def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) -> Result:
-    """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs."""
+def run_query(
+    store: Store, text: str, params: Mapping[str, Any] | None = None, lazy: bool = False
+) -> Result:
+    """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs
+    (``lazy``: tensor columns are read when first used, or row by row with
+    :meth:`Result.read_rows`; reductions and pair functions are computed at once)."""
     mirror = store.catalog
     mirror.refresh(runs=())  # the run ids to compile in
-    compiled = compile_query(_parsed(text), params, mirror.run_ids, source=text)
+    parsed = _parsed(text)
+    compiled = compile_query(parsed, params, mirror.run_ids, source=text)
+    _warn_unknown_meta(mirror, parsed)
     mirror.refresh(runs=compiled.runs)  # the rows the query reads
     table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
     if table is None:
@@ -359,6 +461,7 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             if item.kind == "value" and item.expr is not None:
                 values[item.column] = pairs.column(item.expr)
     fetchers: dict[int, _Fetcher] = {}
+    deferred: dict[str, tuple[_Fetcher, Any]] = {}
     for item in compiled.tensors:
         if item.kind == "value":
             continue
@@ -366,6 +469,9 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             suffix = compiled.suffixes[item.source]
             fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix)
         key = item.index if item.kind in ("slice", "reduce") else None
+        if lazy and item.kind != "reduce":
+            deferred[item.column] = (fetchers[item.source], key)
+            continue
         got = fetchers[item.source].fetch(key)
         if item.kind == "reduce":
             values[item.column] = [
@@ -373,7 +479,42 @@ def run_query(store: Store, text: str, params: Mapping[str, Any] | None = None) 
             ]
         else:
             values[item.column] = got
-    return Result(compiled, table, values)
+    return Result(compiled, table, values, deferred)
+
+
+def _warn_unknown_meta(mirror: CatalogMirror, query: ast.Query) -> None:
+    """A :class:`~tracelake.TraceLakeWarning` for each ``meta.<key>`` of ``query`` that
+    no complete run has (a typo reads as null everywhere, and the query returns no row),
+    naming the keys the runs do have at that level."""
+    seen: set[tuple[str, ...]] = set()
+    for node in walk(query):
+        if not isinstance(node, ast.MetaRef) or node.keys in seen:
+            continue
+        seen.add(node.keys)
+        path = json_path(node.keys)[1:-1]  # (checked identifiers: '$.a.b' without quotes)
+        row = mirror.query(
+            "SELECT count(*) FROM runs WHERE status = ? AND json_exists(meta, ?)",
+            [COMPLETE, path],
+            runs=(),
+        ).fetchone()
+        if row is not None and row[0]:
+            continue
+        parent = "$" + "".join(f".{k}" for k in node.keys[:-1])
+        keys = mirror.query(
+            "SELECT DISTINCT unnest(json_keys(meta, ?)) FROM runs WHERE status = ? AND "
+            "json_type(meta, ?) = 'OBJECT'",
+            [parent, COMPLETE, parent],
+            runs=(),
+        ).fetchall()
+        known = sorted(str(k[0]) for k in keys)
+        name = "meta." + ".".join(node.keys)
+        hint = closest(node.keys[-1], known)
+        listed = ", ".join(known[:20]) if known else "none"
+        warnings.warn(
+            f"no run has {name}, so it is null in every row{hint} (keys there: {listed})",
+            TraceLakeWarning,
+            stacklevel=4,
+        )
 
 
 class _Pairs:
@@ -440,6 +581,8 @@ class _Pairs:
         b = self._fetcher(pair.right.source).lazy(row)
         metrics = None
         if a is not None and b is not None:
+            from tracelake.store.metrics import sliced_metrics, tensor_metrics
+
             if pair.left.index is None and pair.right.index is None:
                 metrics = sliced_metrics(a, b, pair.atol, pair.rtol)
             else:

@@ -22,7 +22,7 @@ from .intercept import Interceptor
 from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
 from .replay import encode_call
-from .selectors import Selector, as_selector
+from .selectors import Selector, as_selector, warn_unmatched
 from .trace import Trace
 
 __all__ = ["ForwardRecording", "check_model", "grad_selector", "record_forward", "trace"]
@@ -193,4 +193,6 @@ def trace(
     result.call = encode_call(args, kwargs)
     interventions.warn_unused()
     result.model_ref = weakref.ref(model)
+    if selector.constant is None:  # a name in save= that matched nothing: likely a typo
+        warn_unmatched(selector, result, result.modules)
     return result

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .intercept import OPERATOR_FUNCS, operator_name, spelling
 from .loops import group_layers
+from .names import OPERATOR_FUNCS, operator_name, spelling
 from .record import Stats, position
 from .trees import Structure, plain_spec
 
@@ -365,17 +365,33 @@ class OpEntry:
         self._row = table.rows[index]
         self.index = index
 
-    func = property(lambda self: self._row[FUNC])
-    kind = property(lambda self: self._row[KIND])
-    modules = property(lambda self: self._row[MODULES])
-    dtype = property(lambda self: self._row[DTYPE])
-    out_index = property(lambda self: self._row[OUT_INDEX])
-    inplace = property(lambda self: self._row[INPLACE])
-    params = property(lambda self: self._row[PARAMS])
-    pass_num = property(lambda self: self._row[PASS])
-    intervened = property(lambda self: self._row[INTERVENED])
-    #: The number of the intervention rule that changed this op first, or None.
-    rule = property(lambda self: self._row[RULE])
+    func = property(
+        lambda self: self._row[FUNC],
+        doc="The torch function's plain name (``relu``, ``add_``); ``input`` / ``output``.",
+    )
+    kind = property(lambda self: self._row[KIND], doc='``"input"``, ``"op"`` or ``"output"``.')
+    modules = property(
+        lambda self: self._row[MODULES],
+        doc="The module stack as ``(path, pass)`` pairs, outermost first.",
+    )
+    dtype = property(lambda self: self._row[DTYPE], doc="The tensor's dtype.")
+    out_index = property(
+        lambda self: self._row[OUT_INDEX], doc="Its position among the tensors one call returned."
+    )
+    inplace = property(
+        lambda self: self._row[INPLACE], doc="Whether the call wrote its output in place."
+    )
+    params = property(
+        lambda self: self._row[PARAMS], doc="The names of the parameters the call used."
+    )
+    pass_num = property(lambda self: self._row[PASS], doc="Which pass of its layer (from 1).")
+    intervened = property(
+        lambda self: self._row[INTERVENED], doc="Whether an intervention rule changed it."
+    )
+    rule = property(
+        lambda self: self._row[RULE],
+        doc="The number of the intervention rule that changed this op first, or None.",
+    )
 
     def field(self, name: str) -> Any:
         """The op record's row field ``name`` (one of ``record.ROW_FIELDS``) as the
@@ -384,21 +400,25 @@ class OpEntry:
 
     @property
     def module(self) -> str:
+        """The innermost module's path ("" at top level)."""
         modules = self._row[MODULES]
         return modules[-1][0] if modules else ""
 
-    shape = property(lambda self: self._row[SHAPE])
+    shape = property(lambda self: self._row[SHAPE], doc="The tensor's shape.")
 
     @property
     def device(self) -> str:
+        """The tensor's device (``cpu``, ``cuda:0``)."""
         return _device_name(self._row[DEVICE])
 
     @property
     def nbytes(self) -> int:
+        """The tensor's size in bytes."""
         return math.prod(self._row[SHAPE]) * self._row[DTYPE].itemsize
 
     @property
     def parent_args(self) -> tuple[str, ...]:
+        """For each parent edge, the argument position it came in at."""
         return tuple(str(pos) for pos in self._row[PARENT_ARGS])
 
     @property
@@ -413,6 +433,7 @@ class OpEntry:
 
     @property
     def layer(self) -> str:
+        """The label without the pass (``linear_1_1``)."""
         return self._table.layer_label(self._row[LAYER])
 
     def settled_label(self) -> str | None:
@@ -422,28 +443,34 @@ class OpEntry:
 
     @property
     def num_passes(self) -> int:
+        """How many passes the op's layer ran."""
         return self._table.num_passes(self._row[LAYER])
 
     @property
     def label(self) -> str:
+        """The op's label, pass-qualified where its layer ran several (``linear_1_1:2``)."""
         return self._table.labels[self.index]
 
     @property
     def parents(self) -> tuple[str, ...]:
+        """The labels of the entries this one consumed."""
         labels = self._table.labels
         return tuple(dict.fromkeys(labels[p] for p in self._row[PARENTS]))
 
     @property
     def children(self) -> tuple[str, ...]:
+        """The labels of the entries this one fed."""
         labels = self._table.labels
         return tuple(labels[c] for c in self._table.children(self.index))
 
     @property
     def source(self) -> SourceLocation | None:
+        """The user code's file and line that issued the call, or None."""
         return self._table.source(self.index)
 
     @property
     def saved(self) -> bool:
+        """Whether the tensor was saved (``out`` holds it)."""
         return self._tensors is not None and self._tensors.op_saved(self.index)
 
     @property
@@ -453,6 +480,7 @@ class OpEntry:
 
     @property
     def stats(self) -> Stats | None:
+        """Summary statistics, or None when neither saved nor asked for (``stats="all"``)."""
         return self._tensors.op_stats(self.index) if self._tensors is not None else None
 
     @property
@@ -525,10 +553,12 @@ class ModuleEntry:
 
     @property
     def module(self) -> str:
+        """The module's path (as ``path``)."""
         return self.path
 
     @property
     def saved(self) -> bool:
+        """Whether the module call's outputs were saved."""
         return self.output_slots is not None
 
     def _resolve(self, slots: tuple[int, ...] | None) -> tuple[torch.Tensor, ...] | None:
@@ -538,14 +568,17 @@ class ModuleEntry:
 
     @property
     def outputs(self) -> tuple[torch.Tensor, ...] | None:
+        """The saved output tensors of the call, flattened, or None."""
         return self._resolve(self.output_slots)
 
     @property
     def inputs(self) -> tuple[torch.Tensor, ...] | None:
+        """The saved input tensors of the call, flattened, or None."""
         return self._resolve(self.input_slots)
 
     @property
     def out(self) -> Any:
+        """What the module returned, rebuilt with its own types from the saved copies, or None."""
         if self.output_slots is None or self.tensor_source is None or self.structure is None:
             return None
         return _fill(self.structure, self.tensor_source)

@@ -9,8 +9,6 @@ both are removed in ``finally`` even when the forward pass raises.
 
 from __future__ import annotations
 
-import dis
-import functools
 import importlib.util
 import os
 import sys
@@ -28,6 +26,7 @@ from tracelake.errors import NestedTraceError
 
 from . import compiled
 from .compiled import _hot
+from .names import INPLACE_DUNDERS, func_name
 from .record import ROW_DEFAULTS
 from .trees import leaves_of
 
@@ -38,11 +37,6 @@ __all__ = [
     "SourceFinder",
     "Swaps",
     "flatten_tensors",
-    "func_family",
-    "func_name",
-    "func_spellings",
-    "operator_name",
-    "spelling",
 ]
 
 _Tensor = torch.Tensor
@@ -71,142 +65,6 @@ class Events(Protocol):
     # Optional: ``fused_state()`` returns what the compiled hot path needs to do
     # ``on_call``'s work itself (see labels.Labeller.fused_state); without it, every
     # call goes through ``on_call``.
-
-
-# Operators are named as TorchLens names them (its labels are the ones users key on): by
-# their dunder's core (``x / y`` is ``truediv``, ``x += y`` is ``iadd``, ``x % y`` is
-# ``mod``), except where torch implements the dunder in Python by calling another torch
-# function, which TorchLens then sees instead: ``x // y`` is ``floor_divide``, ``2 ** x``
-# is ``pow``. A reflected commutative operator is its plain one (``1 + x`` is ``add``).
-_DUNDER_NAMES = {
-    "floordiv": "floor_divide",
-    "rpow": "pow",
-    "radd": "add",
-    "rmul": "mul",
-    "rmatmul": "matmul",
-    "rand": "and",
-    "ror": "or",
-    "rxor": "xor",
-    "rtruediv": "rdiv",
-    "itruediv": "idiv",
-}
-#: The augmented assignments (``x += y`` is ``iadd``): they write into their left operand.
-_AUGMENTED = "add sub mul matmul pow div truediv floordiv mod and or xor lshift rshift"
-INPLACE_DUNDERS = frozenset("i" + op for op in _AUGMENTED.split())
-#: Where TorchLens's name for a call differs from torch's name beyond spelling: the
-#: property ``x.data`` is its ``detach``. Namespaced functions (``torch.fft.fft``, whose
-#: name is ``fft_fft``; ``torch.linalg.vector_norm``) lose their namespace.
-_TORCHLENS_NAMES = {"data": "detach"}
-_NAMESPACES = ("fft_", "linalg_", "special_")
-#: TorchLens's spelling of an operator next to torch's name of the same function: either
-#: selects both (``tl.func("div")`` selects ``x / y``).
-OPERATOR_ALIASES = {
-    "truediv": "div",
-    "idiv": "div",
-    "iadd": "add",
-    "isub": "sub",
-    "imul": "mul",
-    "ipow": "pow",
-    "imatmul": "matmul",
-    "ifloordiv": "floordivide",
-    "mod": "remainder",
-    "imod": "remainder",
-    "and": "bitwiseand",
-    "or": "bitwiseor",
-    "xor": "bitwisexor",
-    "iand": "bitwiseand",
-    "ior": "bitwiseor",
-    "ixor": "bitwisexor",
-    "invert": "bitwisenot",
-    "lshift": "bitwiseleftshift",
-    "rshift": "bitwiserightshift",
-    "ilshift": "bitwiseleftshift",
-    "irshift": "bitwiserightshift",
-    "rdiv": "div",
-}
-
-
-def func_name(func: Any) -> str:
-    """The plain name of a torch function: ``relu``, ``add``, ``add_``, ``getitem``,
-    ``truediv`` (``x / y``), ``iadd`` (``x += y``), ``T``."""
-    name = getattr(func, "__name__", None) or type(func).__name__
-    if name == "__get__":  # a Tensor property such as .T or .data
-        owner = getattr(func, "__self__", None)
-        return str(getattr(owner, "__name__", "attribute"))
-    if name.startswith("__") and name.endswith("__") and len(name) > 4:
-        core = name[2:-2]
-        return _DUNDER_NAMES.get(core, core)
-    return name
-
-
-# What an operator dispatches as: ``x / y`` reaches the mode as torch's ``div``, ``x += y``
-# as ``add_``, ``x % y`` as ``remainder``; only the caller's instruction (BINARY_OP and
-# its operator) tells them from ``x.div(y)``. By (torch's name, BINARY_OP's argument).
-_BINARY_OP = dis.opmap["BINARY_OP"]
-_OPERATOR_CALLS = {
-    ("div", 11): "truediv",
-    ("remainder", 6): "mod",
-    ("add_", 13): "iadd",
-    ("mul_", 18): "imul",
-    ("remainder_", 19): "imod",
-    ("sub_", 23): "isub",
-    ("div_", 24): "idiv",
-}
-OPERATOR_FUNCS = frozenset(func for func, _ in _OPERATOR_CALLS)
-
-
-def operator_name(func: str, site: Any) -> str:
-    """The name of a call that torch reports as ``func`` from call site ``site`` (code,
-    bytecode offset): the operator's (``truediv``) when the site is that operator, else
-    ``func``."""
-    if site is None or func not in OPERATOR_FUNCS:
-        return func
-    code, offset = site
-    raw = code.co_code
-    if offset + 1 >= len(raw) or raw[offset] != _BINARY_OP:
-        return func
-    return _OPERATOR_CALLS.get((func, raw[offset + 1]), func)
-
-
-@functools.cache
-def spelling(func: str) -> str:
-    """TorchLens's spelling of a function name, which labels use: lower case without
-    underscores and without a namespace (``layer_norm`` -> ``layernorm``, ``add_`` ->
-    ``add``, ``fft_fft`` -> ``fft``, ``T`` -> ``t``)."""
-    func = _TORCHLENS_NAMES.get(func, func)
-    for prefix in _NAMESPACES:
-        if func.startswith(prefix) and len(func) > len(prefix):
-            func = func[len(prefix) :]
-            break
-    return func.lower().replace("_", "")
-
-
-#: How many spellings :func:`func_spellings` gives: always this many, so that the query
-#: that compares with them does not depend on the name.
-N_SPELLINGS = 24
-
-
-@functools.cache
-def func_spellings(name: str) -> tuple[str, ...]:
-    """The ``func`` values of ``name``'s family (:func:`func_family`) with only case and
-    underscores taken out (``fft_fft`` is ``fftfft``): what a query compares
-    ``replace(lower(func), '_', '')`` with, so that ``func = 'layernorm'`` selects
-    ``layer_norm``. Padded to :data:`N_SPELLINGS` by repeating the first."""
-    family = func_family(name)
-    plain = [family, *(a for a, b in OPERATOR_ALIASES.items() if b == family)]
-    plain += [a for a, b in _TORCHLENS_NAMES.items() if b == family]
-    found = [*plain, *(p.rstrip("_") + f for f in plain for p in _NAMESPACES)]
-    found = list(dict.fromkeys(found))[:N_SPELLINGS]
-    return tuple(found + found[:1] * (N_SPELLINGS - len(found)))
-
-
-@functools.cache
-def func_family(name: str) -> str:
-    """What ``tl.func(name)`` and the ``func`` column compare: the spelling, with an
-    operator's TorchLens name taken to torch's (``truediv`` and ``div`` are one family,
-    as are ``layer_norm`` and ``layernorm``)."""
-    spelled = spelling(name)
-    return OPERATOR_ALIASES.get(spelled, spelled)
 
 
 def flatten_tensors(obj: Any) -> list[torch.Tensor]:

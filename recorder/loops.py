@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._recurrence import RecurrenceGroupingGraph, RecurrenceNode, group_recurrent_nodes
-from .intercept import INPLACE_DUNDERS, spelling
+from .names import INPLACE_DUNDERS, spelling
 from .record import position
 
 __all__ = ["group_layers"]

@@ -16,10 +16,15 @@ label), and does it select this module call's entry. They compose with ``&``, ``
 from __future__ import annotations
 
 import ast
+import difflib
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .intercept import func_family
+from tracelake.errors import TraceLakeWarning
+
+from .names import func_family
 
 if TYPE_CHECKING:
     from .entries import ModuleEntry, OpEntry
@@ -34,6 +39,8 @@ __all__ = [
     "module",
     "none",
     "parse_selector",
+    "unmatched",
+    "warn_unmatched",
 ]
 
 
@@ -284,3 +291,66 @@ def parse_selector(text: str) -> Selector:
     except SyntaxError:
         raise ValueError(f"not a selector: {text!r}") from None
     return build(tree.body)
+
+
+def _leaves(selector: Selector) -> list[Selector]:
+    """The selectors ``selector`` is built of (through ``&``, ``|``, ``~``)."""
+    if isinstance(selector, (_And, _Or)):
+        return _leaves(selector.left) + _leaves(selector.right)
+    if isinstance(selector, _Not):
+        return _leaves(selector.inner)
+    return [selector]
+
+
+def unmatched(
+    selector: Selector, ops: Iterable[OpEntry], modules: Iterable[ModuleEntry]
+) -> list[str]:
+    """What in ``selector`` matched no entry of a recording (``ops``, ``modules``: its
+    entries, every step's): one message per name, with the closest names that did run
+    (a typo such as ``tl.func("reul")`` would otherwise save nothing, silently)."""
+    parts = [leaf for leaf in _leaves(selector) if leaf.constant is None]
+    if not parts:
+        return []
+    funcs: set[str] = set()
+    paths: set[str] = set()
+    labels: set[str] = set()
+    for op in ops:
+        funcs.add(op.func)
+        labels.update((op.layer, f"{op.layer}:{op.pass_num}"))
+        paths.update(path for path, _ in op.modules)
+    for entry in modules:
+        paths.add(entry.path)
+        labels.update((entry.path, f"{entry.path}:{entry.pass_num}"))
+    messages = []
+    for leaf in parts:
+        if isinstance(leaf, _Func):
+            families = {func_family(f) for f in funcs}
+            missing = [n for n in leaf.names if func_family(n) not in families]
+            messages += [_unmatched("func", n, funcs, "functions") for n in missing]
+        elif isinstance(leaf, _InModule):
+            if not any(_within(p, leaf.path) for p in paths):
+                messages.append(_unmatched("in_module", leaf.path, paths, "modules"))
+        elif isinstance(leaf, _Module):
+            missing = [p for p in leaf._order if p not in paths and p not in labels]
+            messages += [_unmatched("module", p, paths, "modules") for p in missing]
+        elif isinstance(leaf, _Label):
+            missing = [n for n in leaf._order if n not in labels]
+            messages += [_unmatched("label", n, labels, "labels") for n in missing]
+    return messages
+
+
+def _unmatched(kind: str, name: str, known: set[str], what: str) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else f" (no such {what} ran)"
+    return f"tl.{kind}({name!r}) matched nothing in this recording{hint}"
+
+
+def warn_unmatched(
+    selector: Selector,
+    ops: Iterable[OpEntry],
+    modules: Iterable[ModuleEntry],
+    stacklevel: int = 2,
+) -> None:
+    """A :class:`~tracelake.TraceLakeWarning` per :func:`unmatched` message."""
+    for message in unmatched(selector, ops, modules):
+        warnings.warn(message, TraceLakeWarning, stacklevel=stacklevel + 1)

@@ -101,6 +101,7 @@ class TraceView:
 
     @property
     def ops(self) -> list[OpEntry]:
+        """Every op entry, in execution order."""
         return [self._entry(i) for i in range(len(self._table.rows))]
 
     @property
@@ -110,14 +111,17 @@ class TraceView:
 
     @property
     def module_labels(self) -> list[str]:
+        """The labels of the module calls (``encoder``, ``encoder:2``)."""
         return [m.label for m in self._modules]
 
     @property
     def inputs(self) -> list[OpEntry]:
+        """The entries of the model's inputs."""
         return [op for op in self if op.kind == "input"]
 
     @property
     def outputs(self) -> list[OpEntry]:
+        """The entries of the model's outputs."""
         return [op for op in self if op.kind == "output"]
 
     def __len__(self) -> int:

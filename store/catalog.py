@@ -412,10 +412,12 @@ class CatalogWriter:
         return info
 
     @guarded("cannot change the run's status in the catalog")
-    def set_status(self, run_id: int, status: str) -> None:
+    def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
+        """Set run ``run_id``'s status (``error``: why it failed, for ``failed``)."""
         with self._transaction() as con:
             con.execute(
-                "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
+                "UPDATE runs SET status = ?, finished = ?, error = ? WHERE id = ?",
+                [status, _now(), error, run_id],
             )
 
     @guarded("cannot delete the run from the catalog")
@@ -503,6 +505,46 @@ class FileChangeToken:
             return "|".join(parts)
 
 
+@contextmanager
+def read_source(
+    paths: StorePaths,
+) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+    """The catalog file opened read-only, checked (:func:`check_objects`), with the
+    columns its tables have; the caller holds the catalog lock shared. ``CatalogError``
+    if the file was lost (it exists once anything committed)."""
+    if not paths.catalog.exists():  # committed to once, so it was lost
+        raise CatalogError(
+            f"the catalog {str(paths.catalog)!r} is missing: restore it (and "
+            "its .wal, if any); the store refuses writes until then"
+        )
+    src = duckdb.connect(str(paths.catalog), read_only=True, config=_SOURCE_CONFIG)
+    try:
+        check_objects(src)
+        yield src, present_columns(src)
+    finally:
+        src.close()
+
+
+def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:
+    """Rows of the ``runs`` table (``where``: a condition on its columns), straight from
+    the catalog file: what listing runs needs, without a reader's mirror (no rows are
+    copied; the command line's ``tracelake runs`` is this and little else)."""
+    if FileChangeToken(paths).token() is None:  # no run ever committed
+        return []
+    with (
+        duckdb_errors(f"cannot read the catalog {paths.catalog}"),
+        locked(paths.lock, exclusive=False),
+        read_source(paths) as (src, present),
+    ):
+        cursor = src.execute(
+            f"SELECT * FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs) "
+            f"WHERE {where} ORDER BY id",
+            params,
+        )
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
 class CatalogMirror:
     """A reader's in-memory copy of the catalog's complete runs, refreshed when the
     catalog changed. Holds no lock and no handle on the file between refreshes.
@@ -562,15 +604,7 @@ class CatalogMirror:
             return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
-            if not self.paths.catalog.exists():  # committed to once, so it was lost
-                raise CatalogError(
-                    f"the catalog {str(self.paths.catalog)!r} is missing: restore it (and "
-                    "its .wal, if any); the store refuses writes until then"
-                )
-            src = duckdb.connect(str(self.paths.catalog), read_only=True, config=_SOURCE_CONFIG)
-            try:
-                check_objects(src)
-                present = present_columns(src)
+            with read_source(self.paths) as (src, present):
                 table = src.sql(
                     f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
                 ).to_arrow_table()
@@ -598,8 +632,6 @@ class CatalogMirror:
                             f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
                             params=new,
                         ).to_arrow_table()
-            finally:
-                src.close()
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:

@@ -146,7 +146,14 @@ class Comparison:
 
     def rows(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Every row (or the first ``limit``) as a dict (columns as in :meth:`df`)."""
+        from tracelake.progress import Progress
+
         count = len(self._pairs) if limit is None else min(limit, len(self._pairs))
+        todo = [k for k in range(count) if self._rows[k] is None]
+        with Progress(f"comparing {self.a} and {self.b}", len(todo), "pairs") as bar:
+            for k in todo:
+                self._row(k)
+                bar.advance()
         return [self._row(k) for k in range(count)]
 
     def row(self, k: int) -> dict[str, Any]:
@@ -161,6 +168,7 @@ class Comparison:
         return pandas.DataFrame(self.rows(), columns=list(_COLUMNS))
 
     def arrow(self) -> pa.Table:
+        """The comparison's rows as an Arrow table (what ``df()`` holds)."""
         import pyarrow as pa
 
         rows = self.rows()
@@ -527,6 +535,7 @@ class StatsComparison(Comparison):
         return self._table.to_pandas()
 
     def arrow(self) -> pa.Table:
+        """The comparison's rows as an Arrow table."""
         return self._table
 
     def first_divergence(

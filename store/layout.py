@@ -41,6 +41,7 @@ from tracelake.errors import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_INFLIGHT",
     "FORMAT",
     "StorePaths",
     "check_run_marker",
@@ -54,6 +55,10 @@ __all__ = [
     "write_run_marker",
 ]
 
+#: How many bytes of saved tensors may wait to be written before the forward pass waits
+#: (``max_inflight=``; here, beside the store's other settings, for the facade to name
+#: without loading the write path).
+DEFAULT_MAX_INFLIGHT = 256 << 20
 #: The on-disk format this code writes; a store with a larger number is refused.
 FORMAT = 1
 _MARKER = "tracelake.json"

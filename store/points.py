@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+
+# numpy and pyarrow (pyarrow.compute: a third of a second to import) load when the index
+# is first used: listing runs never uses it, and starts without them.
 
 __all__ = ["FIELDS", "OpIndex"]
 
@@ -41,7 +44,7 @@ FIELDS = (
     "dtype",
 )
 #: What a loader returns: ``FIELDS`` of the given runs' ops, ``shape`` as VARCHAR.
-Loader = Callable[[list[int]], pa.Table]
+Loader = Callable[[list[int]], "pa.Table"]
 
 
 class _Codes:
@@ -54,6 +57,10 @@ class _Codes:
 
     def encode(self, column: Any) -> np.ndarray:
         """Each row's code (-1 for null)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         encoded = pc.dictionary_encode(
             column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         )
@@ -93,6 +100,8 @@ class _Segment:
         return range(int(lo), int(hi))
 
     def without(self, gone: np.ndarray) -> _Segment | None:
+        import numpy as np
+
         keep = ~np.isin(self.keys >> 32, gone)
         if keep.all():
             return self
@@ -122,6 +131,8 @@ class OpIndex:
 
     def drop(self, run_ids: Iterable[int]) -> None:
         """Runs that left the mirror."""
+        import numpy as np
+
         gone = np.array(sorted(set(run_ids)), dtype=np.int64)
         with self._lock:
             self._pending.difference_update(gone.tolist())
@@ -162,6 +173,9 @@ class OpIndex:
         return found
 
     def _index(self, run_ids: list[int]) -> None:
+        import numpy as np
+        import pyarrow.compute as pc
+
         rows = self._load(run_ids)
         if not rows.num_rows:
             return

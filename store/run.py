@@ -20,6 +20,8 @@ from .tensors import RunArrays, parse_dtype
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import pandas
+
     from tracelake.graph import OpGraph
 
     from .compare import Comparison
@@ -58,6 +60,7 @@ class LazyTensor:
 
     @property
     def ndim(self) -> int:
+        """How many dimensions the tensor has."""
         return len(self.shape)
 
     def __len__(self) -> int:
@@ -66,6 +69,7 @@ class LazyTensor:
         return self.shape[0]
 
     def read(self) -> torch.Tensor:
+        """The whole tensor, read from disk."""
         slot = self._slot
         if slot.offset is not None:
             return self._arrays.read_packed(
@@ -273,6 +277,7 @@ class Run:
         return grads
 
     def step(self, k: int) -> StepView:
+        """Step ``k`` (from 0) of the run: one forward pass, as a trace."""
         if not isinstance(k, int) or not 0 <= k < self.num_steps:
             raise RecorderError(
                 f"run {self.name!r} has steps 0..{self.num_steps - 1}; step {k!r} does not exist"
@@ -293,6 +298,7 @@ class Run:
 
     @property
     def steps(self) -> list[StepView]:
+        """Every step of the run, in order."""
         return [self.step(k) for k in range(self.num_steps)]
 
     def _only(self) -> StepView:
@@ -304,6 +310,7 @@ class Run:
         return self.step(0)
 
     def __getitem__(self, key: str | int) -> Any:
+        """An op entry by label or index, or a module entry by path (``run["encoder"]``)."""
         return self._only()[key]
 
     def __contains__(self, key: object) -> bool:
@@ -315,11 +322,46 @@ class Run:
     def __len__(self) -> int:
         return len(self._only())
 
-    def __getattr__(self, name: str) -> Any:
-        # labels, ops, modules, module_labels, inputs, outputs, find, df: as a Trace.
-        if name.startswith("_") or name not in _VIEW_ATTRS:
-            raise AttributeError(name)
-        return getattr(self._only(), name)
+    # What a one-step run answers as an in-memory Trace does (real members, not
+    # forwarded: tab completion and type checkers see them).
+
+    @property
+    def labels(self) -> list[str]:
+        """Every op label in execution order (one-step runs; else ``run.step(k)``)."""
+        return self._only().labels
+
+    @property
+    def ops(self) -> list[OpEntry]:
+        """Every op entry, in execution order."""
+        return self._only().ops
+
+    @property
+    def modules(self) -> list[ModuleEntry]:
+        """Module call entries, in the order the calls began."""
+        return self._only().modules
+
+    @property
+    def module_labels(self) -> list[str]:
+        """The labels of the module calls (``encoder``, ``encoder:2``)."""
+        return self._only().module_labels
+
+    @property
+    def inputs(self) -> list[OpEntry]:
+        """The entries of the model's inputs."""
+        return self._only().inputs
+
+    @property
+    def outputs(self) -> list[OpEntry]:
+        """The entries of the model's outputs."""
+        return self._only().outputs
+
+    def find(self, func: str | None = None, module: str | None = None) -> list[OpEntry]:
+        """Ops by function name and/or innermost module path (exact match)."""
+        return self._only().find(func=func, module=module)
+
+    def df(self) -> pandas.DataFrame:
+        """One row per op entry: metadata, edges, source and summary statistics."""
+        return self._only().df()
 
     def graph(
         self,
@@ -353,8 +395,3 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<Run {self.name!r}: {self.model_class}, {self.num_steps} step(s)>"
-
-
-_VIEW_ATTRS = frozenset(
-    {"labels", "ops", "modules", "module_labels", "inputs", "outputs", "find", "df"}
-)

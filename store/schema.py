@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
 from tracelake.recorder.record import (
     BOOL,
     EDGES,
@@ -33,6 +31,7 @@ from tracelake.recorder.record import (
 
 if TYPE_CHECKING:  # the catalog's connections; DuckDB itself is catalog.py's to import
     import duckdb
+    import pyarrow as pa
 
 __all__ = [
     "CALLS",
@@ -69,6 +68,13 @@ RUNS = Table(
         Field("meta", STR, "the user's metadata, as JSON"),
         Field("host", STR, "the recording host"),
         Field("pid", I32, "the recording process"),
+        # Queries see complete runs only, where it is always NULL: not one of their columns.
+        Field(
+            "error",
+            STR,
+            "why a failed run failed: its exception's type and message",
+            query=False,
+        ),
         Field("seq", I64, "commit order"),
     ),
 )
@@ -150,6 +156,8 @@ def _definition(field: Field) -> str:
 @functools.cache
 def arrow_schema(table: Table) -> pa.Schema:
     """The Arrow schema of ``table``'s rows, columns in declaration order."""
+    import pyarrow as pa  # (not for listing runs: the command line starts without it)
+
     return pa.schema([(f.name, f.type.arrow) for f in table.columns if f.type is not None])
 
 

@@ -9,14 +9,11 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
-from typing import Any
-
-import pandas
-import pyarrow as pa
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import (
     InterventionError,
@@ -25,13 +22,7 @@ from tracelake.errors import (
     StoreError,
     TraceLakeWarning,
 )
-from tracelake.recorder import ForwardRecording, OpTable, check_model
-from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges, as_options
-from tracelake.recorder.capture import grad_selector
-from tracelake.recorder.intercept import flatten_tensors
-from tracelake.recorder.intervene import Interventions, as_rules
-from tracelake.recorder.replay import ReplayReport, encode_call
-from tracelake.recorder.selectors import as_selector
+from tracelake.progress import Progress
 
 from .boundary import CatalogCursor
 from .catalog import (
@@ -42,11 +33,11 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    read_runs,
     writer_alive,
 )
-from .compare import Comparison, compare
-from .grads import StoreGrads, grads_table
 from .layout import (
+    DEFAULT_MAX_INFLIGHT,
     StorePaths,
     check_run_marker,
     fsync_tree,
@@ -56,12 +47,26 @@ from .layout import (
     trash_run_dir,
     validate_name,
 )
-from .replay import replay_run
-from .rows import audit_tables, run_tables
-from .run import Run
-from .tensors import RunArrays
 from .verify import Problem, VerifyReport, verify_files, verify_run
-from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
+
+if TYPE_CHECKING:
+    import pandas
+    import torch
+
+    from tracelake.query.results import Result  # (the query room sits downstream)
+    from tracelake.recorder import ForwardRecording, OpTable
+    from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges
+    from tracelake.recorder.replay import ReplayReport
+
+    from .compare import Comparison
+    from .grads import StoreGrads
+    from .run import Run
+    from .tensors import RunArrays
+    from .writer import StoreEmitter, TensorWriter
+
+# torch, the recorder and the array code load when a run is recorded or read, not with
+# the store: listing, deleting and collecting runs need only the catalog (the command
+# line's `tracelake runs` starts without torch).
 
 __all__ = ["Recording", "Store", "last_opened", "open_store"]
 
@@ -102,6 +107,8 @@ def _os_errors(what: str) -> Any:
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
     """A short hash of names, shapes, dtypes and a strided sample of values (the whole
     tensor when it is small): cheap even for large models."""
+    import torch
+
     h = hashlib.blake2b(digest_size=12)
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for name, tensor in named:
@@ -149,6 +156,7 @@ class Recording:
         intervene: Any = None,
         capture: Any = None,
         save_grads: Any = None,
+        progress: bool | None = None,
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -156,12 +164,19 @@ class Recording:
             self._meta_json = json.dumps(meta)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
+        from tracelake.recorder import check_model
+        from tracelake.recorder.selectors import as_selector
+
         if model is not None:
             check_model(model)
         self.store = store
         self.name = validate_name(name) if name is not None else None
         self.model = model
         self._selector = as_selector(save)
+        from tracelake.recorder.backward import as_options
+        from tracelake.recorder.capture import grad_selector
+        from tracelake.recorder.intervene import Interventions, as_rules
+
         self.interventions = Interventions(as_rules(intervene))
         self._calls: list[str] = []
         self._grad_selector = grad_selector(capture, save, save_grads)
@@ -173,6 +188,8 @@ class Recording:
         self._meta = meta
         self._overwrite = overwrite
         self._max_inflight = max_inflight
+        self._show_progress = progress
+        self._progress: Progress | None = None
         self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
         self._writer: TensorWriter | None = None
         self._lock_fd: int | None = None
@@ -195,6 +212,11 @@ class Recording:
     # -- the block --------------------------------------------------------------------------
 
     def __enter__(self) -> Recording:
+        import torch
+
+        from .tensors import RunArrays
+        from .writer import TensorWriter
+
         if self.name is None:
             self.name = _generated_name(self.model)
         info = {
@@ -208,8 +230,22 @@ class Recording:
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
             self._writer = TensorWriter(arrays, self._max_inflight)
             if self._grad_selector is not None:
+                from tracelake.recorder.backward import BackwardCapture
+
+                from .grads import StoreGrads
+
                 self._grads = StoreGrads(self._writer)
                 self._backward = BackwardCapture(self._grad_steps, self._grads)
+            # Bytes written and steps, read by the bar's own thread: the forward pass never
+            # calls into it (benchmarks/progress_overhead.py).
+            writer, name = self._writer, self.name
+            self._progress = Progress(
+                f"recording {name}",
+                unit="bytes",
+                enabled=self._show_progress,
+                poll=lambda: writer.bytes_written,
+                describe=lambda: f"recording {name}: {len(self._steps)} step(s)",
+            ).__enter__()
         except BaseException:
             self._fail()  # no block runs, so no __exit__ will
             raise
@@ -234,17 +270,23 @@ class Recording:
                 self._fail()
                 raise
         else:
-            self._fail()
+            self._fail(exc)
 
     # -- steps ------------------------------------------------------------------------------
 
     def _begin(self, model: torch.nn.Module) -> tuple[OpTable, StoreEmitter]:
+        from tracelake.recorder import OpTable
+
+        from .writer import StoreEmitter
+
         if self._writer is None:
             raise StoreError("record steps inside the `with store.recording(...)` block")
         self._writer.step = len(self._steps)
         self._step_start = len(self._writer.slots)
         table = OpTable()
         grads = self._grad_selector
+        from tracelake.recorder.backward import GradEdges
+
         edges = None if grads is None else GradEdges(grads, table)
         return table, StoreEmitter(self._selector, self._stats, table, self._writer, edges)
 
@@ -257,9 +299,13 @@ class Recording:
         args: tuple,
         kwargs: dict,
     ) -> None:
+        from tracelake.recorder.intercept import flatten_tensors
+
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
         self._steps.append((table, recording.labeller.module_entries, emitter))
+        from tracelake.recorder.replay import encode_call
+
         self._calls.append(encode_call(args, kwargs))
         if emitter.grad_edges is not None:
             self._grad_steps.append(emitter.grad_edges)
@@ -275,6 +321,8 @@ class Recording:
 
     def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Record one forward pass of ``model`` as the next step; return its output."""
+        from tracelake.recorder import ForwardRecording, check_model
+
         model = check_model(model)
         table, emitter = self._begin(model)
         recording = ForwardRecording(
@@ -318,6 +366,8 @@ class Recording:
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
         try:
+            from tracelake.recorder import ForwardRecording
+
             table, emitter = self._begin(module)
             recording = ForwardRecording(
                 module,
@@ -370,6 +420,11 @@ class Recording:
     # -- the end ----------------------------------------------------------------------------
 
     def _commit(self) -> None:
+        import pyarrow as pa
+
+        from .grads import grads_table
+        from .rows import audit_tables, run_tables
+
         writer = self._writer
         assert writer is not None and self.name is not None
         if not self._steps:
@@ -382,6 +437,17 @@ class Recording:
             writer.close()  # the last chunks' statistics, writes and syncs: done by now
             return writer.stat_matrix(), writer.codec
 
+        if self._selector.constant is None:  # a name in save= that matched nothing
+            from tracelake.recorder import TraceView
+            from tracelake.recorder.selectors import warn_unmatched
+
+            views = [TraceView(table, None, modules) for table, modules, _ in self._steps]
+            warn_unmatched(
+                self._selector,
+                (op for view in views for op in view),
+                (m for view in views for m in view.modules),
+                stacklevel=3,
+            )
         writer.flush()  # the workers finish the last chunks while the tables are built
         merged = run_tables(self.run_id, self._steps, writer.slots, written)
         merged.update(audit_tables(self.run_id, self.interventions, self._calls))
@@ -444,21 +510,27 @@ class Recording:
                 if lost.intersection(entry.input_slots or (), entry.output_slots or ()):
                     entry.input_slots = entry.output_slots = entry.structure = None
 
-    def _fail(self) -> None:
+    def _fail(self, error: BaseException | None = None) -> None:
         """Give the run up (called while its error is on the way out, which says more
-        than a second one). A run whose status could not be set stays ``recording``
+        than a second one; ``error``: that error, default the one being handled, kept as
+        the run's ``error``). A run whose status could not be set stays ``recording``
         without a live writer: listed as interrupted, reclaimed by ``gc()`` all the same."""
+        error = error if error is not None else sys.exc_info()[1]
+        reason = f"{type(error).__name__}: {error}" if error is not None else None
         try:
             if self._writer is not None:
                 self._writer.abort()
             if self.run_id >= 0:
-                self.store._catalog.set_status(self.run_id, FAILED)
+                self.store._catalog.set_status(self.run_id, FAILED, reason)
         except StoreError as exc:
             log.warning("could not mark run %r failed: %s", self.name, exc)
         finally:
             self._release()
 
     def _release(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -474,8 +546,17 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], create: bool = True):
         self.paths = StorePaths(path)
+        existed = self.paths.marker.exists()
         with _os_errors(f"cannot open the store at {str(self.paths.root)!r}"):
             self.paths.check(create)
+        if not existed:  # said aloud: a mistyped path would otherwise look like no runs
+            log.info("created a new store at %s", self.paths.root)
+            warnings.warn(
+                f"created a new, empty store at {str(self.paths.root)!r} (to open only an "
+                "existing one: tl.open(path, create=False))",
+                TraceLakeWarning,
+                stacklevel=3,
+            )
         # The catalog file is made by the first transaction that needs it (a new store's
         # first run, usually): until then readers see no runs (no ``catalog.gen`` yet),
         # and a new store costs no transaction of its own.
@@ -485,6 +566,7 @@ class Store:
 
     @property
     def path(self) -> str:
+        """The store's directory."""
         return str(self.paths.root)
 
     @property
@@ -522,11 +604,14 @@ class Store:
         intervene: Any = None,
         capture: CaptureOptions | None = None,
         save_grads: Any = None,
+        progress: bool | None = None,
     ) -> Recording:
         """A run of several forward passes (steps); see :class:`Recording`. ``intervene``:
         rules applied to every step (as :meth:`record`'s). With
         ``capture=tl.options.CaptureOptions(backward_ready=True)``, ``rec.backward(loss)``
-        stores gradients too (of the ops ``save_grads`` selects; default ``save``)."""
+        stores gradients too (of the ops ``save_grads`` selects; default ``save``).
+        ``progress``: a bar (bytes written, steps) for recordings over a second; None:
+        where someone watches (a terminal, a notebook), False: never."""
         return Recording(
             self,
             name,
@@ -539,6 +624,7 @@ class Store:
             intervene=intervene,
             capture=capture,
             save_grads=save_grads,
+            progress=progress,
         )
 
     def record(
@@ -555,6 +641,7 @@ class Store:
         capture: CaptureOptions | None = None,
         backward: Callable[[Any], Any] | None = None,
         save_grads: Any = None,
+        progress: bool | None = None,
         **kwargs: Any,
     ) -> Run:
         """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
@@ -572,13 +659,19 @@ class Store:
         returning a loss; the run then
         also stores the gradient of that loss with respect to each op ``save_grads``
         selects (default ``save``), as ``rec.backward(loss)`` does in a recording.
+        ``progress``: a bar for recordings over a second (None: in a terminal or
+        notebook only).
         """
+        from tracelake.recorder import check_model
+
         model = check_model(model)
         if backward is not None and not callable(backward):
             raise TypeError(
                 "backward= takes a function of the model's output returning the loss "
                 f"(lambda out: out.sum()), not {type(backward).__name__}"
             )
+        from tracelake.recorder.backward import as_options
+
         capture = as_options(capture)
         if backward is not None:
             capture = dataclasses.replace(capture, backward_ready=True)
@@ -591,9 +684,10 @@ class Store:
             meta,
             overwrite,
             max_inflight,
-            intervene,
-            capture,
-            save_grads,
+            intervene=intervene,
+            capture=capture,
+            save_grads=save_grads,
+            progress=progress,
         )
         rec.model_class = type(model).__name__
         with rec:
@@ -617,6 +711,8 @@ class Store:
         looked up when omitted), kept open: zarr metadata is read once. For the query
         room, which reads the tensors of many runs' rows at once. ``StoreError`` if the
         run's directory holds another run's data (its identity marker disagrees)."""
+        from .tensors import RunArrays
+
         arrays = self._open_arrays.get(run_id)
         if arrays is None:
             if name is None or created is None:
@@ -629,6 +725,8 @@ class Store:
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
+        from .run import Run
+
         arrays = self.arrays(info["id"], info["name"], info.get("created"))
         return Run(info, arrays, self._run_query(info["id"]))
 
@@ -652,35 +750,48 @@ class Store:
             and self._run_info("name = ? AND status = ?", [name, COMPLETE]) is not None
         )
 
-    def __iter__(self) -> Any:
-        return iter(self.runs()["name"].tolist())
+    def __iter__(self) -> Iterator[str]:
+        """The names of the complete runs, oldest first."""
+        return iter([row["name"] for row in self.run_rows()])
 
     def __len__(self) -> int:
+        """How many complete runs the store holds."""
         row = self._query("SELECT count(*) FROM runs WHERE status = ?", [COMPLETE], ()).fetchone()
         return int(row[0]) if row is not None else 0
 
+    def run_rows(self, all: bool = False) -> list[dict[str, Any]]:
+        """:meth:`runs` as plain rows (one dict per run, meta parsed), without pandas:
+        what the command line prints."""
+        columns = ["name", "status", "created", "steps", "op_count", "bytes", "model_class"]
+        columns += ["torch_version", "meta"] + (["error"] if all else [])
+        rows = []
+        # (from the catalog file: listing runs copies no run's rows into a mirror)
+        where = "status = ?" if not all else "status != ?"
+        for info in read_runs(self.paths, where, [COMPLETE if not all else COLLECTED]):
+            row = {c: info[c] for c in columns}
+            row["ops"] = row.pop("op_count")
+            if row["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
+                row["status"] = INTERRUPTED
+            row["meta"] = json.loads(row["meta"]) if row["meta"] is not None else None
+            rows.append(row)
+        return rows
+
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and
-        deleted ones): name, status, created, steps, ops, bytes, model class, torch
-        version, meta."""
-        where = "status = ?" if not all else "status != ?"
-        df = self._query(
-            "SELECT id, name, status, created, steps, op_count AS ops, bytes, model_class, "
-            f"torch_version, meta FROM runs WHERE {where} ORDER BY id",
-            [COMPLETE if not all else COLLECTED],
-            (),
-        ).df()
-        if all and len(df):
-            df["status"] = [
-                INTERRUPTED if s == RECORDING and not writer_alive(self.paths, i) else s
-                for i, s in zip(df["id"], df["status"], strict=True)
-            ]
-        df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
-        return df.drop(columns=["id"])
+        deleted ones, with ``error``: why a failed run failed): name, status, created,
+        steps, ops, bytes, model class, torch version, meta."""
+        import pandas
+
+        rows = self.run_rows(all)
+        columns = ["name", "status", "created", "steps", "ops", "bytes", "model_class"]
+        columns += ["torch_version", "meta"] + (["error"] if all else [])
+        return pandas.DataFrame(rows, columns=columns).astype(
+            {"steps": "int64", "ops": "int64", "bytes": "int64"} if rows else {}
+        )
 
     # -- queries --------------------------------------------------------------------------
 
-    def query(self, text: str, **params: Any) -> Any:
+    def query(self, text: str, **params: Any) -> Result:
         """Run a query (``docs/query.md``) over every complete run; returns a
         :class:`~tracelake.query.results.Result`. ``:name`` parameters are bound from
         the keyword arguments."""
@@ -692,6 +803,8 @@ class Store:
         """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:
         see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
         ``where``, ``steps``, ``atol``, ``rtol``, ``tensors``)."""
+        from .compare import compare
+
         return compare(a, b, store=self, **options)
 
     def replay(
@@ -709,6 +822,8 @@ class Store:
         ``rtol``). ``name``: record the replay as a new run of that name (``report.run``).
         ``ReplayError`` before anything runs when the run cannot be replayed (inputs not
         saved, a user callable among its rules, inputs changed since recorded)."""
+        from .replay import replay_run
+
         return replay_run(self, run, model, name, atol, rtol)
 
     def sql(self, text: str) -> pandas.DataFrame:
@@ -723,16 +838,21 @@ class Store:
     def delete(self, name: str) -> None:
         """Remove run ``name`` from view at once; ``gc()`` reclaims its space."""
         if self._catalog.delete(name) < 0:
-            raise RunNotFoundError(name, self.runs()["name"].tolist())
+            raise RunNotFoundError(name, list(self))
 
-    def gc(self) -> dict[str, int]:
+    def gc(self, progress: bool | None = None) -> dict[str, int]:
         """Reclaim the space of deleted, failed and interrupted runs, and of run
-        directories the catalog does not know. Returns what was removed."""
+        directories the catalog does not know. Returns what was removed. ``progress``: a
+        bar when it takes over a second (None: in a terminal or notebook only)."""
         dead = self._catalog.collect()  # (refused when the catalog lost runs: StoreError)
         freed = 0
-        with _os_errors(f"cannot reclaim space in {self.path!r}"):
+        with (
+            _os_errors(f"cannot reclaim space in {self.path!r}"),
+            Progress("collecting runs", len(dead), "runs", progress) as bar,
+        ):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
                 freed += remove_run_dir(self.paths, run_id)
+                bar.advance()
         orphans = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             # Held shared, the catalog lock keeps writers from registering a run (whose
@@ -752,27 +872,41 @@ class Store:
                 freed += remove_tree(trash)
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
-    def verify(self) -> VerifyReport:
-        """Check every chunk's checksum and that catalog and arrays agree."""
+    def verify(self, tensors: bool = True, progress: bool | None = None) -> VerifyReport:
+        """Check every chunk's checksum and that catalog and arrays agree.
+
+        ``tensors=False``: the catalog's half only (the store's own files, and that each
+        complete run's directory exists and belongs to its catalog row), reading no
+        chunk: quick on any store. ``progress``: a bar when it takes over a second (None:
+        in a terminal or notebook only)."""
         report = VerifyReport()
         verify_files(self.paths, report)
         if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
             return report
-        for info in (
-            self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
-            .df()
-            .to_dict("records")
-        ):
-            try:
-                run = self._open_run(info)
-            except StoreError as exc:  # its directory holds another run's data
-                report.runs += 1
-                report.problems.append(Problem(info["name"], "-", str(exc)))
-                continue
-            verify_run(run, self._run_query(info["id"]), report)
+        cursor = self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
+        names = [d[0] for d in cursor.description]
+        rows = cursor.fetchall()
+        with Progress("verifying", len(rows), "runs", progress) as bar:
+            for values in rows:
+                bar.advance()
+                info = dict(zip(names, values, strict=True))
+                try:
+                    check_run_marker(self.paths, info["id"], info["name"], info.get("created"))
+                    if not self.paths.run_dir(info["id"]).is_dir():
+                        raise StoreError(f"the directory of run {info['name']!r} is missing")
+                    if not tensors:
+                        report.runs += 1
+                        continue
+                    run = self._open_run(info)
+                except StoreError as exc:  # its directory holds another run's data
+                    report.runs += 1
+                    report.problems.append(Problem(info["name"], "-", str(exc)))
+                    continue
+                verify_run(run, self._run_query(info["id"]), report)
         return report
 
     def close(self) -> None:
+        """Let go of the catalog mirror (a store is usable again after: it reopens)."""
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None

@@ -7,11 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tracelake.errors import ChunkCorruptError
 
-from .dtypes import parse_dtype
 from .layout import StorePaths
 
 if TYPE_CHECKING:
@@ -43,12 +40,14 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing is wrong."""
         return not self.problems
 
     def __bool__(self) -> bool:
         return self.ok
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as plain data (what ``tracelake verify --json`` prints)."""
         return {
             "ok": self.ok,
             "runs": self.runs,
@@ -82,6 +81,8 @@ def verify_files(paths: StorePaths, report: VerifyReport) -> None:
 
 
 def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyReport) -> None:
+    from .dtypes import parse_dtype  # (torch: only the tensors' half of verify needs it)
+
     report.runs += 1
     arrays = run._arrays
     rows = query(
@@ -216,6 +217,8 @@ def _check_spans(
 ) -> None:
     """Every packed tensor's bytes read the way queries read them (the shard index must
     hold each inner chunk a tensor lies in, with a good checksum)."""
+    import torch
+
     seen: set[str] = {p.label for p in report.problems if p.run == run.name}
     for offset, nbytes, labels in spans:
         if labels in seen:

@@ -42,12 +42,12 @@ from tracelake.recorder.stats import (
 from .dtypes import numpy_dtype
 from .format import ALIGN, CHUNK_BYTES, pack_codec, pack_stream
 from .inflight import Buffers, Live, Overwritten, alias_version, storage_holders
+from .layout import DEFAULT_MAX_INFLIGHT
 from .rows import distinct_codes
 from .tensors import RunArrays
 
 __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 
-DEFAULT_MAX_INFLIGHT = 256 << 20
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
 _memmove = ctypes.memmove

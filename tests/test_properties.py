@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
-from tracelake.recorder.intercept import spelling
+from tracelake.recorder.names import spelling
 
 UNARY = {
     "relu": torch.relu,

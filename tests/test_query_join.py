@@ -17,6 +17,7 @@ from model_zoo import gpt2, mlp
 
 import tracelake as tl
 from tracelake.query import results as results_module
+from tracelake.store import metrics as metrics_module
 
 PAIRS = (
     "select a.key, max_abs_diff(a.out, b.out) as max_abs_diff, "
@@ -136,13 +137,13 @@ def test_the_limit_is_pushed_down_when_the_order_allows(
     store: tl.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    real = results_module.sliced_metrics
+    real = metrics_module.sliced_metrics  # (the query room imports it when it reads tensors)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(results_module, "sliced_metrics", counted)
+    monkeypatch.setattr(metrics_module, "sliced_metrics", counted)
     join = "from ops a join ops b using (key) where a.run = 'base' and b.run = 'ft' and a.saved"
     res = store.query(
         f"select a.key, max_abs_diff(a.out, b.out), cosine(a.out, b.out) {join} limit 4"

@@ -88,15 +88,19 @@ def test_index_gives_duckdbs_rows(
     as_params: bool,
     swapped: bool,
 ) -> None:
-    conds = (
-        ["run = :run", "label = :label"] if as_params else [f"run = '{run}'", f"label = '{label}'"]
-    )
+    # (a run name written out that names no run raises RunNotFoundError: bound, it matches none)
+    by_param = as_params or run == "nosuch"
+    conds = [
+        "run = :run" if by_param else f"run = '{run}'",
+        "label = :label" if as_params else f"label = '{label}'",
+    ]
     if swapped:
         conds = [f"{c.split(' = ')[1]} = {c.split(' = ')[0]}" for c in reversed(conds)]
     text = f"select {', '.join(items)} from ops where {' and '.join(conds)}"
     if limit is not None:
         text += f" limit {limit}" + ("" if offset is None else f" offset {offset}")
-    params = {"run": run, "label": label} if as_params else {}
+    params = {"run": run} if by_param else {}
+    params |= {"label": label} if as_params else {}
     duck, index = _both(store, text, **params)
     assert index.equals(duck), (text, index.to_pylist(), duck.to_pylist())
     assert index.schema == duck.schema

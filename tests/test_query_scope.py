@@ -46,7 +46,7 @@ QUERIES = [
     ),
     ("select run, count(*) from ops where run = :r and func = 'relu' group by run", {"r3"}),
     ("select run, steps from runs where meta.k >= 2 order by run", set()),
-    ("select out from ops where run = 'nosuch'", set()),
+    ("select out from ops where run = :nosuch", set()),  # (written out: RunNotFoundError)
     ("select out from ops where run in :none", set()),
 ]
 
@@ -54,7 +54,8 @@ QUERIES = [
 @pytest.mark.parametrize(("text", "loads"), QUERIES)
 def test_a_query_loads_the_runs_it_names(root: Path, text: str, loads: set[str]) -> None:
     lazy = tl.open(root, create=False)
-    params = {"r": "r3"} if ":r" in text else {"none": []} if ":none" in text else {}
+    params = {"r": "r3", "none": [], "nosuch": "nosuch"}
+    params = {k: v for k, v in params.items() if f":{k}" in text}
     got = lazy.query(text, **params)
     assert _loaded(lazy) == loads
     full = tl.open(root, create=False)

@@ -108,18 +108,20 @@ def test_catalog_only_queries_and_meta(store_and_hooks) -> None:
     assert "float32" in html and "<table>" in html
 
 
+# (a run name written in the query that names no run raises RunNotFoundError: the unknown
+# names here are bound parameters, which match nothing)
 RUN_CONDITIONS = [
     ("run = 'ft'", {}, {"ft"}),
     ("'ft' = run", {}, {"ft"}),
     ("run = :r", {"r": "bf"}, {"bf"}),
-    ("run = 'nope'", {}, set()),
+    ("run = :nope", {"nope": "nope"}, set()),
     ("run != 'ft'", {}, {"base", "bf"}),
-    ("run <> 'nope'", {}, {"base", "bf", "ft"}),
-    ("not run = 'nope'", {}, {"base", "bf", "ft"}),
-    ("not (run = 'ft' or run = 'nope')", {}, {"base", "bf"}),
-    ("run in ('ft', 'nope')", {}, {"ft"}),
+    ("run <> :nope", {"nope": "nope"}, {"base", "bf", "ft"}),
+    ("not run = :nope", {"nope": "nope"}, {"base", "bf", "ft"}),
+    ("not (run = 'ft' or run = :nope)", {"nope": "nope"}, {"base", "bf"}),
+    ("run in ('ft', :nope)", {"nope": "nope"}, {"ft"}),
     ("run in ('ft', null)", {}, {"ft"}),
-    ("run not in ('ft', 'nope')", {}, {"base", "bf"}),
+    ("run not in ('ft', :nope)", {"nope": "nope"}, {"base", "bf"}),
     ("run not in ('ft', null)", {}, set()),  # SQL: null in a 'not in' list matches nothing
     ("run in :rs", {"rs": ["base", "nope"]}, {"base"}),
     ("run not in :rs", {"rs": ["base"]}, {"bf", "ft"}),
@@ -176,8 +178,10 @@ def test_runs_named_with_quotes_deleted_and_overwritten(tmp_path: Path) -> None:
     assert len(again) == 1 and not torch.equal(again.tensors()[0], first.tensors()[0])
     assert again.params != first.params  # the new run's id
     store.delete("plain")
-    assert len(store.query("select out from ops where run = 'plain'")) == 0
-    assert len(store.query("select label from ops where run != 'plain'")) == 3 * 7
+    with pytest.raises(tl.RunNotFoundError, match="no complete run named 'plain'"):
+        store.query("select out from ops where run = 'plain'")  # written out: a typo?
+    assert len(store.query("select out from ops where run = :r", r="plain")) == 0
+    assert len(store.query("select label from ops where run != :r", r="plain")) == 3 * 7
 
 
 @pytest.mark.parametrize("limit", [0, 1, 20, 63, 64, 65, 210])

@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The rooms in the order data flows; the facade (tracelake/) sits on top of them all.
 ROOMS = ("recorder", "store", "query", "tracelake")
 ORDER = {"recorder": 0, "store": 1, "query": 2, "tracelake": 3}
-SHARED = {"tracelake.errors"}  # every room may import it; it imports no room
+#: Every room may import these; they import no room (the errors; progress bars; the lazy
+#: package exports that keep catalog-only work free of torch).
+SHARED = {"tracelake.errors", "tracelake.progress", "tracelake._lazy"}
 
 #: Underscore names that are public API of the standard library (namedtuple's).
 PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
@@ -237,8 +239,9 @@ def test_the_checker_catches(source: str, expected: str, monkeypatch: pytest.Mon
     assert any(expected in what for what in planted), planted
 
 
-def test_the_shared_errors_module_imports_no_room() -> None:
-    """``tracelake.errors`` is imported by every room, so it may import none of them."""
-    path, tree = TREES["tracelake/errors.py"]
+@pytest.mark.parametrize("shared", sorted(SHARED))
+def test_the_shared_modules_import_no_room(shared: str) -> None:
+    """The shared modules are imported by every room, so they may import none of them."""
+    path, tree = TREES[shared.replace(".", "/") + ".py"]
     imported = {module for _node, module, _names, _top in _imports(path, tree)}
     assert not {m for m in imported if m.split(".")[0] == "tracelake"}, imported
