@@ -104,6 +104,7 @@ class ValidationReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no recomputed op mismatched its saved value."""
         return not self.mismatches
 
     def __bool__(self) -> bool:
