@@ -14,8 +14,10 @@ import torch
 
 from tracelake.errors import TraceLakeWarning
 
+from .eager import EagerStance, uncompiled
 from .emit import MemoryEmitter
 from .entries import OpTable
+from .inputs import model_arguments
 from .intercept import Interceptor
 from .labels import Emitter, Labeller
 from .selectors import as_selector
@@ -68,16 +70,29 @@ class ForwardRecording:
 
     def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
         Interceptor.refuse_nesting()
-        self.labeller = Labeller(model, emitter, table)
+        self.labeller = Labeller(uncompiled(model), emitter, table)
         self._interceptor = Interceptor(self.labeller, _Warner())
+        self._eager = EagerStance(model)  # a compiled model runs eagerly while recorded
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
             self.labeller.add_inputs(args, kwargs)
-        self._interceptor.__enter__()
+        self._eager.__enter__()
+        try:
+            self._interceptor.__enter__()
+        except BaseException:
+            self._eager.__exit__()
+            raise
+
+    def release(self) -> None:
+        """Remove the mode and hooks (and the eager stance): the forward is over."""
+        try:
+            self._interceptor.__exit__(None, None, None)
+        finally:
+            self._eager.__exit__()
 
     def stop(self, output: Any, failed: bool = False) -> None:
-        self._interceptor.__exit__(None, None, None)
+        self.release()
         if not failed:
             with torch._C.DisableTorchFunction():
                 self.labeller.add_outputs(output)
@@ -93,16 +108,22 @@ def record_forward(
     recording = ForwardRecording(model, emitter, table)
     recording.start(args, kwargs)
     try:
-        output = model(*args, **kwargs)
+        output = uncompiled(model)(*args, **kwargs)  # (a wrapper would run it all the same)
     except BaseException:
-        recording._interceptor.__exit__(None, None, None)
+        recording.release()
         raise
     recording.stop(output)
     return recording.labeller, output
 
 
 def trace(
-    model: torch.nn.Module, *args: Any, save: Any = None, stats: str = "saved", **kwargs: Any
+    model: torch.nn.Module,
+    *inputs: Any,
+    save: Any = None,
+    stats: str = "saved",
+    args: tuple | None = None,
+    kwargs: dict[str, Any] | None = None,
+    **model_kwargs: Any,
 ) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
 
@@ -110,16 +131,29 @@ def trace(
     stack, dataflow edges, source line, shape and dtype. ``save`` (a selector: ``tl.func``,
     ``tl.in_module``, ``tl.module``, ``tl.label``, ``tl.all``, ``tl.none``; default all)
     picks the tensors to keep as detached copies. ``stats="all"`` also computes summary
-    statistics of ops that are not saved (saved ones always have them). Remaining
-    positional and keyword arguments go to the model.
+    statistics of ops that are not saved (saved ones always have them).
+
+    The model is called as ``model(*inputs, **model_kwargs)``; ``args=(...)`` and
+    ``kwargs={...}`` give its inputs explicitly (a model keyword named ``save`` or
+    ``stats`` goes in ``kwargs=``). Keyword inputs are labelled by their name
+    (``input_ids``), positional ones ``input_1``, ``input_2``, ...
     """
     model = check_model(model)
+    inputs, model_kwargs = model_arguments(
+        model,
+        "tl.trace",
+        inputs,
+        args,
+        kwargs,
+        model_kwargs,
+        {"save": (save, None), "stats": (stats, "saved")},
+    )
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
     table = OpTable()
     emitter = MemoryEmitter(selector, stats, table)
-    labeller, output = record_forward(model, args, kwargs, emitter, table)
+    labeller, output = record_forward(model, inputs, model_kwargs, emitter, table)
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()
     for index in lost:

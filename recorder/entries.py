@@ -122,6 +122,8 @@ class OpTable:
         self.rows: list[tuple] = []
         self.passes: dict[int, int] = {}
         self.labels: list[str] = []
+        #: Entry -> its name, for inputs labelled by their keyword (recorder/inputs.py).
+        self.names: dict[int, str] = {}
         self._keys: list[str] | None = None
         self._blocks: list[int | None] | None = None
         self._children: list[tuple[int, ...]] | None = None
@@ -129,6 +131,10 @@ class OpTable:
 
     def layer_label(self, layer: int) -> str:
         """The label of a layer (given by its first entry), without pass."""
+        if self.names:
+            name = self.names.get(layer)
+            if name is not None:
+                return name
         row = self.rows[layer]
         return _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
 
@@ -140,6 +146,7 @@ class OpTable:
         hot = compiled.hot()
         if hot is not None:
             self.labels = hot.labels(self.rows, self.passes)
+            self._name_inputs()
             return
         passes = self.passes
         labels: list[str] = []
@@ -152,6 +159,11 @@ class OpTable:
             label = _layer_label(row[FUNC], row[INPLACE], row[N_FUNC], row[N_LAYER])
             append(f"{label}:1" if layer in passes else label)
         self.labels = labels
+        self._name_inputs()
+
+    def _name_inputs(self) -> None:
+        for index, name in self.names.items():
+            self.labels[index] = name
 
     @property
     def keys(self) -> list[str]:

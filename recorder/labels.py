@@ -20,7 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .eager import module_path, named_modules
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
+from .inputs import input_entries
 from .intercept import SourceFinder, flatten_tensors
 from .record import make_row
 
@@ -95,10 +97,11 @@ class Labeller:
         self._rows = table.rows
         self._passes = table.passes
         self._modules: dict[int, tuple[weakref.ref, str]] = {
-            id(m): (weakref.ref(m), path) for path, m in model.named_modules() if path
+            id(m): (weakref.ref(m), path) for path, m in named_modules(model) if path
         }
-        self._params: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
-        self._params.update({id(b): n for n, b in model.named_buffers()})
+        self._params: dict[int, str] = {
+            id(p): module_path(n) for n, p in (*model.named_parameters(), *model.named_buffers())
+        }
         # A tensor's producer: the row index under its id(), confirmed by the weak
         # reference to the row's tensor (one per row), so a dead tensor whose id was
         # reused is never confused with it. Plain ints as values keep the GC's tracked
@@ -342,7 +345,9 @@ class Labeller:
 
     # -- the model's inputs and outputs --------------------------------------------------
 
-    def _boundary(self, kind: str, tensor: torch.Tensor, parent: int) -> None:
+    def _boundary(
+        self, kind: str, tensor: torch.Tensor, parent: int, name: str | None = None
+    ) -> None:
         if kind == "input":
             self._n_inputs += 1
             number = self._n_inputs
@@ -372,14 +377,18 @@ class Labeller:
                 n_layer=0,
             )
         )
+        if name is not None:
+            self.table.names[index] = name
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:
             self._emit(index, tensor, parent)
 
     def add_inputs(self, args: tuple, kwargs: dict) -> None:
-        for tensor in flatten_tensors([*args, *kwargs.values()]):
-            self._boundary("input", tensor, -1)
+        """Input entries: ``input_N`` positionally, keyword inputs by name (recorder/inputs.py)."""
+        taken = [path for _, path in self._modules.values()]
+        for tensor, name in input_entries(args, kwargs, taken):
+            self._boundary("input", tensor, -1, name)
 
     def add_outputs(self, output: Any) -> None:
         for tensor in flatten_tensors(output):

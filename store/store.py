@@ -19,6 +19,8 @@ import torch
 
 from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
 from tracelake.recorder import ForwardRecording, OpTable, check_model
+from tracelake.recorder.eager import EagerStance, uncompiled
+from tracelake.recorder.inputs import model_arguments
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
 
@@ -154,6 +156,7 @@ class Recording:
         self._writer: TensorWriter | None = None
         self._lock_fd: int | None = None
         self._hooks: list[Any] = []
+        self._eager: EagerStance | None = None
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
         self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
@@ -188,6 +191,9 @@ class Recording:
             self._fail()  # no block runs, so no __exit__ will
             raise
         if self.model is not None:
+            # A compiled model runs eagerly for the whole block: its hooks below would
+            # otherwise run inside the compiled code (model.compile()).
+            self._eager = EagerStance(self.model).__enter__()
             self._hooks = [
                 self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                 self.model.register_forward_hook(self._returned),  # before the next one
@@ -201,6 +207,9 @@ class Recording:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._eager is not None:
+            self._eager.__exit__()
+            self._eager = None
         if exc_type is None:
             try:
                 self._commit()
@@ -242,15 +251,29 @@ class Recording:
             first = next(iter(model.parameters()), None)
             self._device = str(first.device) if first is not None else None
 
-    def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """Record one forward pass of ``model`` as the next step; return its output."""
+    def record(
+        self,
+        model: torch.nn.Module,
+        *inputs: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """Record one forward pass of ``model(*inputs, **model_kwargs)`` as the next step;
+        return its output. ``args=`` / ``kwargs=`` give the inputs explicitly."""
         model = check_model(model)
+        inputs, model_kwargs = model_arguments(
+            model, "rec.record", inputs, args, kwargs, model_kwargs, {}
+        )
+        return self._record(model, inputs, model_kwargs)
+
+    def _record(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
         recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
         try:
-            output = model(*args, **kwargs)
+            output = uncompiled(model)(*args, **kwargs)  # (the wrapper would run it too)
         except BaseException:
             self._abandon(recording)
             raise
@@ -450,23 +473,48 @@ class Store:
     def record(
         self,
         model: torch.nn.Module,
-        *args: Any,
+        *inputs: Any,
         name: str | None = None,
         save: Any = None,
         meta: Any = None,
         stats: str = "saved",
         overwrite: bool = False,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        **kwargs: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **model_kwargs: Any,
     ) -> Run:
-        """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
+        """Record one forward pass of ``model(*inputs, **model_kwargs)`` as a run and
+        return it.
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
         Tensors stream to disk while the forward runs, at most ``max_inflight`` bytes
         buffered; the run becomes visible only once all of it is durable.
+
+        ``args=(...)`` and ``kwargs={...}`` give the model's inputs explicitly: a model
+        keyword named like one of these options goes in ``kwargs=`` (when the model's
+        ``forward`` takes such a keyword and it was given at top level,
+        :class:`~tracelake.errors.ArgumentClashError` says so). Keyword inputs are
+        labelled by their name (``input_ids``), positional ones ``input_1``, ...
         """
         model = check_model(model)
+        inputs, model_kwargs = model_arguments(
+            model,
+            "store.record",
+            inputs,
+            args,
+            kwargs,
+            model_kwargs,
+            {
+                "name": (name, None),
+                "save": (save, None),
+                "meta": (meta, None),
+                "stats": (stats, "saved"),
+                "overwrite": (overwrite, False),
+                "max_inflight": (max_inflight, DEFAULT_MAX_INFLIGHT),
+            },
+        )
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),
@@ -479,7 +527,7 @@ class Store:
         )
         rec.model_class = type(model).__name__
         with rec:
-            rec.record(model, *args, **kwargs)
+            rec._record(model, inputs, model_kwargs)
         assert rec.info is not None
         return self._open_run(rec.info)  # its metadata is read when first asked for
 

@@ -8,8 +8,6 @@ reopened in another process."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_store import run_python
 from torch import nn
 
 import tracelake as tl
@@ -241,12 +240,7 @@ def test_store_record_matches_plain_forwards_and_reads_back_elsewhere(tmp_path: 
             assert (fused in [op.func for op in run]) == (fused is not None)
             _assert_bitwise(plain, run.outputs[0].out)
             expected[name] = (_tensors(plain)[0], fused)
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_BACK, str(tmp_path / "s.tl")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    done = run_python(_READ_BACK, str(tmp_path / "s.tl"))
     stored = json.loads(done.stdout)
     assert sorted(stored) == sorted(expected)
     for name, (plain, fused) in expected.items():

@@ -12,6 +12,7 @@ store["baseline"]["relu_1_2"].out
 
 from tracelake.errors import (
     AmbiguousLabelError,
+    ArgumentClashError,
     CatalogError,
     ChunkCorruptError,
     InvalidRunNameError,
@@ -60,6 +61,7 @@ def load_ipython_extension(ipython: object) -> None:
 
 __all__ = [
     "AmbiguousLabelError",
+    "ArgumentClashError",
     "CatalogError",
     "ChunkCorruptError",
     "Comparison",

@@ -16,7 +16,8 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
 
     TraceLakeError
     ├── RecorderError              capture could not start or a trace was misused
-    │   └── NestedTraceError       a recording is already active in this thread
+    │   ├── NestedTraceError       a recording is already active in this thread
+    │   └── ArgumentClashError (TypeError)   a keyword both tracelake's and the model's
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
     ├── StoreError                 a store could not be opened, written or read
@@ -46,6 +47,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "AmbiguousLabelError",
+    "ArgumentClashError",
     "CatalogError",
     "ChunkCorruptError",
     "InvalidKeyError",
@@ -77,6 +79,12 @@ class RecorderError(TraceLakeError):
 
 class NestedTraceError(RecorderError):
     """A tracelake recording is already active in this thread."""
+
+
+class ArgumentClashError(RecorderError, TypeError):
+    """A keyword given to a recording entry point (``tl.trace``, ``store.record``) is
+    both one of its own options and a keyword of the model's ``forward``: pass the
+    model's keyword inputs as ``kwargs={...}``."""
 
 
 class LabelError(TraceLakeError, KeyError):
