@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import inspect
 import re
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -79,17 +80,29 @@ def input_entries(
     return entries
 
 
-def _named_parameters(model: torch.nn.Module) -> set[str]:
+#: forward function -> the names it takes by keyword (weakly held: a notebook's
+#: re-run cell makes new functions, whose globals must not be kept alive from here).
+_KEYWORDS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _named_parameters(model: torch.nn.Module) -> frozenset[str]:
     """The parameter names the model's ``forward`` takes by keyword (not ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    return {
-        p.name
-        for p in parameters
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
+    forward = model.forward
+    func = getattr(forward, "__func__", None)
+    names = _KEYWORDS.get(func) if func is not None else None
+    if names is None:
+        try:
+            parameters = inspect.signature(forward).parameters.values()
+        except (TypeError, ValueError):
+            return frozenset()
+        names = frozenset(
+            p.name
+            for p in parameters
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        )
+        if func is not None:
+            _KEYWORDS[func] = names
+    return names
 
 
 def model_arguments(
