@@ -434,9 +434,12 @@ class Interceptor:
             self._fused = None
             self._mode.__enter__()
         with torch._C.DisableTorchFunction():
-            try:
-                if fused is not None:
+            if fused is not None:
+                try:
                     self._record_fused(module, fused[1], args, fused[2], output)
+                except Exception as exc:
+                    self._on_error(fused[1], exc)
+            try:
                 self._events.on_module_exit(module, output)
             except Exception as exc:
                 self._on_error(f"module {type(module).__name__}", exc)
