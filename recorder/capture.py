@@ -16,8 +16,10 @@ import torch
 from tracelake.errors import TraceLakeWarning
 
 from .backward import CaptureOptions, GradEdges, as_options
+from .eager import EagerStance, uncompiled
 from .emit import MemoryEmitter
 from .entries import OpTable
+from .inputs import model_arguments
 from .intercept import Interceptor
 from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
@@ -98,20 +100,33 @@ class ForwardRecording:
         Interceptor.refuse_nesting()
         # the rules see each op before the emitter does
         wrapper = interventions.step(step, table, emitter) if interventions else None
-        self.labeller = Labeller(model, emitter if wrapper is None else wrapper, table)
+        self.labeller = Labeller(uncompiled(model), emitter if wrapper is None else wrapper, table)
         if wrapper is not None:
             wrapper.bind(self.labeller)
         if record_args:  # before the interceptor, which picks its path by it
             self.labeller.record_args()
         self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
+        self._eager = EagerStance(model)  # a compiled model runs eagerly while recorded
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
             self.labeller.add_inputs(args, kwargs)
-        self._interceptor.__enter__()
+        self._eager.__enter__()
+        try:
+            self._interceptor.__enter__()
+        except BaseException:
+            self._eager.__exit__()
+            raise
+
+    def release(self) -> None:
+        """Remove the mode and hooks (and the eager stance): the forward is over."""
+        try:
+            self._interceptor.__exit__(None, None, None)
+        finally:
+            self._eager.__exit__()
 
     def stop(self, output: Any, failed: bool = False) -> None:
-        self._interceptor.__exit__(None, None, None)
+        self.release()
         if not failed:
             with torch._C.DisableTorchFunction():
                 self.labeller.add_outputs(output)
@@ -133,9 +148,9 @@ def record_forward(
     recording = ForwardRecording(model, emitter, table, interventions, record_args=record_args)
     recording.start(args, kwargs)
     try:
-        output = model(*args, **kwargs)
+        output = uncompiled(model)(*args, **kwargs)  # (a wrapper would run it all the same)
     except BaseException:
-        recording._interceptor.__exit__(None, None, None)
+        recording.release()
         raise
     recording.stop(output)
     return recording.labeller, output
@@ -143,13 +158,15 @@ def record_forward(
 
 def trace(
     model: torch.nn.Module,
-    *args: Any,
+    *inputs: Any,
     save: Any = None,
     stats: str = "saved",
     intervene: Any = None,
     capture: CaptureOptions | None = None,
     save_grads: Any = None,
-    **kwargs: Any,
+    args: tuple | None = None,
+    kwargs: dict[str, Any] | None = None,
+    **model_kwargs: Any,
 ) -> Trace:
     """Run one forward pass of ``model`` and return its :class:`Trace`.
 
@@ -159,14 +176,33 @@ def trace(
     picks the tensors to keep as detached copies. ``stats="all"`` also computes summary
     statistics of ops that are not saved (saved ones always have them). ``intervene``:
     ``tl.when(selector, action)`` or a list of them, applied to the ops they select as
-    the forward runs (``trace.interventions`` audits them). Remaining positional and
-    keyword arguments go to the model.
+    the forward runs (``trace.interventions`` audits them).
 
     ``capture=tl.options.CaptureOptions(backward_ready=True)`` makes the trace ready for
     ``trace.backward(loss)``, which records the gradient of ``loss`` with respect to the
     output of each op ``save_grads`` selects (a selector; default: ``save``).
+
+    The model is called as ``model(*inputs, **model_kwargs)``; ``args=(...)`` and
+    ``kwargs={...}`` give its inputs explicitly (a model keyword named like one of these
+    options goes in ``kwargs=``). Keyword inputs are labelled by their name
+    (``input_ids``), positional ones ``input_1``, ``input_2``, ...
     """
     model = check_model(model)
+    inputs, model_kwargs = model_arguments(
+        model,
+        "tl.trace",
+        inputs,
+        args,
+        kwargs,
+        model_kwargs,
+        {
+            "save": (save, None),
+            "stats": (stats, "saved"),
+            "intervene": (intervene, None),
+            "capture": (capture, None),
+            "save_grads": (save_grads, None),
+        },
+    )
     selector = as_selector(save)
     if stats not in _STATS_CHOICES:
         raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
@@ -177,7 +213,7 @@ def trace(
     emitter = MemoryEmitter(selector, stats, table, edges)
     record_args = as_options(capture).record_args
     labeller, output = record_forward(
-        model, args, kwargs, emitter, table, interventions, record_args
+        model, inputs, model_kwargs, emitter, table, interventions, record_args
     )
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()
@@ -190,7 +226,7 @@ def trace(
         )
     result = Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
     result.interventions = interventions
-    result.call = encode_call(args, kwargs)
+    result.call = encode_call(inputs, model_kwargs)
     interventions.warn_unused()
     result.model_ref = weakref.ref(model)
     if selector.constant is None:  # a name in save= that matched nothing: likely a typo

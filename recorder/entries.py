@@ -149,6 +149,8 @@ class OpTable:
         self.labels: list[str] = []
         #: Entry -> its call, encoded (recordings with ``record_args``; see arguments.py).
         self.call_args: dict[int, Any] = {}
+        #: Entry -> its name, for inputs labelled by their keyword (recorder/inputs.py).
+        self.names: dict[int, str] = {}
         self._keys: list[str] | None = None
         #: While recording: the settled graphs whose raw rows this one has matched so
         #: far, and how many of its rows were checked (:meth:`settled_label`).
@@ -160,6 +162,10 @@ class OpTable:
 
     def layer_label(self, layer: int) -> str:
         """The label of a layer (given by its first entry), without pass."""
+        if self.names:
+            name = self.names.get(layer)
+            if name is not None:
+                return name
         row = self.rows[layer]
         return _layer_label(row[FUNC], row[N_FUNC], row[N_LAYER])
 
@@ -188,10 +194,12 @@ class OpTable:
                 rows[:] = final
                 self.labels = list(labels)
                 self.passes = dict(passes)
+                self._name_inputs()
                 return
         self._settle()
         if len(rows) <= _SETTLED_MAX_ROWS:
             _SETTLED.append((raw, list(rows), list(self.labels), dict(self.passes)))
+        self._name_inputs()  # after the cache took the labels: names are per call
 
     def settled_label(self, index: int) -> str | None:
         """While recording: the final label entry ``index`` will get, where a graph
@@ -257,6 +265,11 @@ class OpTable:
                 row = _with(row, PASS, pass_num)
                 rows[index] = _with(_with(row, N_FUNC, n_func), N_LAYER, n_this)
         self.labels = labels
+
+    def _name_inputs(self) -> None:
+        """Inputs given by keyword take their name as label (recorder/inputs.py)."""
+        for index, name in self.names.items():
+            self.labels[index] = name
 
     @property
     def keys(self) -> list[str]:

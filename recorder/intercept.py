@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from tracelake.errors import NestedTraceError
 
-from . import compiled
+from . import compiled, fastpath
 from .compiled import _hot
 from .names import INPLACE_DUNDERS, func_name
 from .record import ROW_DEFAULTS
@@ -412,6 +412,10 @@ class Interceptor:
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._entered = False
+        #: (module, fused function, keyword arguments) while a module call runs torch's
+        #: fused fast path with the mode stepped aside; module types without one.
+        self._fused: tuple[torch.nn.Module, str, dict] | None = None
+        self._plain_types: set[type] = set()
 
     @staticmethod
     def refuse_nesting() -> None:
@@ -423,22 +427,67 @@ class Interceptor:
             )
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
-        if threading.get_ident() != self._thread:
-            return
+        if threading.get_ident() != self._thread or self._fused is not None:
+            return  # another thread's call, or one inside a fused call (not recorded)
         with torch._C.DisableTorchFunction():
             try:
                 self._events.on_module_enter(module, args)
             except Exception as exc:
                 self._on_error(f"module {type(module).__name__}", exc)
+            if type(module) in self._plain_types:
+                return
+            try:
+                self._maybe_fuse(module, args)
+            except Exception as exc:
+                self._on_error(f"module {type(module).__name__}", exc)
+
+    def _maybe_fuse(self, module: torch.nn.Module, args: tuple) -> None:
+        """Step the mode aside for a module call that takes torch's fused fast path in a
+        plain forward (see :mod:`.fastpath`): the call then runs exactly as it would
+        unrecorded, and ``_post_hook`` records it as one op."""
+        if not fastpath.has_rule(type(module)):
+            self._plain_types.add(type(module))
+            return
+        # The call's keyword arguments: global pre-hooks are not given them, but the
+        # frame of torch's Module._call_impl that calls the hook holds them.
+        frame = sys._getframe(2)
+        kwargs = frame.f_locals.get("kwargs") if frame.f_code.co_name == "inner" else None
+        if not isinstance(kwargs, dict):
+            return
+        func = fastpath.fused_call(module, args, kwargs)
+        if func is None or _get_current_function_mode_stack()[-1:] != [self._mode]:
+            return
+        self._mode.__exit__(None, None, None)
+        self._fused = (module, func, kwargs)
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if threading.get_ident() != self._thread:
             return
+        fused = self._fused
+        if fused is not None:
+            if fused[0] is not module:
+                return  # a module called inside the fused call
+            self._fused = None
+            self._mode.__enter__()
         with torch._C.DisableTorchFunction():
+            if fused is not None:
+                try:
+                    self._record_fused(module, fused[1], args, fused[2], output)
+                except Exception as exc:
+                    self._on_error(fused[1], exc)
             try:
                 self._events.on_module_exit(module, output)
             except Exception as exc:
                 self._on_error(f"module {type(module).__name__}", exc)
+
+    def _record_fused(
+        self, module: torch.nn.Module, func: str, args: tuple, kwargs: dict, output: Any
+    ) -> None:
+        """The fused call's outputs, as one op whose arguments are the module call's
+        and the module's parameters."""
+        tensors = tuple(flatten_tensors(output))
+        if tensors:
+            self._events.on_call(func, (*args, *module.parameters()), kwargs, tensors, False)
 
     def __enter__(self) -> Interceptor:
         if self._entered:
@@ -461,7 +510,9 @@ class Interceptor:
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            self._mode.__exit__(*exc_info)
+            if self._fused is None:  # (else the mode is already off the stack)
+                self._mode.__exit__(*exc_info)
+            self._fused = None
         finally:
             if self._fused_state is not None:
                 self._mode.unbind()

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 import torch
 
 from .arguments import ArgsRecorder
+from .eager import module_path, named_modules
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
+from .inputs import input_entries
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
 from .record import make_row
 
@@ -96,13 +98,14 @@ class Labeller:
         self._rows = table.rows
         self._passes = table.passes
         self._modules: dict[int, tuple[weakref.ref, str]] = {
-            id(m): (weakref.ref(m), path) for path, m in model.named_modules() if path
+            id(m): (weakref.ref(m), path) for path, m in named_modules(model) if path
         }
         # Parameters by name; a buffer as a 1-tuple of its name, which the compiled path
         # hands to Python (it takes str names only): a buffer's first read makes its
-        # buffer_N entry (TorchLens's), later reads are its children.
-        self._params: dict[int, Any] = {id(p): n for n, p in model.named_parameters()}
-        self._params.update({id(b): (n,) for n, b in model.named_buffers()})
+        # buffer_N entry (TorchLens's), later reads are its children. (module_path: no
+        # `_orig_mod.` from a compiled model's wrapper.)
+        self._params: dict[int, Any] = {id(p): module_path(n) for n, p in model.named_parameters()}
+        self._params.update({id(b): (module_path(n),) for n, b in model.named_buffers()})
         # A tensor's producer: the row index under its id(), confirmed by the weak
         # reference to the row's tensor (one per row), so a dead tensor whose id was
         # reused is never confused with it. Plain ints as values keep the GC's tracked
@@ -379,9 +382,11 @@ class Labeller:
 
     # -- the model's inputs and outputs --------------------------------------------------
 
-    def _boundary(self, kind: str, tensor: torch.Tensor, parent: int) -> int:
-        """Add an entry that is not an op: a model input or output, or a buffer (read
-        first, or written by ``parent``); return its index."""
+    def _boundary(
+        self, kind: str, tensor: torch.Tensor, parent: int, name: str | None = None
+    ) -> int:
+        """Add an entry that is not an op: a model input (``name``: its keyword's) or
+        output, or a buffer (read first, or written by ``parent``); return its index."""
         number = self._numbers[kind] = self._numbers.get(kind, 0) + 1
         rows = self._rows
         index = len(rows)
@@ -406,6 +411,8 @@ class Labeller:
                 n_layer=0,
             )
         )
+        if name is not None:
+            self.table.names[index] = name
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:
@@ -413,8 +420,10 @@ class Labeller:
         return index
 
     def add_inputs(self, args: tuple, kwargs: dict) -> None:
-        for tensor in flatten_tensors([*args, *kwargs.values()]):
-            self._boundary("input", tensor, -1)
+        """Input entries: ``input_N`` positionally, keyword inputs by name (recorder/inputs.py)."""
+        taken = [path for _, path in self._modules.values()]
+        for tensor, name in input_entries(args, kwargs, taken):
+            self._boundary("input", tensor, -1, name)
 
     def add_outputs(self, output: Any) -> None:
         tensors = flatten_tensors(output)

@@ -23,6 +23,7 @@ from tracelake.recorder.emit import SelectingEmitter
 from tracelake.recorder.entries import (
     DEVICE,
     DTYPE,
+    KIND,
     LAYER,
     MODULES,
     PARAMS,
@@ -465,6 +466,7 @@ class StoredOpTable(OpTable):
         self.rows = rows
         self.labels = labels
         self.passes = passes
+        self.names = {i: labels[i] for i, row in enumerate(rows) if row[KIND] == "input"}
         self._locations = sources
         if None not in keys:  # a run recorded before keys were stored: derived on use
             self._keys = keys  # type: ignore[assignment]

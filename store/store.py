@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from tracelake.query.results import Result  # (the query room sits downstream)
     from tracelake.recorder import ForwardRecording, OpTable
     from tracelake.recorder.backward import BackwardCapture, CaptureOptions, GradEdges
+    from tracelake.recorder.eager import EagerStance
     from tracelake.recorder.replay import ReplayReport
 
     from .compare import Comparison
@@ -194,6 +195,7 @@ class Recording:
         self._writer: TensorWriter | None = None
         self._lock_fd: int | None = None
         self._hooks: list[Any] = []
+        self._eager: EagerStance | None = None
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
         self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
@@ -250,6 +252,11 @@ class Recording:
             self._fail()  # no block runs, so no __exit__ will
             raise
         if self.model is not None:
+            # A compiled model runs eagerly for the whole block: its hooks below would
+            # otherwise run inside the compiled code (model.compile()).
+            from tracelake.recorder.eager import EagerStance
+
+            self._eager = EagerStance(self.model).__enter__()
             self._hooks = [
                 self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                 self.model.register_forward_hook(self._returned),  # before the next one
@@ -263,6 +270,9 @@ class Recording:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._eager is not None:
+            self._eager.__exit__()
+            self._eager = None
         if exc_type is None:
             try:
                 self._commit()
@@ -319,11 +329,26 @@ class Recording:
             first = next(iter(model.parameters()), None)
             self._device = str(first.device) if first is not None else None
 
-    def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """Record one forward pass of ``model`` as the next step; return its output."""
-        from tracelake.recorder import ForwardRecording, check_model
+    def record(
+        self,
+        model: torch.nn.Module,
+        *inputs: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """Record one forward pass of ``model(*inputs, **model_kwargs)`` as the next step;
+        return its output. ``args=`` / ``kwargs=`` give the inputs explicitly."""
+        from tracelake.recorder import check_model
+        from tracelake.recorder.inputs import model_arguments
 
         model = check_model(model)
+        inputs, model_kwargs = model_arguments(
+            model, "rec.record", inputs, args, kwargs, model_kwargs, {}
+        )
+        return self._record(model, inputs, model_kwargs)
+
+    def _record(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         table, emitter = self._begin(model)
         recording = ForwardRecording(
             model,
@@ -336,7 +361,9 @@ class Recording:
         recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
         try:
-            output = model(*args, **kwargs)
+            from tracelake.recorder.eager import uncompiled
+
+            output = uncompiled(model)(*args, **kwargs)  # (the wrapper would run it too)
         except BaseException:
             self._abandon(recording)
             raise
@@ -630,7 +657,7 @@ class Store:
     def record(
         self,
         model: torch.nn.Module,
-        *args: Any,
+        *inputs: Any,
         name: str | None = None,
         save: Any = None,
         meta: Any = None,
@@ -642,9 +669,12 @@ class Store:
         backward: Callable[[Any], Any] | None = None,
         save_grads: Any = None,
         progress: bool | None = None,
-        **kwargs: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **model_kwargs: Any,
     ) -> Run:
-        """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
+        """Record one forward pass of ``model(*inputs, **model_kwargs)`` as a run and
+        return it.
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
@@ -661,6 +691,12 @@ class Store:
         selects (default ``save``), as ``rec.backward(loss)`` does in a recording.
         ``progress``: a bar for recordings over a second (None: in a terminal or
         notebook only).
+
+        ``args=(...)`` and ``kwargs={...}`` give the model's inputs explicitly: a model
+        keyword named like one of these options goes in ``kwargs=`` (when the model's
+        ``forward`` takes such a keyword and it was given at top level,
+        :class:`~tracelake.errors.ArgumentClashError` says so). Keyword inputs are
+        labelled by their name (``input_ids``), positional ones ``input_1``, ...
         """
         from tracelake.recorder import check_model
 
@@ -675,6 +711,29 @@ class Store:
         capture = as_options(capture)
         if backward is not None:
             capture = dataclasses.replace(capture, backward_ready=True)
+        from tracelake.recorder.inputs import model_arguments
+
+        inputs, model_kwargs = model_arguments(
+            model,
+            "store.record",
+            inputs,
+            args,
+            kwargs,
+            model_kwargs,
+            {
+                "name": (name, None),
+                "save": (save, None),
+                "meta": (meta, None),
+                "stats": (stats, "saved"),
+                "overwrite": (overwrite, False),
+                "max_inflight": (max_inflight, DEFAULT_MAX_INFLIGHT),
+                "intervene": (intervene, None),
+                "capture": (capture, None),
+                "backward": (backward, None),
+                "save_grads": (save_grads, None),
+                "progress": (progress, None),
+            },
+        )
         rec = Recording(
             self,
             name if name is not None else _generated_name(model),
@@ -691,7 +750,7 @@ class Store:
         )
         rec.model_class = type(model).__name__
         with rec:
-            output = rec.record(model, *args, **kwargs)
+            output = rec._record(model, inputs, model_kwargs)
             if backward is not None:
                 rec.backward(backward(output))
         assert rec.info is not None

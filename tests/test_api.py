@@ -14,6 +14,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(tl.__all__) == sorted(
         [
             "AmbiguousLabelError",
+            "ArgumentClashError",
             "CatalogError",
             "ChunkCorruptError",
             "Comparison",

@@ -379,9 +379,9 @@ def test_tensors_created_inside_forward_and_kwargs_inputs() -> None:
             return (x + pos) * scale
 
     log = tl.trace(Positions(), torch.zeros(2, 3), scale=torch.tensor(2.0))
-    assert [op.label for op in log.inputs] == ["input_1", "input_2"]
+    assert [op.label for op in log.inputs] == ["input_1", "scale"]  # keywords by name
     assert log["arange_1_1"].parents == ()
-    assert log["mul_1_3"].parents == ("add_1_2", "input_2")
+    assert log["mul_1_3"].parents == ("add_1_2", "scale")
     assert torch.equal(log.output, torch.tensor([[0.0, 2.0, 4.0]] * 2))
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tracelake.errors import (
     AmbiguousLabelError,
+    ArgumentClashError,
     CatalogError,
     ChunkCorruptError,
     InterventionError,
@@ -124,6 +125,7 @@ def load_ipython_extension(ipython: object) -> None:
 
 __all__ = [
     "AmbiguousLabelError",
+    "ArgumentClashError",
     "CatalogError",
     "ChunkCorruptError",
     "Comparison",

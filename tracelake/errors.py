@@ -18,7 +18,8 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     ├── RecorderError              capture could not start or a trace was misused
     │   ├── NestedTraceError       a recording is already active in this thread
     │   ├── InterventionError      an intervention rule cannot apply (names the op and rule)
-    │   └── ReplayError            a run cannot be replayed (says why, before running)
+    │   ├── ReplayError            a run cannot be replayed (says why, before running)
+    │   └── ArgumentClashError (TypeError)   a keyword both tracelake's and the model's
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
     ├── StoreError                 a store could not be opened, written or read
@@ -50,6 +51,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "AmbiguousLabelError",
+    "ArgumentClashError",
     "CatalogError",
     "ChunkCorruptError",
     "InterventionError",
@@ -95,6 +97,12 @@ class InterventionError(RecorderError):
 class ReplayError(RecorderError):
     """A run cannot be replayed: its inputs were not saved, a rule is a user callable or
     patches from an in-memory trace, its stored inputs do not match their fingerprint."""
+
+
+class ArgumentClashError(RecorderError, TypeError):
+    """A keyword given to a recording entry point (``tl.trace``, ``store.record``) is
+    both one of its own options and a keyword of the model's ``forward``: pass the
+    model's keyword inputs as ``kwargs={...}``."""
 
 
 class LabelError(TraceLakeError, KeyError):
