@@ -210,6 +210,9 @@ class OpTable:
         compared once) and is made only for label selectors."""
         if len(self.labels) > index:  # finished: the labels are final
             return self.labels[index]
+        named = self.names.get(index)  # an input given by keyword: its name
+        if named is not None:
+            return named
         rows = self.rows
         if self._alike is None:
             self._alike = list(_SETTLED)

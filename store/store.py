@@ -349,6 +349,8 @@ class Recording:
         return self._record(model, inputs, model_kwargs)
 
     def _record(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        from tracelake.recorder import ForwardRecording
+
         table, emitter = self._begin(model)
         recording = ForwardRecording(
             model,

@@ -165,7 +165,7 @@ def test_trace_output_is_a_plain_forwards_bitwise(case: str, mode: str) -> None:
     else:
         assert fused in funcs
         op = trace.find(func=fused)[0]
-        assert op.parents and op.parents[0].startswith(("input_", "layer_norm", "add"))
+        assert op.parents and op.parents[0].startswith(("input_", "layernorm", "add"))
         assert op.params  # the module's parameters are what it used
         assert op.saved and op.module  # inside its module's call
 
