@@ -314,10 +314,11 @@ def test_graph(server: str, browser: WebDriver, store_path: Path, artifacts: Pat
     edges = sum(len(op.parents) for op in run)
     assert len(browser.find_elements(By.CSS_SELECTOR, "#graph .edge")) == edges
     assert browser.find_element(By.ID, "edges").text == str(edges)
-    target = next(n for n in nodes if n.get_attribute("data-label") == "relu_1_21")
+    relu = next(op.label for op in run if op.func == "relu")
+    target = next(n for n in nodes if n.get_attribute("data-label") == relu)
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", target)
     go(browser, target.find_element(By.CSS_SELECTOR, "text"))
-    assert browser.find_element(By.ID, "label").text == "relu_1_21"
+    assert browser.find_element(By.ID, "label").text == relu
 
 
 def test_compare(server: str, browser: WebDriver, store_path: Path, artifacts: Path) -> None:
