@@ -64,7 +64,8 @@ class ForwardRecording:
     """One forward pass under interception, in two halves, for callers that cannot wrap
     the call themselves (a store's recording block starts a step in a module's pre-hook
     and ends it in its post-hook): ``start(args, kwargs)``, the forward, ``stop(output)``.
-    ``stop`` must run even if the forward raises (it removes the mode and hooks)."""
+    ``stop`` must run even if the forward raises (it removes the mode and hooks), or
+    ``abort`` (which only removes them, whatever of them is installed; again is safe)."""
 
     def __init__(self, model: torch.nn.Module, emitter: Emitter, table: OpTable):
         Interceptor.refuse_nesting()
@@ -77,11 +78,14 @@ class ForwardRecording:
         self._interceptor.__enter__()
 
     def stop(self, output: Any, failed: bool = False) -> None:
-        self._interceptor.__exit__(None, None, None)
+        self._interceptor.close()
         if not failed:
             with torch._C.DisableTorchFunction():
                 self.labeller.add_outputs(output)
         self.labeller.finish()
+
+    def abort(self) -> None:
+        self._interceptor.close()
 
 
 def record_forward(
@@ -91,11 +95,11 @@ def record_forward(
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
     recording = ForwardRecording(model, emitter, table)
-    recording.start(args, kwargs)
     try:
+        recording.start(args, kwargs)
         output = model(*args, **kwargs)
     except BaseException:
-        recording._interceptor.__exit__(None, None, None)
+        recording.abort()
         raise
     recording.stop(output)
     return recording.labeller, output

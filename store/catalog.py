@@ -26,6 +26,7 @@ starts clean.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
@@ -137,10 +138,10 @@ def _now() -> datetime:
 
 def writer_alive(paths: StorePaths, run_id: int) -> bool:
     """Whether the process recording run ``run_id`` still holds its writing lock."""
-    fd = try_lock(paths.writing_lock(run_id))
-    if fd is None:
+    held = try_lock(paths.writing_lock(run_id))
+    if held is None:
         return paths.writing_lock(run_id).exists()
-    os.close(fd)
+    held.close()
     return False
 
 
@@ -279,8 +280,11 @@ class CatalogWriter:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
-            except duckdb.Error:
-                _ENGINE.reset()
+            except BaseException as exc:
+                # after a DuckDB failure or an interrupt (Ctrl-C) half-way through a
+                # statement, the engine may still hold the file: a new one, next time
+                if not isinstance(exc, TraceLakeError):
+                    _ENGINE.reset()
                 raise
 
     def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
@@ -291,8 +295,10 @@ class CatalogWriter:
         return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
 
     @guarded("cannot register the run in the catalog")
-    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, int]:
-        """Register a run as ``recording``; return its id and the descriptor of its
+    def reserve(
+        self, name: str, overwrite: bool, info: dict[str, Any]
+    ) -> tuple[int, io.FileIO]:
+        """Register a run as ``recording``; return its id and the open file of its
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
         ever see the new run without a live writer). A complete run (or a live
         recording) of the same name is an error unless ``overwrite``."""
@@ -333,14 +339,14 @@ class CatalogWriter:
                 raise StoreError(
                     f"cannot create the run directory {str(run_dir)!r}: {exc}"
                 ) from exc
-            fd = try_lock(self.paths.writing_lock(run_id))
-            if fd is None:
+            held = try_lock(self.paths.writing_lock(run_id))
+            if held is None:
                 raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
             # The identity marker is written only once the run's row is committed, so a
             # marked directory the catalog does not know means a catalog that lost runs,
             # never a registration that died half-way.
             then.append(lambda: write_run_marker(self.paths, run_id, created))
-        return run_id, fd
+        return run_id, held
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection) -> int:
         """The highest run directory id on disk, after making sure the catalog knows

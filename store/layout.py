@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import re
@@ -180,11 +181,17 @@ def fsync_tree(root: Path) -> int:
     return total
 
 
-def _open_lock(path: Path) -> int:
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+
+
+def _open_lock(path: Path) -> io.FileIO:
     """Open (creating) lock file ``path``; ``O_NOFOLLOW``: a symbolic link planted at
-    its name is refused with ``StoreError``, never created or written through."""
+    its name is refused with ``StoreError``, never created or written through. A file
+    object, not a bare descriptor: its descriptor is owned from the moment it exists, so
+    an interrupt (Ctrl-C) between there and its holder leaks no lock (collected, it
+    closes)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return io.FileIO(path, "r+", opener=lambda p, _: os.open(p, _LOCK_FLAGS, 0o644))
     except OSError as exc:
         if path.is_symlink():
             raise StoreError(
@@ -213,27 +220,24 @@ def write_new(path: Path, data: bytes) -> None:
 def locked(path: Path, exclusive: bool) -> Iterator[None]:
     """Hold an flock on ``path`` (created if absent) for the block. The kernel releases
     it if the process dies, so a killed writer never leaves the store locked."""
-    fd = _open_lock(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    with _open_lock(path) as file:  # closing releases the lock
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
-def try_lock(path: Path) -> int | None:
-    """Take an exclusive flock without waiting: the open descriptor (close it to release),
+def try_lock(path: Path) -> io.FileIO | None:
+    """Take an exclusive flock without waiting: the open lock file (close it to release),
     or ``None`` if another process holds it."""
     try:
-        fd = _open_lock(path)
+        file = _open_lock(path)
     except FileNotFoundError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        file.close()
         return None
-    return fd
+    return file
 
 
 # -- a run directory's identity, and its removal -------------------------------------

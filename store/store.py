@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
@@ -17,7 +19,12 @@ import pandas
 import pyarrow as pa
 import torch
 
-from tracelake.errors import RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.errors import (
+    ConcurrentRecordingError,
+    RunNotFoundError,
+    StoreError,
+    TraceLakeWarning,
+)
 from tracelake.recorder import ForwardRecording, OpTable, check_model
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.selectors import as_selector
@@ -152,11 +159,15 @@ class Recording:
         self._max_inflight = max_inflight
         self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
         self._writer: TensorWriter | None = None
-        self._lock_fd: int | None = None
+        self._lock: io.FileIO | None = None  # the run's writing lock, held
         self._hooks: list[Any] = []
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
         self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
+        #: The thread whose forward is the step running (None between steps); calls of
+        #: the model from other threads meanwhile are refused, counted by thread.
+        self._owner: int | None = None
+        self._refused: dict[int, int] = {}
         #: Set by the model's ordinary forward hook, which runs only when the forward
         #: returned: the always-called hook reads it to tell a raised forward apart.
         self._returned_ok = False
@@ -179,7 +190,7 @@ class Recording:
             "torch_version": torch.__version__,
             "meta": self._meta,
         }
-        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite, info)
+        self.run_id, self._lock = self.store._catalog.reserve(self.name, self._overwrite, info)
         try:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
@@ -201,6 +212,16 @@ class Recording:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._auto is not None and self._owner == threading.get_ident():
+            # a forward left by a BaseException (Ctrl-C): torch ran no always-called
+            # hook for it, so its mode and hooks are still installed
+            recording = self._auto[0]
+            self._auto = None
+            self._owner, self._depth = None, 0
+            if exc_type is None:
+                recording.abort()
+            else:
+                self._abandon(recording)
         if exc_type is None:
             try:
                 self._commit()
@@ -245,31 +266,54 @@ class Recording:
     def record(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Record one forward pass of ``model`` as the next step; return its output."""
         model = check_model(model)
+        self._claim()
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
-        recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
+        self._owner = threading.get_ident()
         try:
+            recording.start(args, kwargs)
             output = model(*args, **kwargs)
         except BaseException:
             self._abandon(recording)
             raise
         finally:
             self._depth -= 1
+            if not self._depth:
+                self._owner = None
         recording.stop(output)
         self._end(model, recording, table, emitter, args, kwargs)
         return output
 
+    def _claim(self) -> None:
+        """Refuse a forward of another thread while one thread's step runs: a step is
+        one thread's forward pass (the recorder follows one thread)."""
+        thread = threading.get_ident()
+        if self._owner is not None and self._owner != thread:
+            raise ConcurrentRecordingError(
+                f"the recording {self.name!r} is recording a forward pass of another "
+                "thread: a recording block records one forward at a time, so call the "
+                "model from one thread at a time inside it (or record each thread's "
+                "forwards in a recording block of their own)"
+            )
+
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        thread = threading.get_ident()
+        if self._owner is not None and self._owner != thread:
+            self._refused[thread] = self._refused.get(thread, 0) + 1
+            self._claim()  # raises; the always-called hook below still runs
         self._depth += 1
+        self._owner = thread
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
         try:
             table, emitter = self._begin(module)
             recording = ForwardRecording(module, emitter, table)
-            recording.start(args, kwargs)
             self._auto = (recording, table, emitter, args, kwargs)
+            recording.start(args, kwargs)
         except Exception as exc:
+            if self._auto is not None:
+                self._auto[0].abort()
             self._auto = None
             warnings.warn(
                 f"tracelake could not record this forward pass of "
@@ -279,19 +323,35 @@ class Recording:
             )
 
     def _returned(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._returned_ok = True
+        if threading.get_ident() == self._owner:
+            self._returned_ok = True
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        thread = threading.get_ident()
+        if thread != self._owner:  # a refused call of another thread
+            left = self._refused.pop(thread, 0) - 1
+            if left > 0:
+                self._refused[thread] = left
+            return
         self._depth -= 1
         returned, self._returned_ok = self._returned_ok, False
-        if self._depth or self._auto is None:
+        if self._depth:
+            return
+        self._owner = None
+        if self._auto is None:
             return
         recording, table, emitter, args, kwargs = self._auto
-        self._auto = None
         if not returned:  # the forward raised (torch calls this hook all the same)
+            self._auto = None
             self._abandon(recording)
             return
-        recording.stop(output)
+        try:
+            recording.stop(output)
+        except BaseException:
+            self._auto = None
+            self._abandon(recording)
+            raise
+        self._auto = None
         self._end(module, recording, table, emitter, args, kwargs)
 
     def _abandon(self, recording: ForwardRecording) -> None:
@@ -299,6 +359,7 @@ class Recording:
         the tensors it saved are left out of the run."""
         assert self._writer is not None
         try:
+            recording.abort()  # first: whatever else fails, the mode and hooks are gone
             recording.stop(None, failed=True)
         finally:
             self._writer.settle()
@@ -383,9 +444,9 @@ class Recording:
             self._release()
 
     def _release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 class Store:

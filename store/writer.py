@@ -271,6 +271,8 @@ class TensorWriter:
     def _done(self, future: Future[None]) -> None:
         with self._lock:
             self._pending.discard(future)
+        if future.cancelled():  # (abort())
+            return
         exc = future.exception()
         if exc is not None:
             self._errors.append(exc)

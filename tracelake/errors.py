@@ -16,7 +16,9 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
 
     TraceLakeError
     ├── RecorderError              capture could not start or a trace was misused
-    │   └── NestedTraceError       a recording is already active in this thread
+    │   ├── NestedTraceError       a recording is already active in this thread
+    │   └── ConcurrentRecordingError   a recording block's model called from a second
+    │                              thread while the first one's forward is recorded
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
     ├── StoreError                 a store could not be opened, written or read
@@ -48,6 +50,7 @@ __all__ = [
     "AmbiguousLabelError",
     "CatalogError",
     "ChunkCorruptError",
+    "ConcurrentRecordingError",
     "InvalidKeyError",
     "InvalidRunNameError",
     "LabelError",
@@ -77,6 +80,11 @@ class RecorderError(TraceLakeError):
 
 class NestedTraceError(RecorderError):
     """A tracelake recording is already active in this thread."""
+
+
+class ConcurrentRecordingError(RecorderError):
+    """A recording block's model was called from a second thread while the forward of
+    another thread was being recorded (that thread's recording goes on)."""
 
 
 class LabelError(TraceLakeError, KeyError):
