@@ -31,7 +31,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from tracelake.errors import QueryCompileError, QueryError
+from tracelake.errors import QueryCompileError, QueryError, QueryTypeError
 from tracelake.store.catalog import COMPLETE
 from tracelake.store.points import FIELDS as POINT_FIELDS
 
@@ -94,7 +94,7 @@ def compile_query(
     text = query if isinstance(query, str) else source
     node = parse(query) if isinstance(query, str) else query
     if not isinstance(node, ast.Query):
-        raise TypeError(f"compile_query takes query text or a Query, not {type(query).__name__}")
+        raise QueryTypeError(f"compile_query takes query text or a Query, not {type(query).__name__}")
     values = dict(params or {})
     try:
         return _Compiler(node, values, text, runs).compile()

@@ -19,7 +19,7 @@ from lark import Lark, Token
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lexer import PatternStr
 
-from tracelake.errors import QueryError, QuerySyntaxError
+from tracelake.errors import QueryError, QuerySyntaxError, QueryTypeError
 
 from . import ast
 from .lalr import LeanLALR
@@ -534,7 +534,7 @@ def parse(text: str) -> ast.Query:
 
     Raises :class:`~tracelake.errors.QuerySyntaxError` for text outside the language."""
     if not isinstance(text, str):
-        raise TypeError(f"a query is a str, not {type(text).__name__}")
+        raise QueryTypeError(f"a query is a str, not {type(text).__name__}")
     try:
         query = _LEAN.parse(text)
         if query is None:  # refused: Lark's own run says why

@@ -577,8 +577,12 @@ class CatalogMirror:
             try:
                 check_objects(src)
                 present = present_columns(src)
+                # a meta that is not valid JSON (a crafted store's, or a lone surrogate
+                # an older tracelake wrote) reads as none, so that meta.* queries of
+                # the other runs still work
                 table = src.sql(
-                    f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
+                    "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
+                    f"FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs)"
                 ).to_arrow_table()
                 ids, names, statuses = (
                     table.column(c).to_pylist() for c in ("id", "name", "status")

@@ -51,6 +51,7 @@ __all__ = [
     "remove_tree",
     "trash_run_dir",
     "try_lock",
+    "is_utf8",
     "validate_name",
     "write_run_marker",
 ]
@@ -70,7 +71,22 @@ def validate_name(name: object) -> str:
             f"invalid run name {name!r}: use 1 to 200 printable characters, without "
             "leading or trailing spaces"
         )
+    if not is_utf8(name):
+        raise InvalidRunNameError(
+            f"invalid run name {name!r}: it holds a lone surrogate (text that is not "
+            "Unicode: often a file name decoded with errors='surrogateescape'), which "
+            "cannot be stored"
+        )
     return name
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StorePaths:

@@ -9,10 +9,12 @@ import io
 import json
 import logging
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Any
 
 import pandas
@@ -21,6 +23,7 @@ import torch
 
 from tracelake.errors import (
     ConcurrentRecordingError,
+    InvalidMetaError,
     RunNotFoundError,
     StoreError,
     TraceLakeWarning,
@@ -45,6 +48,7 @@ from .layout import (
     StorePaths,
     check_run_marker,
     fsync_tree,
+    is_utf8,
     locked,
     remove_run_dir,
     remove_tree,
@@ -115,6 +119,44 @@ def _generated_name(model: Any) -> str:
     return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}"
 
 
+def _meta_json(meta: Any) -> str:
+    """``meta`` as the JSON text the catalog keeps; ``InvalidMetaError`` for a value
+    that has none (or that every ``meta.*`` query of the store would then fail on)."""
+    try:
+        text = json.dumps(meta, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMetaError(f"meta= must be JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise InvalidMetaError(
+            "meta= is nested too deeply to store as JSON: flatten it"
+        ) from None
+    if not is_utf8(text):
+        raise InvalidMetaError(
+            "meta= holds a string with a lone surrogate (text that is not Unicode: often "
+            "a file name decoded with errors='surrogateescape'); decode it properly first"
+        )
+    return text
+
+
+def _loads_meta(text: str | None) -> Any:
+    """A run's ``meta`` as Python values (as its JSON text if nested too deeply for
+    Python's parser: a store made elsewhere may hold anything)."""
+    if not isinstance(text, str):  # (none: pandas may hand a NaN)
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _on_stack(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is one of the calling thread's running frames."""
+    here = sys._getframe(1)
+    while here is not None and here is not frame:
+        here = here.f_back
+    return here is not None
+
+
 class Recording:
     """One run being recorded: any number of forward passes, each a step (0, 1, ...).
 
@@ -143,10 +185,7 @@ class Recording:
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
-        try:
-            self._meta_json = json.dumps(meta)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
+        self._meta_json = _meta_json(meta)
         if model is not None:
             check_model(model)
         self.store = store
@@ -168,6 +207,7 @@ class Recording:
         #: the model from other threads meanwhile are refused, counted by thread.
         self._owner: int | None = None
         self._refused: dict[int, int] = {}
+        self._call_frame: FrameType | None = None  # where the step's forward was called
         #: Set by the model's ordinary forward hook, which runs only when the forward
         #: returned: the always-called hook reads it to tell a raised forward apart.
         self._returned_ok = False
@@ -215,13 +255,7 @@ class Recording:
         if self._auto is not None and self._owner == threading.get_ident():
             # a forward left by a BaseException (Ctrl-C): torch ran no always-called
             # hook for it, so its mode and hooks are still installed
-            recording = self._auto[0]
-            self._auto = None
-            self._owner, self._depth = None, 0
-            if exc_type is None:
-                recording.abort()
-            else:
-                self._abandon(recording)
+            self._drop_stale()
         if exc_type is None:
             try:
                 self._commit()
@@ -270,7 +304,7 @@ class Recording:
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
         self._depth += 1  # the block's own hooks must not start a second step
-        self._owner = threading.get_ident()
+        self._owner, self._call_frame = threading.get_ident(), sys._getframe()
         try:
             recording.start(args, kwargs)
             output = model(*args, **kwargs)
@@ -280,7 +314,7 @@ class Recording:
         finally:
             self._depth -= 1
             if not self._depth:
-                self._owner = None
+                self._owner = self._call_frame = None
         recording.stop(output)
         self._end(model, recording, table, emitter, args, kwargs)
         return output
@@ -302,10 +336,13 @@ class Recording:
         if self._owner is not None and self._owner != thread:
             self._refused[thread] = self._refused.get(thread, 0) + 1
             self._claim()  # raises; the always-called hook below still runs
+        if self._depth and not _on_stack(self._call_frame):
+            self._drop_stale()  # the step's forward was left by Ctrl-C, which was caught
         self._depth += 1
         self._owner = thread
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
+        self._call_frame = sys._getframe(1)  # torch's call of the model's hooks
         try:
             table, emitter = self._begin(module)
             recording = ForwardRecording(module, emitter, table)
@@ -322,6 +359,14 @@ class Recording:
                 stacklevel=2,
             )
 
+    def _drop_stale(self) -> None:
+        """Give up the step whose forward a ``BaseException`` (Ctrl-C) left: torch runs
+        no always-called hook then, so its mode and hooks are still installed."""
+        auto, self._auto = self._auto, None
+        self._owner, self._depth, self._call_frame = None, 0, None
+        if auto is not None:
+            self._abandon(auto[0])
+
     def _returned(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if threading.get_ident() == self._owner:
             self._returned_ok = True
@@ -337,7 +382,7 @@ class Recording:
         returned, self._returned_ok = self._returned_ok, False
         if self._depth:
             return
-        self._owner = None
+        self._owner = self._call_frame = None
         if self._auto is None:
             return
         recording, table, emitter, args, kwargs = self._auto
@@ -616,7 +661,7 @@ class Store:
                 INTERRUPTED if s == RECORDING and not writer_alive(self.paths, i) else s
                 for i, s in zip(df["id"], df["status"], strict=True)
             ]
-        df["meta"] = [json.loads(m) if m is not None else None for m in df["meta"]]
+        df["meta"] = [_loads_meta(m) for m in df["meta"]]
         return df.drop(columns=["id"])
 
     # -- queries --------------------------------------------------------------------------

@@ -253,3 +253,26 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
     plain, _ = _net()
     assert_bitwise(fresh[name]["output_1"].out, plain(x))
     assert not [p for p in (tmp_path / "s" / "runs").iterdir() if p.name.startswith(".trash")]
+
+
+def test_a_caught_ctrl_c_inside_the_block_drops_that_forward_only(tmp_path: Path) -> None:
+    model, x = _net()
+    calls = [0]
+
+    def interrupt_first() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+
+    model.between = interrupt_first
+    store = tl.open(tmp_path / "s")
+    with store.recording("r", model):
+        with pytest.raises(KeyboardInterrupt):
+            model(x)  # torch runs no always-called hook for it
+        out = model(x)
+        assert torch.equal(torch.relu(x) + 1, torch.relu(x) + 1)
+    _clean()
+    run = tl.open(tmp_path / "s", create=False)["r"]
+    assert len(run.steps) == 1
+    assert run.labels == tl.trace(model, x).labels
+    assert_bitwise(run["output_1"].out, out)

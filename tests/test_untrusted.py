@@ -311,3 +311,33 @@ def test_gc_removes_a_linked_orphan_directory_not_its_target(tmp_path: Path) -> 
     assert not (root / "runs" / "00000099").exists()
     assert (victim / "keep.txt").read_text() == "keep"
     _unchanged(secret, before)
+
+
+# -- 13. a zarr.json declaring a huge shape or chunk grid --------------------------------
+
+
+@pytest.mark.parametrize("which", ["own-shape", "own-chunks", "pack-shape", "pack-shards"])
+def test_a_huge_zarr_json_costs_verify_one_problem(tmp_path: Path, which: str) -> None:
+    root = tmp_path / "s"
+    _store(root, big=which.startswith("own"))
+    arrays = root / "runs" / "00000001" / "tensors"
+    packs = sorted(p for p in arrays.iterdir() if p.name.startswith("pack"))
+    array = _own_array(root) if which.startswith("own") else packs[0]
+    meta = json.loads((array / "zarr.json").read_text())
+    if which.endswith("shape"):
+        meta["shape"] = [2**40] + meta["shape"][1:]
+    elif which == "own-chunks":
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [1] * len(meta["shape"])
+    else:  # a 1-byte shard: one shard per byte the catalog points at
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+        meta["codecs"][-1]["configuration"]["chunk_shape"] = [1]
+    (array / "zarr.json").write_text(json.dumps(meta))
+    clear_chunk_cache()
+    store = tl.open(root)
+    report = store.verify()  # (before: 48 s and a million problems for the shape 2^40)
+    # (a pack longer than its tensors is harmless: nothing points past them)
+    assert (which != "pack-shape") <= len(report.problems) <= 2, report.problems
+    assert report.chunks < 100
+    for problem in report.problems:
+        assert problem.label != "?" and "?" not in problem.what.split(":")[0]
+        assert array.name in problem.what

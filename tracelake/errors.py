@@ -29,13 +29,18 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   ├── RunNotFoundError (KeyError)   no complete run has that name
     │   ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
     │   ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
+    │   ├── InvalidMetaError (ValueError)   a run's ``meta=`` that cannot be stored
     │   ├── ObjectNotFoundError (KeyError)   no stored object has that key (array bytes)
     │   ├── InvalidKeyError (ValueError)   a storage key that could leave its store
     │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
     └── QueryError                 a query could not be parsed, compiled or run
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
-        └── QueryCompileError      an unknown table, column, function or parameter, or a
-                                   construct that cannot stand where it is (did-you-mean)
+        ├── QueryCompileError      an unknown table, column, function or parameter, or a
+        │                          construct that cannot stand where it is (did-you-mean)
+        ├── QueryTypeError (TypeError)   a query or parameter value of a type not taken
+        ├── QueryLimitError        a query ran past its time or memory limit
+        └── QueryResultError       a row's tensor cannot serve what the query asks of it
+                                   (an index past its shape)
 
 Warnings the recorder emits instead of breaking a user's forward pass are
 ``TraceLakeWarning`` (a ``UserWarning``).
@@ -52,12 +57,16 @@ __all__ = [
     "ChunkCorruptError",
     "ConcurrentRecordingError",
     "InvalidKeyError",
+    "InvalidMetaError",
     "InvalidRunNameError",
     "LabelError",
     "NestedTraceError",
     "ObjectNotFoundError",
     "QueryCompileError",
     "QueryError",
+    "QueryLimitError",
+    "QueryResultError",
+    "QueryTypeError",
     "QuerySyntaxError",
     "RecorderError",
     "RunExistsError",
@@ -161,6 +170,11 @@ class InvalidRunNameError(StoreError, ValueError):
     """A run name tracelake refuses (empty, too long, or with control characters)."""
 
 
+class InvalidMetaError(StoreError, ValueError):
+    """A run's ``meta=`` tracelake cannot store (not JSON, nested too deeply, or text
+    that is not Unicode)."""
+
+
 class ObjectNotFoundError(StoreError, KeyError):
     """A storage backend holds no object under the key asked for (a ``KeyError`` too)."""
 
@@ -220,6 +234,19 @@ class QuerySyntaxError(QueryError):
     ):
         self.expected = tuple(expected)
         super().__init__(message, line=line, column=column, excerpt=excerpt)
+
+
+class QueryTypeError(QueryError, TypeError):
+    """A query (or a parameter's value) of a type the language does not take."""
+
+
+class QueryLimitError(QueryError):
+    """A query ran past its time or memory limit (``tl.set_query_limits`` raises them)."""
+
+
+class QueryResultError(QueryError):
+    """A returned row's tensor cannot give what the query asks of it (an index past its
+    shape, more indices than it has dimensions)."""
 
 
 class QueryCompileError(QueryError):
