@@ -280,7 +280,8 @@ class Operands:
         value = f'json_extract_string({runs}."meta", {path})'
         if cast == "DOUBLE":  # a NaN (Python's json writes one) is no number: DuckDB
             # orders it above every number, so `meta.lr > 100` would hold for it
-            return f"nullif(TRY_CAST({value} AS DOUBLE), 'NaN'::DOUBLE)"
+            number = f"TRY_CAST({value} AS DOUBLE)"
+            return f"(CASE WHEN isnan({number}) THEN NULL ELSE {number} END)"
         return f"TRY_CAST({value} AS {cast})" if cast else value
 
     def visit_Literal(self, node: ast.Literal) -> str:

@@ -118,6 +118,16 @@ def _span(part: Token | ast.Node) -> ast.Span:
     return part.span  # type: ignore[union-attr]
 
 
+def _chain(kind: type, conditions: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The items of ``a and b and c`` (``kind``: ``And`` or ``Or``); a parenthesised
+    chain of the same kind that comes first is flattened into it, as
+    ``(a and b) and c`` has always read."""
+    items = [_condition(c) for c in conditions]
+    if type(items[0]) is kind:
+        items[:1] = items[0].items
+    return tuple(items)
+
+
 def _join(first: Token | ast.Node, last: Token | ast.Node) -> ast.Span:
     """The span from the start of ``first`` to the end of ``last``."""
     a, b = _span(first), _span(last)
@@ -288,15 +298,11 @@ class _Build:
 
     # conditions
 
-    def or_(self, left: Any, right: Any) -> ast.Or:
-        left, right = _condition(left), _condition(right)
-        items = (*left.items, right) if type(left) is ast.Or else (left, right)
-        return ast.Or(items, span=_join(left, right))
+    def or_(self, *conditions: Any) -> ast.Or:
+        return ast.Or(_chain(ast.Or, conditions), span=_join(conditions[0], conditions[-1]))
 
-    def and_(self, left: Any, right: Any) -> ast.And:
-        left, right = _condition(left), _condition(right)
-        items = (*left.items, right) if type(left) is ast.And else (left, right)
-        return ast.And(items, span=_join(left, right))
+    def and_(self, *conditions: Any) -> ast.And:
+        return ast.And(_chain(ast.And, conditions), span=_join(conditions[0], conditions[-1]))
 
     def not_(self, neg: Token, cond: ast.Condition) -> ast.Not:
         return ast.Not(_condition(cond), span=_join(neg, cond))

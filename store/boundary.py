@@ -19,6 +19,8 @@ import duckdb
 
 from tracelake.errors import CatalogError, TraceLakeError
 
+from .layout import full_hint
+
 __all__ = ["CatalogCursor", "duckdb_errors", "guarded"]
 
 
@@ -48,7 +50,8 @@ def _converted(exc: BaseException, what: str, error: type[TraceLakeError]) -> Ba
         return KeyboardInterrupt()
     if isinstance(exc, RuntimeError) and not isinstance(exc, duckdb.Error):
         return exc
-    return (error if isinstance(exc, duckdb.Error) else CatalogError)(f"{what}: {exc}")
+    kind = error if isinstance(exc, duckdb.Error) else CatalogError
+    return kind(f"{what}: {exc}{full_hint(exc)}")
 
 
 _P = ParamSpec("_P")

@@ -29,26 +29,39 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import duckdb
 
 from tracelake.errors import (
     CatalogError,
     QueryError,
+    QueryLimitError,
     RunExistsError,
     StoreError,
     TraceLakeError,
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .layout import StorePaths, locked, try_lock, write_new, write_run_marker
+from .layout import (
+    StorePaths,
+    disk_full,
+    keep_reserve,
+    locked,
+    release_reserve,
+    try_lock,
+    write_new,
+    write_run_marker,
+)
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
@@ -63,11 +76,14 @@ from .schema import (
 
 __all__ = [
     "COMPLETE",
+    "QUERY_LIMITS",
     "TABLES",
     "CatalogMirror",
     "CatalogWriter",
     "ChangeToken",
     "FileChangeToken",
+    "QueryLimits",
+    "set_query_limits",
     "writer_alive",
 ]
 
@@ -200,6 +216,7 @@ class _Engine:
 
 
 _ENGINE = _Engine()
+_T = TypeVar("_T")
 
 
 def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
@@ -276,6 +293,7 @@ class CatalogWriter:
                     self.changes.bump()
                     for action in then or ():
                         action()
+                    keep_reserve(self.paths)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -417,8 +435,22 @@ class CatalogWriter:
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
         return info
 
+    def _freeing(self, change: Callable[[], _T]) -> _T:
+        """Run ``change`` (a catalog transaction that lets space be reclaimed); if the
+        disk is full, give up the store's reserve (``catalog.reserve``) and run it once
+        more: so ``delete`` and ``gc`` work on a full disk."""
+        try:
+            return change()
+        except (duckdb.Error, OSError) as exc:
+            if not disk_full(exc) or not release_reserve(self.paths):
+                raise
+        return change()
+
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str) -> None:
+        self._freeing(lambda: self._set_status(run_id, status))
+
+    def _set_status(self, run_id: int, status: str) -> None:
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET status = ?, finished = ? WHERE id = ?", [status, _now(), run_id]
@@ -427,6 +459,9 @@ class CatalogWriter:
     @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
         """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
+        return self._freeing(lambda: self._delete(name))
+
+    def _delete(self, name: str) -> int:
         with self._transaction() as con:
             row = con.execute(
                 "SELECT id FROM runs WHERE name = ? AND status = ?", [name, COMPLETE]
@@ -443,6 +478,9 @@ class CatalogWriter:
     def collect(self) -> list[int]:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
+        return self._freeing(self._collect)
+
+    def _collect(self) -> list[int]:
         with self._transaction() as con:
             self._check_disk(con)
             rows = con.execute(
@@ -509,6 +547,91 @@ class FileChangeToken:
             return "|".join(parts)
 
 
+@dataclass
+class QueryLimits:
+    """What one query (``store.query``, ``store.sql``) may use: ``seconds`` of time
+    (``None``: no limit) and DuckDB ``memory`` (its ``memory_limit`` setting, e.g.
+    ``"8GB"``; ``None``: DuckDB's default, 80% of the machine's memory). Past either,
+    the query stops with ``QueryLimitError``. Change them with
+    :func:`tracelake.set_query_limits`."""
+
+    seconds: float | None = 300.0
+    memory: str | None = None
+
+
+#: The limits every reader's queries run under (one process-wide setting).
+QUERY_LIMITS = QueryLimits()
+
+
+def set_query_limits(
+    seconds: float | None | Any = ..., memory: str | None | Any = ...
+) -> QueryLimits:
+    """Set the time (``seconds``) and DuckDB memory (``memory``, e.g. ``"8GB"``) one
+    query may use, for every store of this process; an argument left out keeps its
+    setting, ``None`` lifts the limit. Returns the limits as they were before."""
+    before = QueryLimits(QUERY_LIMITS.seconds, QUERY_LIMITS.memory)
+    if seconds is not ...:
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0
+        ):
+            raise ValueError(f"seconds= takes a positive number or None, not {seconds!r}")
+        QUERY_LIMITS.seconds = None if seconds is None else float(seconds)
+    if memory is not ...:
+        if memory is not None and not (isinstance(memory, str) and _MEMORY.fullmatch(memory)):
+            raise ValueError(f"memory= takes a size such as '8GB' or None, not {memory!r}")
+        QUERY_LIMITS.memory = memory
+    return before
+
+
+_MEMORY = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", re.I)
+
+
+class _Watchdog:
+    """One thread that interrupts the DuckDB cursors of queries past their deadline
+    (a timer thread per query would cost a point lookup more than the lookup)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running: dict[int, tuple[float, duckdb.DuckDBPyConnection]] = {}
+        self.fired: set[int] = set()
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, seconds: float, cursor: duckdb.DuckDBPyConnection) -> int:
+        with self._cond:
+            self._next += 1
+            self._running[self._next] = (time.monotonic() + seconds, cursor)
+            if self._thread is None or not self._thread.is_alive():  # (or after a fork)
+                self._thread = threading.Thread(target=self._watch, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def stop(self, ticket: int) -> bool:
+        """End the query's watch; whether it was interrupted."""
+        with self._cond:
+            self._running.pop(ticket, None)
+            if ticket in self.fired:
+                self.fired.discard(ticket)
+                return True
+            return False
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for ticket, (deadline, cursor) in list(self._running.items()):
+                    if deadline <= now:
+                        del self._running[ticket]
+                        self.fired.add(ticket)
+                        cursor.interrupt()  # (under the lock: the query is still running)
+                soonest = min((d for d, _ in self._running.values()), default=now + 60)
+                self._cond.wait(max(soonest - now, 0.001))
+
+
+_WATCHDOG = _Watchdog()
+
+
 class CatalogMirror:
     """A reader's in-memory copy of the catalog's complete runs, refreshed when the
     catalog changed. Holds no lock and no handle on the file between refreshes.
@@ -535,6 +658,7 @@ class CatalogMirror:
         self.con.execute("SET enable_external_access = false")
         create_schema(self.con)
         self._local = threading.local()  # each thread's reading cursor
+        self._memory: str | None = None  # the memory limit set, as QUERY_LIMITS says
         self._gen: str | None = None
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
         self._complete: set[int] = set()  # the complete runs, as of the last refresh
@@ -666,6 +790,7 @@ class CatalogMirror:
         self.refresh()
         with duckdb_errors("the SQL could not run", QueryError):
             cursor = self._cursor()
+        with self._limited(cursor), duckdb_errors("the SQL could not run", QueryError):
             try:
                 cursor.execute("BEGIN TRANSACTION READ ONLY")
                 try:
@@ -688,6 +813,41 @@ class CatalogMirror:
         with duckdb_errors("invalid SQL", QueryError):
             statements = duckdb.extract_statements(sql)
         return len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT
+
+    @contextmanager
+    def _limited(self, cursor: duckdb.DuckDBPyConnection) -> Iterator[None]:
+        """Run the block's statements (the user's: a query, ``store.sql``) on
+        ``cursor`` under :data:`QUERY_LIMITS`: past the time limit the cursor is
+        interrupted; that, or DuckDB running out of its memory limit, is a
+        ``QueryLimitError``."""
+        seconds, memory = QUERY_LIMITS.seconds, QUERY_LIMITS.memory
+        if memory != self._memory:  # (a setting of the whole in-memory database)
+            with duckdb_errors("cannot set the query memory limit", QueryError):
+                self.con.execute(
+                    f"SET memory_limit = '{memory}'" if memory else "RESET memory_limit"
+                )
+            self._memory = memory
+        ticket = _WATCHDOG.start(seconds, cursor) if seconds else 0
+        try:
+            yield
+        except BaseException as exc:
+            if ticket and _WATCHDOG.stop(ticket):
+                # DuckDB's interrupt (the boundary made it a KeyboardInterrupt)
+                raise QueryLimitError(
+                    f"the query ran past its time limit of {seconds:g} s and was stopped; "
+                    "narrow it (where run = ..., limit), or raise the limit: "
+                    "tl.set_query_limits(seconds=...) (None: no limit)"
+                ) from exc
+            if isinstance(exc.__cause__, duckdb.OutOfMemoryException):
+                raise QueryLimitError(
+                    f"the query ran out of memory ({exc.__cause__}); narrow it, or raise "
+                    "the limit: tl.set_query_limits(memory='...GB') (None: DuckDB's own)"
+                ) from exc.__cause__
+            raise
+        if ticket and _WATCHDOG.stop(ticket):
+            # interrupted just as it finished: the result stands, the cursor (which
+            # may still carry the interrupt) does not
+            self._local.cursor = None
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor, on the mirror's database (a cursor starts on DuckDB's own)."""
@@ -721,8 +881,10 @@ class CatalogMirror:
         which costs more than a few rows (for a point lookup, most of its time)."""
         if refresh:
             self.refresh()
-        what = "the query could not run" if error is not CatalogError else "cannot read the catalog"
-        with duckdb_errors(what, error):
+        if error is CatalogError:  # tracelake's own statement
+            with duckdb_errors("cannot read the catalog", error):
+                return self._arrow(sql, params or [])
+        with self._limited(self._reader()), duckdb_errors("the query could not run", error):
             return self._arrow(sql, params or [])
 
     def _arrow(self, sql: str, params: list[Any]) -> Any:

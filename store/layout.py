@@ -20,6 +20,7 @@ Run names live only in the catalog, so no name ever becomes a path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import io
 import json
@@ -51,7 +52,12 @@ __all__ = [
     "remove_tree",
     "trash_run_dir",
     "try_lock",
+    "RESERVE_BYTES",
+    "disk_full",
+    "full_hint",
     "is_utf8",
+    "keep_reserve",
+    "release_reserve",
     "validate_name",
     "write_run_marker",
 ]
@@ -99,6 +105,7 @@ class StorePaths:
         self.lock = self.root / "catalog.lock"
         self.gen = self.root / "catalog.gen"
         self.runs = self.root / "runs"
+        self.reserve = self.root / "catalog.reserve"
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
@@ -230,6 +237,66 @@ def write_new(path: Path, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+#: Disk space a store keeps in ``catalog.reserve`` (blocks allocated, not a sparse
+#: file), given up when a catalog change that frees space (``delete``, ``gc``, marking
+#: a run failed) meets a full disk: so space can always be reclaimed through tracelake.
+#: A few of DuckDB's 256 KiB blocks: what such a change writes.
+RESERVE_BYTES = 2 << 20
+
+
+def keep_reserve(paths: StorePaths) -> None:
+    """Make ``catalog.reserve`` if it is missing (hold the catalog lock). A disk too
+    full for it leaves none, quietly: the next change tries again."""
+    try:
+        if paths.reserve.stat(follow_symlinks=False).st_size == RESERVE_BYTES:
+            return
+    except FileNotFoundError:
+        pass
+    temp = paths.root / f".reserve.{os.getpid()}"
+    try:
+        write_new(temp, b"")
+        fd = os.open(temp, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+        os.replace(temp, paths.reserve)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+
+def release_reserve(paths: StorePaths) -> bool:
+    """Give ``catalog.reserve``'s space back to the disk; whether there was any."""
+    try:
+        os.unlink(paths.reserve)  # (a link planted there: the link goes, not its target)
+    except OSError:
+        return False
+    return True
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OS or DuckDB error, or one caused by either) says the disk
+    is full."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def full_hint(exc: BaseException) -> str:
+    """What to add to an error's message when ``exc`` says the disk is full."""
+    if not disk_full(exc):
+        return ""
+    return (
+        " (the disk holding the store is full: free space, e.g. store.delete(name) then "
+        "store.gc(), which work on a full disk, and try again)"
+    )
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ from .layout import (
     StorePaths,
     check_run_marker,
     fsync_tree,
+    full_hint,
     is_utf8,
     locked,
     remove_run_dir,
@@ -94,7 +95,7 @@ def _os_errors(what: str) -> Any:
     try:
         yield
     except OSError as exc:
-        raise StoreError(f"{what}: {exc}") from exc
+        raise StoreError(f"{what}: {exc}{full_hint(exc)}") from exc
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:

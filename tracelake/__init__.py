@@ -51,6 +51,7 @@ from tracelake.recorder import (
 from tracelake.recorder import all_ as all
 from tracelake.store import Comparison, Run, Store
 from tracelake.store import open_store as open
+from tracelake.store.catalog import set_query_limits
 from tracelake.store.compare import compare
 
 __version__ = "0.1.0"
@@ -104,5 +105,6 @@ __all__ = [
     "module",
     "none",
     "open",
+    "set_query_limits",
     "trace",
 ]
