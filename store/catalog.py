@@ -839,8 +839,9 @@ class CatalogMirror:
                     "tl.set_query_limits(seconds=...) (None: no limit)"
                 ) from exc
             if isinstance(exc.__cause__, duckdb.OutOfMemoryException):
+                first = str(exc.__cause__).split("\n")[0]  # (not DuckDB's SET advice)
                 raise QueryLimitError(
-                    f"the query ran out of memory ({exc.__cause__}); narrow it, or raise "
+                    f"the query ran out of memory ({first}); narrow it, or raise "
                     "the limit: tl.set_query_limits(memory='...GB') (None: DuckDB's own)"
                 ) from exc.__cause__
             raise
