@@ -161,16 +161,18 @@ def writer_alive(paths: StorePaths, run_id: int) -> bool:
     return False
 
 
-def _refuse_links(paths: StorePaths) -> None:
+def _refuse_links(paths: StorePaths, reading: bool = False) -> None:
     """``StoreError`` if a file a writer opens in place (the catalog, its log, ``runs/``)
     is a symbolic link: DuckDB and ``mkdir`` follow links, so a planted one would make
-    tracelake write outside the store."""
+    tracelake write outside the store (``reading``: read, for a reader's catalog and
+    log)."""
     wal = paths.catalog.with_name(paths.catalog.name + ".wal")
-    for path in (paths.catalog, wal, paths.runs):
+    for path in (paths.catalog, wal) if reading else (paths.catalog, wal, paths.runs):
         if path.is_symlink():
+            doing = "read the store" if reading else "write to the store"
             raise StoreError(
-                f"refusing to write to the store at {str(paths.root)!r}: {path.name} is a "
-                "symbolic link, and writing through it would leave the store"
+                f"refusing to {doing} at {str(paths.root)!r}: {path.name} is a symbolic "
+                f"link, and {doing.split()[0]}ing through it would leave the store"
             )
 
 
@@ -540,11 +542,16 @@ class FileChangeToken:
             # without it): the database's own stat still says when it moved, so the
             # runs stay visible rather than the store looking empty.
             return "|".join(parts)
-        try:
-            with open(self._watched[0], "rb") as f:
-                return f"{f.read().hex()}|{'|'.join(parts)}"
-        except FileNotFoundError:  # removed since the stat: the stat alone, as above
+        try:  # (never through a link, nor more than a generation's few bytes: a crafted
+            # store's catalog.gen may be a link to anything, /dev/zero or a FIFO)
+            fd = os.open(self._watched[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+        except OSError:  # removed since the stat, or a link: the stat alone, as above
             return "|".join(parts)
+        return f"{data.hex()}|{'|'.join(parts)}"
 
 
 @dataclass
@@ -697,6 +704,7 @@ class CatalogMirror:
                     f"the catalog {str(self.paths.catalog)!r} is missing: restore it (and "
                     "its .wal, if any); the store refuses writes until then"
                 )
+            _refuse_links(self.paths, reading=True)
             src = duckdb.connect(str(self.paths.catalog), read_only=True, config=_SOURCE_CONFIG)
             try:
                 check_objects(src)

@@ -155,7 +155,7 @@ class StorePaths:
                 f"{_MARKER}); choose an empty or new directory"
             )
         self.runs.mkdir(parents=True, exist_ok=True)
-        self.lock.touch()
+        _open_lock(self.lock).close()  # (O_NOFOLLOW: never through a planted link)
         marker = {"format": FORMAT, "what": "tracelake store"}
         tmp = self.root / f".{_MARKER}.{os.getpid()}"
         write_new(tmp, json.dumps(marker).encode())
@@ -165,7 +165,7 @@ class StorePaths:
 
     def _check_format(self) -> None:
         try:
-            marker = json.loads(self.marker.read_text())
+            marker = json.loads(read_small(self.marker))
             version = int(marker["format"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StoreFormatError(
@@ -177,6 +177,20 @@ class StorePaths:
                 f"the store at {str(self.root)!r} has format {version}, newer than this "
                 f"tracelake reads ({FORMAT}); upgrade tracelake to open it"
             )
+
+
+def read_small(path: Path, limit: int = 1 << 16) -> str:
+    """A small file of the store's own (a marker) as text: ``O_NOFOLLOW`` (a link
+    planted at its name is an ``OSError``, never followed out of the store), at most
+    ``limit`` bytes, decoded strictly (garbage is a ``ValueError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is larger than a marker ({limit} bytes)")
+    return data.decode("utf-8")
 
 
 def fsync_file(path: Path) -> None:
@@ -354,7 +368,7 @@ def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) ->
     this id and ``created`` time. A directory without a marker (a store written before
     markers existed, or one whose marker write failed) passes."""
     try:
-        marker = json.loads(paths.run_marker(run_id).read_text())
+        marker = json.loads(read_small(paths.run_marker(run_id)))
     except FileNotFoundError:
         return
     except (OSError, ValueError) as exc:

@@ -59,8 +59,26 @@ class VerifyReport:
 
 
 def verify_files(paths: StorePaths, report: VerifyReport) -> None:
-    """The store's own files: a catalog without its change marker, or run
-    directories without a catalog."""
+    """The store's own files: a catalog without its change marker, run directories
+    without a catalog, and symbolic links where tracelake keeps files (it makes none,
+    and never follows one)."""
+    wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+    own = [paths.marker, paths.catalog, wal, paths.gen, paths.lock, paths.reserve, paths.runs]
+    if not paths.runs.is_symlink():
+        for run_id in paths.run_dir_ids():
+            run_dir = paths.run_dir(run_id)
+            own.append(run_dir)
+            if not run_dir.is_symlink():
+                own += [paths.run_marker(run_id), paths.writing_lock(run_id)]
+    for path in own:
+        if path.is_symlink():
+            report.problems.append(
+                Problem(
+                    "-",
+                    str(path.relative_to(paths.root)),
+                    "is a symbolic link (refused: it may lead outside the store)",
+                )
+            )
     if paths.catalog.exists() and not paths.gen.exists():
         report.problems.append(
             Problem(
