@@ -141,9 +141,7 @@ def main() -> int:
         int(i) for i in tl.open(root).sql("select id from runs where status = 'complete'")["id"]
     }
     runs_dir = root / "runs"
-    orphans = [
-        p for p in runs_dir.iterdir() if not (p.name.isdigit() and int(p.name) in complete)
-    ]
+    orphans = [p for p in runs_dir.iterdir() if not (p.name.isdigit() and int(p.name) in complete)]
     orphan_bytes = sum(_bytes(p) for p in orphans if p.is_dir())
     if orphans:
         failures.append(f"left after gc(): {[p.name for p in orphans]} ({orphan_bytes} bytes)")
@@ -153,8 +151,10 @@ def main() -> int:
 
     print(f"SIGKILLs: {args.kills} in {elapsed:.0f} s; stage at the kill: {dict(stages)}")
     print(f"runs after the battery: {dict(statuses)}")
-    print(f"complete runs: {len(complete)}; bitwise checks passed: {checks - len(failures)}"
-          f" of {checks}; verify: {'ok' if report.ok else report.problems[:5]}")
+    print(
+        f"complete runs: {len(complete)}; bitwise checks passed: {checks - len(failures)}"
+        f" of {checks}; verify: {'ok' if report.ok else report.problems[:5]}"
+    )
     print(f"gc() afterwards: {freed}; orphan bytes left: {orphan_bytes}; second gc(): {again}")
     for failure in failures[:20]:
         print("FAIL:", failure)

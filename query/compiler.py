@@ -109,7 +109,9 @@ def compile_query(
     text = query if isinstance(query, str) else source
     node = parse(query) if isinstance(query, str) else query
     if not isinstance(node, ast.Query):
-        raise QueryTypeError(f"compile_query takes query text or a Query, not {type(query).__name__}")
+        raise QueryTypeError(
+            f"compile_query takes query text or a Query, not {type(query).__name__}"
+        )
     values = dict(params or {})
     try:
         return _Compiler(node, values, text, runs).compile()

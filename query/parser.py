@@ -118,11 +118,11 @@ def _span(part: Token | ast.Node) -> ast.Span:
     return part.span  # type: ignore[union-attr]
 
 
-def _chain(kind: type, conditions: tuple[Any, ...]) -> tuple[Any, ...]:
+def _chain(kind: type[ast.And] | type[ast.Or], conditions: tuple[Any, ...]) -> tuple[Any, ...]:
     """The items of ``a and b and c`` (``kind``: ``And`` or ``Or``); a parenthesised
     chain of the same kind that comes first is flattened into it, as
     ``(a and b) and c`` has always read."""
-    items = [_condition(c) for c in conditions]
+    items: list[Any] = [_condition(c) for c in conditions]
     if type(items[0]) is kind:
         items[:1] = items[0].items
     return tuple(items)

@@ -315,9 +315,7 @@ class CatalogWriter:
         return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
 
     @guarded("cannot register the run in the catalog")
-    def reserve(
-        self, name: str, overwrite: bool, info: dict[str, Any]
-    ) -> tuple[int, io.FileIO]:
+    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, io.FileIO]:
         """Register a run as ``recording``; return its id and the open file of its
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
         ever see the new run without a live writer). A complete run (or a live
@@ -571,7 +569,7 @@ QUERY_LIMITS = QueryLimits()
 
 
 def set_query_limits(
-    seconds: float | None | Any = ..., memory: str | None | Any = ...
+    seconds: float | Any | None = ..., memory: str | Any | None = ...
 ) -> QueryLimits:
     """Set the time (``seconds``) and DuckDB memory (``memory``, e.g. ``"8GB"``) one
     query may use, for every store of this process; an argument left out keeps its

@@ -128,9 +128,7 @@ def _meta_json(meta: Any) -> str:
     except (TypeError, ValueError) as exc:
         raise InvalidMetaError(f"meta= must be JSON-serialisable: {exc}") from exc
     except RecursionError:
-        raise InvalidMetaError(
-            "meta= is nested too deeply to store as JSON: flatten it"
-        ) from None
+        raise InvalidMetaError("meta= is nested too deeply to store as JSON: flatten it") from None
     if not is_utf8(text):
         raise InvalidMetaError(
             "meta= holds a string with a lone surrogate (text that is not Unicode: often "
@@ -152,7 +150,7 @@ def _loads_meta(text: str | None) -> Any:
 
 def _on_stack(frame: FrameType | None) -> bool:
     """Whether ``frame`` is one of the calling thread's running frames."""
-    here = sys._getframe(1)
+    here: FrameType | None = sys._getframe(1)
     while here is not None and here is not frame:
         here = here.f_back
     return here is not None

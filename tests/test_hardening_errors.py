@@ -43,7 +43,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tl.Store:
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -73,7 +75,11 @@ def test_any_name_and_meta_records_or_is_refused_clearly(
 
 @pytest.mark.parametrize(
     "name, error",
-    [("x\udc80", tl.InvalidRunNameError), ("", tl.InvalidRunNameError), (3, tl.InvalidRunNameError)],
+    [
+        ("x\udc80", tl.InvalidRunNameError),
+        ("", tl.InvalidRunNameError),
+        (3, tl.InvalidRunNameError),
+    ],
 )
 def test_hostile_run_names_are_refused(tmp_path: Path, name: Any, error: type) -> None:
     model, x = _model()
@@ -114,7 +120,9 @@ def test_one_runs_bad_meta_breaks_no_query_of_the_others(tmp_path: Path) -> None
         store.record(model, x, name=name, meta={"lr": lr})
     con = duckdb.connect(str(root / "catalog.duckdb"))  # as a crafted or older store would
     con.execute("UPDATE runs SET meta = ? WHERE name = 'a'", ['{"lr": "a\\udc80"}'])
-    con.execute("UPDATE runs SET meta = ? WHERE name = 'c'", ['{"lr": ' + "[" * 5000 + "]" * 5000 + "}"])
+    con.execute(
+        "UPDATE runs SET meta = ? WHERE name = 'c'", ['{"lr": ' + "[" * 5000 + "]" * 5000 + "}"]
+    )
     con.execute("UPDATE runs SET meta = '{bad' WHERE name = 'd'")
     con.close()
     reader = tl.open(root)
@@ -168,7 +176,7 @@ def test_sql_of_the_wrong_type_is_a_query_error(store: tl.Store) -> None:
 def test_a_file_where_the_store_should_be(tmp_path: Path) -> None:
     path = tmp_path / "file"
     path.write_text("not a store")
-    with pytest.raises(tl.StoreError, match="Not a directory|no tracelake store"):
+    with pytest.raises(tl.StoreError, match=r"Not a directory|no tracelake store"):
         tl.open(path)
     with pytest.raises(tl.StoreNotFoundError):
         tl.open(path, create=False)
@@ -243,9 +251,11 @@ def test_long_in_lists_and_condition_chains_give_the_right_rows(store: tl.Store)
     labels = list(store.query("select label from ops where run = 'a'").df()["label"])
     wanted = labels[:2]
     many = [f"nothing_{i}" for i in range(5000)] + wanted
-    text = "select label from ops where run = 'a' and label in (" + ", ".join(
-        f"'{v}'" for v in many
-    ) + ")"
+    text = (
+        "select label from ops where run = 'a' and label in ("
+        + ", ".join(f"'{v}'" for v in many)
+        + ")"
+    )
     assert sorted(store.query(text).df()["label"]) == sorted(wanted)
     chain = " and ".join(f"label != 'nothing_{i}'" for i in range(3000))
     got = store.query(f"select label from ops where run = 'a' and {chain}").df()

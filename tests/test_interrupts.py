@@ -239,9 +239,7 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
         _clean()
         # no run left recording with a live writer, no lock file left open
         assert "recording" not in set(store.runs(all=True)["status"])
-        assert not [
-            fd for fd in os.listdir("/proc/self/fd") if _is_lock(f"/proc/self/fd/{fd}")
-        ]
+        assert not [fd for fd in os.listdir("/proc/self/fd") if _is_lock(f"/proc/self/fd/{fd}")]
         # the next recording works at once, and records the same values
         how(store, model, x)
         _clean()

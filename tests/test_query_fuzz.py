@@ -67,9 +67,33 @@ def _mangled(draw: st.DrawFn) -> str:
         else:
             token = draw(
                 st.sampled_from(
-                    ["(", ")", "[", "]", ",", "'", ":", "::", "...", "-", "1e999", "9" * 30,
-                     " and ", " or ", " not ", "out", "[0]", "[99]", "[0,0,0,0]", "meta.",
-                     "parent.", " join ops c using (key) ", " group by ", " limit ", "*"]
+                    [
+                        "(",
+                        ")",
+                        "[",
+                        "]",
+                        ",",
+                        "'",
+                        ":",
+                        "::",
+                        "...",
+                        "-",
+                        "1e999",
+                        "9" * 30,
+                        " and ",
+                        " or ",
+                        " not ",
+                        "out",
+                        "[0]",
+                        "[99]",
+                        "[0,0,0,0]",
+                        "meta.",
+                        "parent.",
+                        " join ops c using (key) ",
+                        " group by ",
+                        " limit ",
+                        "*",
+                    ]
                 )
             )
             text = text[:at] + token + text[at:]
