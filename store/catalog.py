@@ -321,49 +321,56 @@ class CatalogWriter:
         ever see the new run without a live writer). A complete run (or a live
         recording) of the same name is an error unless ``overwrite``."""
         then: list[Callable[[], None]] = []
-        with self._transaction(then) as con:
-            clash = self._live_names(con, name)
-            if clash and not overwrite:
-                raise RunExistsError(
-                    f"the store already has a run named {name!r} ({clash[0][1]}); choose "
-                    "another name, or pass overwrite=True to replace it"
-                )
-            on_disk = self._check_disk(con)
-            created = _now()
-            row = con.execute(
-                "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
-                "model_class, torch_version, device, meta, host, pid) "
-                "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
-                "?, ? FROM runs RETURNING id",
-                [
-                    on_disk,
-                    name,
-                    RECORDING,
-                    created,
-                    info.get("model_class"),
-                    info.get("torch_version"),
-                    info.get("device"),
-                    json.dumps(info.get("meta")),
-                    socket.gethostname(),
-                    os.getpid(),
-                ],
-            ).fetchone()
-            assert row is not None  # one row inserted, always
-            run_id = int(row[0])
-            run_dir = self.paths.run_dir(run_id)
-            try:  # a directory already there is never reused (nor removed): its data
-                run_dir.mkdir(parents=True)  # may be a run the catalog lost
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the run directory {str(run_dir)!r}: {exc}"
-                ) from exc
-            held = try_lock(self.paths.writing_lock(run_id))
-            if held is None:
-                raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
-            # The identity marker is written only once the run's row is committed, so a
-            # marked directory the catalog does not know means a catalog that lost runs,
-            # never a registration that died half-way.
-            then.append(lambda: write_run_marker(self.paths, run_id, created))
+        held: io.FileIO | None = None
+        try:
+            with self._transaction(then) as con:
+                clash = self._live_names(con, name)
+                if clash and not overwrite:
+                    raise RunExistsError(
+                        f"the store already has a run named {name!r} ({clash[0][1]}); choose "
+                        "another name, or pass overwrite=True to replace it"
+                    )
+                on_disk = self._check_disk(con)
+                created = _now()
+                row = con.execute(
+                    "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
+                    "model_class, torch_version, device, meta, host, pid) "
+                    "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
+                    "?, ? FROM runs RETURNING id",
+                    [
+                        on_disk,
+                        name,
+                        RECORDING,
+                        created,
+                        info.get("model_class"),
+                        info.get("torch_version"),
+                        info.get("device"),
+                        json.dumps(info.get("meta")),
+                        socket.gethostname(),
+                        os.getpid(),
+                    ],
+                ).fetchone()
+                assert row is not None  # one row inserted, always
+                run_id = int(row[0])
+                run_dir = self.paths.run_dir(run_id)
+                try:  # a directory already there is never reused (nor removed): its data
+                    run_dir.mkdir(parents=True)  # may be a run the catalog lost
+                except OSError as exc:
+                    raise StoreError(
+                        f"cannot create the run directory {str(run_dir)!r}: {exc}"
+                    ) from exc
+                held = try_lock(self.paths.writing_lock(run_id))
+                if held is None:
+                    raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
+                # The identity marker is written only once the run's row is committed, so a
+                # marked directory the catalog does not know means a catalog that lost runs,
+                # never a registration that died half-way.
+                then.append(lambda: write_run_marker(self.paths, run_id, created))
+        except BaseException:  # the lock goes with the registration (an interrupt
+            if held is not None:  # after it was taken: no handle left for the GC to find)
+                held.close()
+            raise
+        assert held is not None
         return run_id, held
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection) -> int:
