@@ -274,3 +274,65 @@ def test_a_caught_ctrl_c_inside_the_block_drops_that_forward_only(tmp_path: Path
     assert len(run.steps) == 1
     assert run.labels == tl.trace(model, x).labels
     assert_bitwise(run["output_1"].out, out)
+
+
+def test_real_sigint_at_random_moments_surfaces_as_keyboard_interrupt(tmp_path: Path) -> None:
+    """SIGINT as Ctrl-C sends it, at random moments of ``store.record`` and of a
+    recording block, DuckDB's statements included (it reports an interrupt its own way:
+    ``RuntimeError: Query interrupted``, ``InterruptException``)."""
+    import random
+    import signal
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+    x = torch.randn(128, 128)
+    store = tl.open(tmp_path / "s")
+    store.record(model, x, name="warm")
+    start = time.perf_counter()
+    store.record(model, x, name="timed")
+    took = time.perf_counter() - start
+    armed = [False]
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if armed[0]:  # only inside the trial: never in the test's own bookkeeping
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+    try:
+        for trial in range(10):
+            timer = threading.Timer(
+                rng.uniform(0, took * 1.2), lambda: os.kill(os.getpid(), signal.SIGINT)
+            )
+            armed[0] = True
+            timer.start()
+            try:
+                if trial % 2:
+                    store.record(model, x, name=f"r{trial}")
+                else:
+                    with store.recording(f"r{trial}", model):
+                        model(x)
+                outcome = "completed"
+            except KeyboardInterrupt:
+                outcome = "KeyboardInterrupt"
+            except BaseException as exc:  # what the issue saw: RuntimeError, CatalogError
+                outcome = f"{type(exc).__name__}: {exc}"
+            finally:
+                armed[0] = False
+                timer.cancel()
+                timer.join()
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            _clean()
+            assert "recording" not in set(store.runs(all=True)["status"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert set(outcomes) <= {"completed", "KeyboardInterrupt"}, outcomes
+    store.record(model, x, name="after")
+    assert set(tl.open(tmp_path / "s").runs(all=True)["status"]) <= {
+        "complete",
+        "failed",
+        "interrupted",
+    }
