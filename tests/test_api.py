@@ -17,6 +17,8 @@ def test_public_names_are_pinned() -> None:
             "CatalogError",
             "ChunkCorruptError",
             "Comparison",
+            "ConcurrentRecordingError",
+            "InvalidMetaError",
             "InvalidRunNameError",
             "LabelError",
             "ModuleEntry",
@@ -24,7 +26,10 @@ def test_public_names_are_pinned() -> None:
             "OpEntry",
             "QueryCompileError",
             "QueryError",
+            "QueryLimitError",
+            "QueryResultError",
             "QuerySyntaxError",
+            "QueryTypeError",
             "RecorderError",
             "Run",
             "RunExistsError",
@@ -48,6 +53,7 @@ def test_public_names_are_pinned() -> None:
             "module",
             "none",
             "open",
+            "set_query_limits",
             "trace",
         ]
     )
@@ -67,6 +73,9 @@ def test_every_error_is_a_tracelake_error() -> None:
     assert issubclass(tl.InvalidRunNameError, ValueError)
     assert issubclass(tl.ChunkCorruptError, tl.StoreError)
     assert issubclass(tl.CatalogError, tl.StoreError)
+    assert issubclass(tl.InvalidMetaError, ValueError)
+    assert issubclass(tl.QueryTypeError, TypeError)
+    assert issubclass(tl.QueryLimitError, tl.QueryError)
 
 
 def test_import_defines_names_and_does_nothing_else() -> None:
