@@ -667,6 +667,9 @@ class CatalogMirror:
         # or function) read less; only the first load pays for compressing.
         self.con = duckdb.connect(":memory:")
         self._compressed = _attach_compressed(self.con)
+        # no spilling to a temporary directory (DuckDB's default: .tmp in the working
+        # directory): past its memory limit a query fails (QueryLimitError)
+        self.con.execute("SET temp_directory = ''")
         self.con.execute("SET enable_external_access = false")
         create_schema(self.con)
         self._local = threading.local()  # each thread's reading cursor

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import json
 import logging
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Collection
@@ -150,7 +150,7 @@ def _loads_meta(text: str | None) -> Any:
 
 def _on_stack(frame: FrameType | None) -> bool:
     """Whether ``frame`` is one of the calling thread's running frames."""
-    here: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
     while here is not None and here is not frame:
         here = here.f_back
     return here is not None
@@ -303,7 +303,7 @@ class Recording:
         table, emitter = self._begin(model)
         recording = ForwardRecording(model, emitter, table)
         self._depth += 1  # the block's own hooks must not start a second step
-        self._owner, self._call_frame = threading.get_ident(), sys._getframe()
+        self._owner, self._call_frame = threading.get_ident(), inspect.currentframe()
         try:
             recording.start(args, kwargs)
             output = model(*args, **kwargs)
@@ -341,7 +341,8 @@ class Recording:
         self._owner = thread
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
-        self._call_frame = sys._getframe(1)  # torch's call of the model's hooks
+        here = inspect.currentframe()  # (then torch's call of the model's hooks)
+        self._call_frame = here.f_back if here is not None else None
         try:
             table, emitter = self._begin(module)
             recording = ForwardRecording(module, emitter, table)

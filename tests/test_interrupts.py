@@ -207,9 +207,10 @@ def _record_call(store: tl.Store, model: nn.Module, x: torch.Tensor) -> None:
     store.record(model, x, name="call", overwrite=True)
 
 
-def _is_lock(fd: str) -> bool:
+def _is_lock(fd: str, under: str) -> bool:
     try:
-        return os.readlink(fd).endswith(".lock")
+        target = os.readlink(fd)
+        return target.startswith(under) and target.endswith(".lock")
     except OSError:
         return False
 
@@ -239,7 +240,11 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
         _clean()
         # no run left recording with a live writer, no lock file left open
         assert "recording" not in set(store.runs(all=True)["status"])
-        assert not [fd for fd in os.listdir("/proc/self/fd") if _is_lock(f"/proc/self/fd/{fd}")]
+        assert not [
+            fd
+            for fd in os.listdir("/proc/self/fd")
+            if _is_lock(f"/proc/self/fd/{fd}", str(tmp_path))
+        ]
         # the next recording works at once, and records the same values
         how(store, model, x)
         _clean()
