@@ -23,6 +23,7 @@ refuses to build for a grammar using anything else:
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,7 @@ class LeanLALR:
         match, keywords = self._lexer.match, self._keywords
         state_stack = [self._start]
         value_stack: list[Any] = []
-        lines = text.count("\n")
+        lines = [m.start() for m in _NEWLINE.finditer(text)]
         pos, size = 0, len(text)
         token: Token | None
         while True:
@@ -118,16 +119,22 @@ class LeanLALR:
                 actions = states[target]
 
 
-def _token(kind: str, value: str, text: str, start: int, stop: int, lines: int) -> Token:
+_NEWLINE = re.compile("\n")
+
+
+def _token(kind: str, value: str, text: str, start: int, stop: int, lines: list[int]) -> Token:
     """A Lark token (the builder reads its type and positions), made without Lark's
-    keyword-argument handling; lines and columns count from 1."""
+    keyword-argument handling; lines and columns count from 1. ``lines``: where the
+    text's newlines are (found by bisection: a long text costs no rescans)."""
     token = _new_str(Token, value)
     token.type, token.value, token.start_pos, token.end_pos = kind, value, start, stop
     if lines:
-        token.line = text.count("\n", 0, start) + 1
-        token.column = start - text.rfind("\n", 0, start)
-        token.end_line = token.line + value.count("\n")
-        token.end_column = stop - text.rfind("\n", 0, stop)
+        before = bisect.bisect_left(lines, start)  # newlines before the token
+        token.line = before + 1
+        token.column = start - (lines[before - 1] if before else -1)
+        after = bisect.bisect_left(lines, stop)
+        token.end_line = after + 1
+        token.end_column = stop - (lines[after - 1] if after else -1)
     else:
         token.line = token.end_line = 1
         token.column, token.end_column = start + 1, stop + 1
@@ -219,10 +226,16 @@ def _reducer(rule: Any, builder: object) -> _Reduce:
                 return args[0]
             return build(*args)
     else:
+        # A repetition (``_rule: _rule item | item``) reduces once an item, its first
+        # child the list built so far: extended in place, not copied, so a long list
+        # (an `in` list, a chain of `and`s) costs linear time, not quadratic. The list
+        # is one the ``_`` rule's own ``build`` made, and only this reduction holds it.
+        grows = bool(plan) and plan[0][1] and plan[0][2] == 0 and method is None
+        first, rest = (plan[0][0], plan[1:]) if grows else (-1, plan)
 
         def reduce(children: list[Any]) -> Any:
-            args: list[Any] = []
-            for i, splice, before in plan:
+            args: list[Any] = children[first] if grows else []
+            for i, splice, before in rest:
                 args += [None] * before
                 if splice:
                     args += children[i]
@@ -231,6 +244,6 @@ def _reducer(rule: Any, builder: object) -> _Reduce:
             args += [None] * nones
             if expand1 and len(args) == 1:
                 return args[0]
-            return build(*args)
+            return args if grows else build(*args)
 
     return len(rule.expansion), str(rule.origin.name), reduce

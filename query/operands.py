@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 from typing import Any, Literal
 
-from tracelake.errors import QueryCompileError, RunNotFoundError
+from tracelake.errors import QueryCompileError, QueryTypeError, RunNotFoundError
 from tracelake.recorder.names import func_spellings
 
 from . import ast
@@ -282,6 +282,10 @@ class Operands:
         except ValueError as exc:  # only a hand-built AST can get here
             raise self.refuse(str(exc), node) from None
         value = f'json_extract_string({runs}."meta", {path})'
+        if cast == "DOUBLE":  # a NaN (Python's json writes one) is no number: DuckDB
+            # orders it above every number, so `meta.lr > 100` would hold for it
+            number = f"TRY_CAST({value} AS DOUBLE)"
+            return f"(CASE WHEN isnan({number}) THEN NULL ELSE {number} END)"
         return f"TRY_CAST({value} AS {cast})" if cast else value
 
     def visit_Literal(self, node: ast.Literal) -> str:
@@ -306,7 +310,7 @@ class Operands:
         items = value if isinstance(value, list | tuple) else (value,)
         for item in items:
             if not isinstance(item, _SCALAR_TYPES):
-                raise TypeError(
+                raise QueryTypeError(
                     f"parameter :{node.name} is a {type(item).__name__}; "
                     "parameters are str, int, float, bool, None, datetime, or "
                     "lists of these after 'in'"

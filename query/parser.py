@@ -19,7 +19,7 @@ from lark import Lark, Token
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lexer import PatternStr
 
-from tracelake.errors import QueryError, QuerySyntaxError
+from tracelake.errors import QueryError, QuerySyntaxError, QueryTypeError
 
 from . import ast
 from .lalr import LeanLALR
@@ -116,6 +116,16 @@ def _span(part: Token | ast.Node) -> ast.Span:
             tok.line, tok.column, tok.end_line, tok.end_column, tok.start_pos, tok.end_pos
         )
     return part.span  # type: ignore[union-attr]
+
+
+def _chain(kind: type[ast.And] | type[ast.Or], conditions: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The items of ``a and b and c`` (``kind``: ``And`` or ``Or``); a parenthesised
+    chain of the same kind that comes first is flattened into it, as
+    ``(a and b) and c`` has always read."""
+    items: list[Any] = [_condition(c) for c in conditions]
+    if type(items[0]) is kind:
+        items[:1] = items[0].items
+    return tuple(items)
 
 
 def _join(first: Token | ast.Node, last: Token | ast.Node) -> ast.Span:
@@ -288,15 +298,11 @@ class _Build:
 
     # conditions
 
-    def or_(self, left: Any, right: Any) -> ast.Or:
-        left, right = _condition(left), _condition(right)
-        items = (*left.items, right) if type(left) is ast.Or else (left, right)
-        return ast.Or(items, span=_join(left, right))
+    def or_(self, *conditions: Any) -> ast.Or:
+        return ast.Or(_chain(ast.Or, conditions), span=_join(conditions[0], conditions[-1]))
 
-    def and_(self, left: Any, right: Any) -> ast.And:
-        left, right = _condition(left), _condition(right)
-        items = (*left.items, right) if type(left) is ast.And else (left, right)
-        return ast.And(items, span=_join(left, right))
+    def and_(self, *conditions: Any) -> ast.And:
+        return ast.And(_chain(ast.And, conditions), span=_join(conditions[0], conditions[-1]))
 
     def not_(self, neg: Token, cond: ast.Condition) -> ast.Not:
         return ast.Not(_condition(cond), span=_join(neg, cond))
@@ -534,7 +540,7 @@ def parse(text: str) -> ast.Query:
 
     Raises :class:`~tracelake.errors.QuerySyntaxError` for text outside the language."""
     if not isinstance(text, str):
-        raise TypeError(f"a query is a str, not {type(text).__name__}")
+        raise QueryTypeError(f"a query is a str, not {type(text).__name__}")
     try:
         query = _LEAN.parse(text)
         if query is None:  # refused: Lark's own run says why

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from tracelake.errors import QueryError, TraceLakeWarning
+from tracelake.errors import QueryError, QueryResultError, QueryTypeError, TraceLakeWarning
 from tracelake.store.catalog import COMPLETE
 
 from . import ast
@@ -453,6 +453,20 @@ def run_query(
     if compiled.aliases and compiled.aliases != compiled.columns:
         names = list(compiled.columns) + table.column_names[len(compiled.columns) :]
         table = table.rename_columns(names)
+    try:
+        return _with_tensors(store, compiled, table, lazy)
+    except IndexError as exc:  # a slice the SQL could not check against each row's shape
+        raise QueryResultError(
+            f"a returned row's tensor has no such element ({exc}): slice within the shape "
+            "of every row the query returns (select shape to see them, or filter on it)"
+        ) from exc
+
+
+def _with_tensors(
+    store: Store, compiled: CompiledQuery, table: pa.Table, lazy: bool = False
+) -> Result:
+    """The result: the plan's part over the SQL's rows, then the tensors they need."""
+    mirror = store.catalog
     values: dict[str, list[Any]] = {}
     if any(t.kind == "value" for t in compiled.tensors) or compiled.where or compiled.order:
         pairs = _Pairs(store, table, mirror.run_names, compiled.suffixes)
@@ -598,5 +612,5 @@ def run_sql(store: Store, text: str) -> pandas.DataFrame:
     """Raw SQL over the catalog: one read-only statement (a SELECT), on the reader's
     mirror, where DuckDB's external access is off."""
     if not isinstance(text, str):
-        raise TypeError(f"store.sql takes SQL text, not {type(text).__name__}")
+        raise QueryTypeError(f"store.sql takes SQL text, not {type(text).__name__}")
     return store.catalog.read_only_df(text)

@@ -85,7 +85,8 @@ class ForwardRecording:
     """One forward pass under interception, in two halves, for callers that cannot wrap
     the call themselves (a store's recording block starts a step in a module's pre-hook
     and ends it in its post-hook): ``start(args, kwargs)``, the forward, ``stop(output)``.
-    ``stop`` must run even if the forward raises (it removes the mode and hooks)."""
+    ``stop`` must run even if the forward raises (it removes the mode and hooks), or
+    ``abort`` (which only removes them, whatever of them is installed; again is safe)."""
 
     def __init__(
         self,
@@ -119,9 +120,10 @@ class ForwardRecording:
             raise
 
     def release(self) -> None:
-        """Remove the mode and hooks (and the eager stance): the forward is over."""
+        """Remove the mode and hooks (and the eager stance), whatever of them is still
+        installed: the forward is over, or was interrupted (again is safe)."""
         try:
-            self._interceptor.__exit__(None, None, None)
+            self._interceptor.close()
         finally:
             self._eager.__exit__()
 
@@ -131,6 +133,10 @@ class ForwardRecording:
             with torch._C.DisableTorchFunction():
                 self.labeller.add_outputs(output)
         self.labeller.finish()
+
+    def abort(self) -> None:
+        """The forward failed or was interrupted: only remove what is installed."""
+        self.release()
 
 
 def record_forward(
@@ -146,11 +152,11 @@ def record_forward(
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
     recording = ForwardRecording(model, emitter, table, interventions, record_args=record_args)
-    recording.start(args, kwargs)
     try:
+        recording.start(args, kwargs)
         output = uncompiled(model)(*args, **kwargs)  # (a wrapper would run it all the same)
     except BaseException:
-        recording.release()
+        recording.abort()
         raise
     recording.stop(output)
     return recording.labeller, output

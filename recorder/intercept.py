@@ -504,20 +504,39 @@ class Interceptor:
                 self._mode.bind(self._fused_state())
             self._mode.__enter__()
         except BaseException:
-            self._remove_hooks()
+            self.close()
             raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Take the mode off this thread's stack and remove the hooks, whatever of them
+        is still installed: safe to call again, and after an interrupt (Ctrl-C) left the
+        entry or the forward half-way (torch runs no always-called hook for a
+        ``KeyboardInterrupt``, so whoever cleans up calls this)."""
         try:
-            if self._fused is None:  # (else the mode is already off the stack)
-                self._mode.__exit__(*exc_info)
+            stack = _get_current_function_mode_stack()
+            if any(m is self._mode for m in stack):
+                # modes above ours were pushed inside the interrupted forward and lost
+                # their exit with it: they go too, or ours could not be reached
+                while torch._C._pop_torch_function_stack() is not self._mode:
+                    pass
             self._fused = None
         finally:
-            if self._fused_state is not None:
-                self._mode.unbind()
-            self._remove_hooks()
+            try:
+                if self._fused_state is not None:
+                    self._mode.unbind()
+            finally:
+                self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        # a hook registered but not yet in _handles when an interrupt came
+        for hooks in (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__self__", None) is self:
+                    del hooks[key]
+                    nn_module._global_forward_hooks_always_called.pop(key, None)

@@ -19,6 +19,8 @@ import duckdb
 
 from tracelake.errors import CatalogError, TraceLakeError
 
+from .layout import full_hint
+
 __all__ = ["CatalogCursor", "duckdb_errors", "guarded"]
 
 
@@ -30,12 +32,26 @@ def duckdb_errors(what: str, error: type[TraceLakeError] = CatalogError) -> Iter
     ``CatalogError``; ``what`` opens the message, the original is the ``__cause__``."""
     try:
         yield
-    except (duckdb.Error, OSError) as exc:
-        raise _converted(exc, what, error) from exc
+    except (duckdb.Error, OSError, RuntimeError) as exc:
+        converted = _converted(exc, what, error)
+        if converted is exc:
+            raise
+        raise converted from exc
 
 
-def _converted(exc: BaseException, what: str, error: type[TraceLakeError]) -> TraceLakeError:
-    return (error if isinstance(exc, duckdb.Error) else CatalogError)(f"{what}: {exc}")
+def _converted(exc: BaseException, what: str, error: type[TraceLakeError]) -> BaseException:
+    """What ``exc`` leaves the boundary as. DuckDB turns a Ctrl-C that came while it ran
+    into an error of its own (``InterruptException``, or ``RuntimeError: Query
+    interrupted`` while fetching): it leaves as the ``KeyboardInterrupt`` it was. Other
+    ``RuntimeError``s are not DuckDB's to convert and leave unchanged."""
+    if isinstance(exc, duckdb.InterruptException) or (
+        isinstance(exc, RuntimeError) and "interrupted" in str(exc).lower()
+    ):
+        return KeyboardInterrupt()
+    if isinstance(exc, RuntimeError) and not isinstance(exc, duckdb.Error):
+        return exc
+    kind = error if isinstance(exc, duckdb.Error) else CatalogError
+    return kind(f"{what}: {exc}{full_hint(exc)}")
 
 
 _P = ParamSpec("_P")
@@ -53,8 +69,11 @@ def guarded(
         def guarded(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             try:
                 return method(self, *args, **kwargs)
-            except (duckdb.Error, OSError) as exc:
-                raise _converted(exc, f"{what} {self.paths.catalog}", CatalogError) from exc
+            except (duckdb.Error, OSError, RuntimeError) as exc:
+                converted = _converted(exc, f"{what} {self.paths.catalog}", CatalogError)
+                if converted is exc:
+                    raise
+                raise converted from exc
 
         return guarded
 

@@ -26,28 +26,42 @@ starts clean.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import duckdb
 
 from tracelake.errors import (
     CatalogError,
     QueryError,
+    QueryLimitError,
     RunExistsError,
     StoreError,
     TraceLakeError,
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .layout import StorePaths, locked, try_lock, write_new, write_run_marker
+from .layout import (
+    StorePaths,
+    disk_full,
+    keep_reserve,
+    locked,
+    release_reserve,
+    try_lock,
+    write_new,
+    write_run_marker,
+)
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
@@ -62,11 +76,14 @@ from .schema import (
 
 __all__ = [
     "COMPLETE",
+    "QUERY_LIMITS",
     "TABLES",
     "CatalogMirror",
     "CatalogWriter",
     "ChangeToken",
     "FileChangeToken",
+    "QueryLimits",
+    "set_query_limits",
     "writer_alive",
 ]
 
@@ -137,23 +154,25 @@ def _now() -> datetime:
 
 def writer_alive(paths: StorePaths, run_id: int) -> bool:
     """Whether the process recording run ``run_id`` still holds its writing lock."""
-    fd = try_lock(paths.writing_lock(run_id))
-    if fd is None:
+    held = try_lock(paths.writing_lock(run_id))
+    if held is None:
         return paths.writing_lock(run_id).exists()
-    os.close(fd)
+    held.close()
     return False
 
 
-def _refuse_links(paths: StorePaths) -> None:
+def _refuse_links(paths: StorePaths, reading: bool = False) -> None:
     """``StoreError`` if a file a writer opens in place (the catalog, its log, ``runs/``)
     is a symbolic link: DuckDB and ``mkdir`` follow links, so a planted one would make
-    tracelake write outside the store."""
+    tracelake write outside the store (``reading``: read, for a reader's catalog and
+    log)."""
     wal = paths.catalog.with_name(paths.catalog.name + ".wal")
-    for path in (paths.catalog, wal, paths.runs):
+    for path in (paths.catalog, wal) if reading else (paths.catalog, wal, paths.runs):
         if path.is_symlink():
+            doing = "read the store" if reading else "write to the store"
             raise StoreError(
-                f"refusing to write to the store at {str(paths.root)!r}: {path.name} is a "
-                "symbolic link, and writing through it would leave the store"
+                f"refusing to {doing} at {str(paths.root)!r}: {path.name} is a symbolic "
+                f"link, and {doing.split()[0]}ing through it would leave the store"
             )
 
 
@@ -199,6 +218,7 @@ class _Engine:
 
 
 _ENGINE = _Engine()
+_T = TypeVar("_T")
 
 
 def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
@@ -275,12 +295,16 @@ class CatalogWriter:
                     self.changes.bump()
                     for action in then or ():
                         action()
+                    keep_reserve(self.paths)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
-            except duckdb.Error:
-                _ENGINE.reset()
+            except BaseException as exc:
+                # after a DuckDB failure or an interrupt (Ctrl-C) half-way through a
+                # statement, the engine may still hold the file: a new one, next time
+                if not isinstance(exc, TraceLakeError):
+                    _ENGINE.reset()
                 raise
 
     def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
@@ -291,56 +315,63 @@ class CatalogWriter:
         return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
 
     @guarded("cannot register the run in the catalog")
-    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, int]:
-        """Register a run as ``recording``; return its id and the descriptor of its
+    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, io.FileIO]:
+        """Register a run as ``recording``; return its id and the open file of its
         writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
         ever see the new run without a live writer). A complete run (or a live
         recording) of the same name is an error unless ``overwrite``."""
         then: list[Callable[[], None]] = []
-        with self._transaction(then) as con:
-            clash = self._live_names(con, name)
-            if clash and not overwrite:
-                raise RunExistsError(
-                    f"the store already has a run named {name!r} ({clash[0][1]}); choose "
-                    "another name, or pass overwrite=True to replace it"
-                )
-            on_disk = self._check_disk(con)
-            created = _now()
-            row = con.execute(
-                "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
-                "model_class, torch_version, device, meta, host, pid) "
-                "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
-                "?, ? FROM runs RETURNING id",
-                [
-                    on_disk,
-                    name,
-                    RECORDING,
-                    created,
-                    info.get("model_class"),
-                    info.get("torch_version"),
-                    info.get("device"),
-                    json.dumps(info.get("meta")),
-                    socket.gethostname(),
-                    os.getpid(),
-                ],
-            ).fetchone()
-            assert row is not None  # one row inserted, always
-            run_id = int(row[0])
-            run_dir = self.paths.run_dir(run_id)
-            try:  # a directory already there is never reused (nor removed): its data
-                run_dir.mkdir(parents=True)  # may be a run the catalog lost
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the run directory {str(run_dir)!r}: {exc}"
-                ) from exc
-            fd = try_lock(self.paths.writing_lock(run_id))
-            if fd is None:
-                raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
-            # The identity marker is written only once the run's row is committed, so a
-            # marked directory the catalog does not know means a catalog that lost runs,
-            # never a registration that died half-way.
-            then.append(lambda: write_run_marker(self.paths, run_id, created))
-        return run_id, fd
+        held: io.FileIO | None = None
+        try:
+            with self._transaction(then) as con:
+                clash = self._live_names(con, name)
+                if clash and not overwrite:
+                    raise RunExistsError(
+                        f"the store already has a run named {name!r} ({clash[0][1]}); choose "
+                        "another name, or pass overwrite=True to replace it"
+                    )
+                on_disk = self._check_disk(con)
+                created = _now()
+                row = con.execute(
+                    "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
+                    "model_class, torch_version, device, meta, host, pid) "
+                    "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
+                    "?, ? FROM runs RETURNING id",
+                    [
+                        on_disk,
+                        name,
+                        RECORDING,
+                        created,
+                        info.get("model_class"),
+                        info.get("torch_version"),
+                        info.get("device"),
+                        json.dumps(info.get("meta")),
+                        socket.gethostname(),
+                        os.getpid(),
+                    ],
+                ).fetchone()
+                assert row is not None  # one row inserted, always
+                run_id = int(row[0])
+                run_dir = self.paths.run_dir(run_id)
+                try:  # a directory already there is never reused (nor removed): its data
+                    run_dir.mkdir(parents=True)  # may be a run the catalog lost
+                except OSError as exc:
+                    raise StoreError(
+                        f"cannot create the run directory {str(run_dir)!r}: {exc}"
+                    ) from exc
+                held = try_lock(self.paths.writing_lock(run_id))
+                if held is None:
+                    raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
+                # The identity marker is written only once the run's row is committed, so a
+                # marked directory the catalog does not know means a catalog that lost runs,
+                # never a registration that died half-way.
+                then.append(lambda: write_run_marker(self.paths, run_id, created))
+        except BaseException:  # the lock goes with the registration (an interrupt
+            if held is not None:  # after it was taken: no handle left for the GC to find)
+                held.close()
+            raise
+        assert held is not None
+        return run_id, held
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection) -> int:
         """The highest run directory id on disk, after making sure the catalog knows
@@ -411,9 +442,23 @@ class CatalogWriter:
             info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
         return info
 
+    def _freeing(self, change: Callable[[], _T]) -> _T:
+        """Run ``change`` (a catalog transaction that lets space be reclaimed); if the
+        disk is full, give up the store's reserve (``catalog.reserve``) and run it once
+        more: so ``delete`` and ``gc`` work on a full disk."""
+        try:
+            return change()
+        except (duckdb.Error, OSError) as exc:
+            if not disk_full(exc) or not release_reserve(self.paths):
+                raise
+        return change()
+
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
         """Set run ``run_id``'s status (``error``: why it failed, for ``failed``)."""
+        self._freeing(lambda: self._set_status(run_id, status, error))
+
+    def _set_status(self, run_id: int, status: str, error: str | None) -> None:
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET status = ?, finished = ?, error = ? WHERE id = ?",
@@ -423,6 +468,9 @@ class CatalogWriter:
     @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
         """Mark the complete run ``name`` deleted; return its id (or -1 if none)."""
+        return self._freeing(lambda: self._delete(name))
+
+    def _delete(self, name: str) -> int:
         with self._transaction() as con:
             row = con.execute(
                 "SELECT id FROM runs WHERE name = ? AND status = ?", [name, COMPLETE]
@@ -439,6 +487,9 @@ class CatalogWriter:
     def collect(self) -> list[int]:
         """Forget deleted, failed and interrupted runs; return their ids (their
         directories are the caller's to remove, after this commits)."""
+        return self._freeing(self._collect)
+
+    def _collect(self) -> list[int]:
         with self._transaction() as con:
             self._check_disk(con)
             rows = con.execute(
@@ -498,11 +549,101 @@ class FileChangeToken:
             # without it): the database's own stat still says when it moved, so the
             # runs stay visible rather than the store looking empty.
             return "|".join(parts)
-        try:
-            with open(self._watched[0], "rb") as f:
-                return f"{f.read().hex()}|{'|'.join(parts)}"
-        except FileNotFoundError:  # removed since the stat: the stat alone, as above
+        try:  # (never through a link, nor more than a generation's few bytes: a crafted
+            # store's catalog.gen may be a link to anything, /dev/zero or a FIFO)
+            fd = os.open(self._watched[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+        except OSError:  # removed since the stat, or a link: the stat alone, as above
             return "|".join(parts)
+        return f"{data.hex()}|{'|'.join(parts)}"
+
+
+@dataclass
+class QueryLimits:
+    """What one query (``store.query``, ``store.sql``) may use: ``seconds`` of time
+    (``None``: no limit) and DuckDB ``memory`` (its ``memory_limit`` setting, e.g.
+    ``"8GB"``; ``None``: DuckDB's default, 80% of the machine's memory). Past either,
+    the query stops with ``QueryLimitError``. Change them with
+    :func:`tracelake.set_query_limits`."""
+
+    seconds: float | None = 300.0
+    memory: str | None = None
+
+
+#: The limits every reader's queries run under (one process-wide setting).
+QUERY_LIMITS = QueryLimits()
+
+
+def set_query_limits(
+    seconds: float | Any | None = ..., memory: str | Any | None = ...
+) -> QueryLimits:
+    """Set the time (``seconds``) and DuckDB memory (``memory``, e.g. ``"8GB"``) one
+    query may use, for every store of this process; an argument left out keeps its
+    setting, ``None`` lifts the limit. Returns the limits as they were before."""
+    before = QueryLimits(QUERY_LIMITS.seconds, QUERY_LIMITS.memory)
+    if seconds is not ...:
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0
+        ):
+            raise ValueError(f"seconds= takes a positive number or None, not {seconds!r}")
+        QUERY_LIMITS.seconds = None if seconds is None else float(seconds)
+    if memory is not ...:
+        if memory is not None and not (isinstance(memory, str) and _MEMORY.fullmatch(memory)):
+            raise ValueError(f"memory= takes a size such as '8GB' or None, not {memory!r}")
+        QUERY_LIMITS.memory = memory
+    return before
+
+
+_MEMORY = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", re.I)
+
+
+class _Watchdog:
+    """One thread that interrupts the DuckDB cursors of queries past their deadline
+    (a timer thread per query would cost a point lookup more than the lookup)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running: dict[int, tuple[float, duckdb.DuckDBPyConnection]] = {}
+        self.fired: set[int] = set()
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, seconds: float, cursor: duckdb.DuckDBPyConnection) -> int:
+        with self._cond:
+            self._next += 1
+            self._running[self._next] = (time.monotonic() + seconds, cursor)
+            if self._thread is None or not self._thread.is_alive():  # (or after a fork)
+                self._thread = threading.Thread(target=self._watch, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def stop(self, ticket: int) -> bool:
+        """End the query's watch; whether it was interrupted."""
+        with self._cond:
+            self._running.pop(ticket, None)
+            if ticket in self.fired:
+                self.fired.discard(ticket)
+                return True
+            return False
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for ticket, (deadline, cursor) in list(self._running.items()):
+                    if deadline <= now:
+                        del self._running[ticket]
+                        self.fired.add(ticket)
+                        cursor.interrupt()  # (under the lock: the query is still running)
+                soonest = min((d for d, _ in self._running.values()), default=now + 60)
+                self._cond.wait(max(soonest - now, 0.001))
+
+
+_WATCHDOG = _Watchdog()
 
 
 @contextmanager
@@ -517,6 +658,7 @@ def read_source(
             f"the catalog {str(paths.catalog)!r} is missing: restore it (and "
             "its .wal, if any); the store refuses writes until then"
         )
+    _refuse_links(paths, reading=True)
     src = duckdb.connect(str(paths.catalog), read_only=True, config=_SOURCE_CONFIG)
     try:
         check_objects(src)
@@ -568,9 +710,13 @@ class CatalogMirror:
         # or function) read less; only the first load pays for compressing.
         self.con = duckdb.connect(":memory:")
         self._compressed = _attach_compressed(self.con)
+        # no spilling to a temporary directory (DuckDB's default: .tmp in the working
+        # directory): past its memory limit a query fails (QueryLimitError)
+        self.con.execute("SET temp_directory = ''")
         self.con.execute("SET enable_external_access = false")
         create_schema(self.con)
         self._local = threading.local()  # each thread's reading cursor
+        self._memory: str | None = None  # the memory limit set, as QUERY_LIMITS says
         self._gen: str | None = None
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
         self._complete: set[int] = set()  # the complete runs, as of the last refresh
@@ -605,8 +751,12 @@ class CatalogMirror:
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
             with read_source(self.paths) as (src, present):
+                # a meta that is not valid JSON (a crafted store's, or a lone surrogate
+                # an older tracelake wrote) reads as none, so that meta.* queries of
+                # the other runs still work
                 table = src.sql(
-                    f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
+                    "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
+                    f"FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs)"
                 ).to_arrow_table()
                 ids, names, statuses = (
                     table.column(c).to_pylist() for c in ("id", "name", "status")
@@ -690,6 +840,7 @@ class CatalogMirror:
         self.refresh()
         with duckdb_errors("the SQL could not run", QueryError):
             cursor = self._cursor()
+        with self._limited(cursor), duckdb_errors("the SQL could not run", QueryError):
             try:
                 cursor.execute("BEGIN TRANSACTION READ ONLY")
                 try:
@@ -712,6 +863,42 @@ class CatalogMirror:
         with duckdb_errors("invalid SQL", QueryError):
             statements = duckdb.extract_statements(sql)
         return len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT
+
+    @contextmanager
+    def _limited(self, cursor: duckdb.DuckDBPyConnection) -> Iterator[None]:
+        """Run the block's statements (the user's: a query, ``store.sql``) on
+        ``cursor`` under :data:`QUERY_LIMITS`: past the time limit the cursor is
+        interrupted; that, or DuckDB running out of its memory limit, is a
+        ``QueryLimitError``."""
+        seconds, memory = QUERY_LIMITS.seconds, QUERY_LIMITS.memory
+        if memory != self._memory:  # (a setting of the whole in-memory database)
+            with duckdb_errors("cannot set the query memory limit", QueryError):
+                self.con.execute(
+                    f"SET memory_limit = '{memory}'" if memory else "RESET memory_limit"
+                )
+            self._memory = memory
+        ticket = _WATCHDOG.start(seconds, cursor) if seconds else 0
+        try:
+            yield
+        except BaseException as exc:
+            if ticket and _WATCHDOG.stop(ticket):
+                # DuckDB's interrupt (the boundary made it a KeyboardInterrupt)
+                raise QueryLimitError(
+                    f"the query ran past its time limit of {seconds:g} s and was stopped; "
+                    "narrow it (where run = ..., limit), or raise the limit: "
+                    "tl.set_query_limits(seconds=...) (None: no limit)"
+                ) from exc
+            if isinstance(exc.__cause__, duckdb.OutOfMemoryException):
+                first = str(exc.__cause__).split("\n")[0]  # (not DuckDB's SET advice)
+                raise QueryLimitError(
+                    f"the query ran out of memory ({first}); narrow it, or raise "
+                    "the limit: tl.set_query_limits(memory='...GB') (None: DuckDB's own)"
+                ) from exc.__cause__
+            raise
+        if ticket and _WATCHDOG.stop(ticket):
+            # interrupted just as it finished: the result stands, the cursor (which
+            # may still carry the interrupt) does not
+            self._local.cursor = None
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor, on the mirror's database (a cursor starts on DuckDB's own)."""
@@ -745,8 +932,10 @@ class CatalogMirror:
         which costs more than a few rows (for a point lookup, most of its time)."""
         if refresh:
             self.refresh()
-        what = "the query could not run" if error is not CatalogError else "cannot read the catalog"
-        with duckdb_errors(what, error):
+        if error is CatalogError:  # tracelake's own statement
+            with duckdb_errors("cannot read the catalog", error):
+                return self._arrow(sql, params or [])
+        with self._limited(self._reader()), duckdb_errors("the query could not run", error):
             return self._arrow(sql, params or [])
 
     def _arrow(self, sql: str, params: list[Any]) -> Any:

@@ -20,7 +20,9 @@ Run names live only in the catalog, so no name ever becomes a path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import io
 import json
 import os
 import re
@@ -43,10 +45,16 @@ from tracelake.errors import (
 __all__ = [
     "DEFAULT_MAX_INFLIGHT",
     "FORMAT",
+    "RESERVE_BYTES",
     "StorePaths",
     "check_run_marker",
+    "disk_full",
     "fsync_tree",
+    "full_hint",
+    "is_utf8",
+    "keep_reserve",
     "locked",
+    "release_reserve",
     "remove_run_dir",
     "remove_tree",
     "trash_run_dir",
@@ -74,7 +82,22 @@ def validate_name(name: object) -> str:
             f"invalid run name {name!r}: use 1 to 200 printable characters, without "
             "leading or trailing spaces"
         )
+    if not is_utf8(name):
+        raise InvalidRunNameError(
+            f"invalid run name {name!r}: it holds a lone surrogate (text that is not "
+            "Unicode: often a file name decoded with errors='surrogateescape'), which "
+            "cannot be stored"
+        )
     return name
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StorePaths:
@@ -87,6 +110,7 @@ class StorePaths:
         self.lock = self.root / "catalog.lock"
         self.gen = self.root / "catalog.gen"
         self.runs = self.root / "runs"
+        self.reserve = self.root / "catalog.reserve"
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
@@ -136,7 +160,7 @@ class StorePaths:
                 f"{_MARKER}); choose an empty or new directory"
             )
         self.runs.mkdir(parents=True, exist_ok=True)
-        self.lock.touch()
+        _open_lock(self.lock).close()  # (O_NOFOLLOW: never through a planted link)
         marker = {"format": FORMAT, "what": "tracelake store"}
         tmp = self.root / f".{_MARKER}.{os.getpid()}"
         write_new(tmp, json.dumps(marker).encode())
@@ -146,7 +170,7 @@ class StorePaths:
 
     def _check_format(self) -> None:
         try:
-            marker = json.loads(self.marker.read_text())
+            marker = json.loads(read_small(self.marker))
             version = int(marker["format"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StoreFormatError(
@@ -158,6 +182,20 @@ class StorePaths:
                 f"the store at {str(self.root)!r} has format {version}, newer than this "
                 f"tracelake reads ({FORMAT}); upgrade tracelake to open it"
             )
+
+
+def read_small(path: Path, limit: int = 1 << 16) -> str:
+    """A small file of the store's own (a marker) as text: ``O_NOFOLLOW`` (a link
+    planted at its name is an ``OSError``, never followed out of the store), at most
+    ``limit`` bytes, decoded strictly (garbage is a ``ValueError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is larger than a marker ({limit} bytes)")
+    return data.decode("utf-8")
 
 
 def fsync_file(path: Path) -> None:
@@ -185,11 +223,17 @@ def fsync_tree(root: Path) -> int:
     return total
 
 
-def _open_lock(path: Path) -> int:
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+
+
+def _open_lock(path: Path) -> io.FileIO:
     """Open (creating) lock file ``path``; ``O_NOFOLLOW``: a symbolic link planted at
-    its name is refused with ``StoreError``, never created or written through."""
+    its name is refused with ``StoreError``, never created or written through. A file
+    object, not a bare descriptor: its descriptor is owned from the moment it exists, so
+    an interrupt (Ctrl-C) between there and its holder leaks no lock (collected, it
+    closes)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return io.FileIO(path, "r+", opener=lambda p, _: os.open(p, _LOCK_FLAGS, 0o644))
     except OSError as exc:
         if path.is_symlink():
             raise StoreError(
@@ -214,31 +258,88 @@ def write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+#: Disk space a store keeps in ``catalog.reserve`` (blocks allocated, not a sparse
+#: file), given up when a catalog change that frees space (``delete``, ``gc``, marking
+#: a run failed) meets a full disk: so space can always be reclaimed through tracelake.
+#: A few of DuckDB's 256 KiB blocks: what such a change writes.
+RESERVE_BYTES = 2 << 20
+
+
+def keep_reserve(paths: StorePaths) -> None:
+    """Make ``catalog.reserve`` if it is missing (hold the catalog lock). A disk too
+    full for it leaves none, quietly: the next change tries again."""
+    try:
+        if paths.reserve.stat(follow_symlinks=False).st_size == RESERVE_BYTES:
+            return
+    except FileNotFoundError:
+        pass
+    temp = paths.root / f".reserve.{os.getpid()}"
+    try:
+        write_new(temp, b"")
+        fd = os.open(temp, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+        os.replace(temp, paths.reserve)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+
+def release_reserve(paths: StorePaths) -> bool:
+    """Give ``catalog.reserve``'s space back to the disk; whether there was any."""
+    try:
+        os.unlink(paths.reserve)  # (a link planted there: the link goes, not its target)
+    except OSError:
+        return False
+    return True
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OS or DuckDB error, or one caused by either) says the disk
+    is full."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def full_hint(exc: BaseException) -> str:
+    """What to add to an error's message when ``exc`` says the disk is full."""
+    if not disk_full(exc):
+        return ""
+    return (
+        " (the disk holding the store is full: free space, e.g. store.delete(name) then "
+        "store.gc(), which work on a full disk, and try again)"
+    )
+
+
 @contextlib.contextmanager
 def locked(path: Path, exclusive: bool) -> Iterator[None]:
     """Hold an flock on ``path`` (created if absent) for the block. The kernel releases
     it if the process dies, so a killed writer never leaves the store locked."""
-    fd = _open_lock(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    with _open_lock(path) as file:  # closing releases the lock
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
-def try_lock(path: Path) -> int | None:
-    """Take an exclusive flock without waiting: the open descriptor (close it to release),
+def try_lock(path: Path) -> io.FileIO | None:
+    """Take an exclusive flock without waiting: the open lock file (close it to release),
     or ``None`` if another process holds it."""
     try:
-        fd = _open_lock(path)
+        file = _open_lock(path)
     except FileNotFoundError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        file.close()
         return None
-    return fd
+    return file
 
 
 # -- a run directory's identity, and its removal -------------------------------------
@@ -272,7 +373,7 @@ def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) ->
     this id and ``created`` time. A directory without a marker (a store written before
     markers existed, or one whose marker write failed) passes."""
     try:
-        marker = json.loads(paths.run_marker(run_id).read_text())
+        marker = json.loads(read_small(paths.run_marker(run_id)))
     except FileNotFoundError:
         return
     except (OSError, ValueError) as exc:

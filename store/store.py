@@ -6,17 +6,23 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
+import io
 import json
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import (
+    ConcurrentRecordingError,
     InterventionError,
+    InvalidMetaError,
     RecorderError,
     RunNotFoundError,
     StoreError,
@@ -41,6 +47,8 @@ from .layout import (
     StorePaths,
     check_run_marker,
     fsync_tree,
+    full_hint,
+    is_utf8,
     locked,
     remove_run_dir,
     remove_tree,
@@ -102,7 +110,7 @@ def _os_errors(what: str) -> Any:
     try:
         yield
     except OSError as exc:
-        raise StoreError(f"{what}: {exc}") from exc
+        raise StoreError(f"{what}: {exc}{full_hint(exc)}") from exc
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -127,6 +135,42 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
 def _generated_name(model: Any) -> str:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}"
+
+
+def _meta_json(meta: Any) -> str:
+    """``meta`` as the JSON text the catalog keeps; ``InvalidMetaError`` for a value
+    that has none (or that every ``meta.*`` query of the store would then fail on)."""
+    try:
+        text = json.dumps(meta, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMetaError(f"meta= must be JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise InvalidMetaError("meta= is nested too deeply to store as JSON: flatten it") from None
+    if not is_utf8(text):
+        raise InvalidMetaError(
+            "meta= holds a string with a lone surrogate (text that is not Unicode: often "
+            "a file name decoded with errors='surrogateescape'); decode it properly first"
+        )
+    return text
+
+
+def _loads_meta(text: str | None) -> Any:
+    """A run's ``meta`` as Python values (as its JSON text if nested too deeply for
+    Python's parser: a store made elsewhere may hold anything)."""
+    if not isinstance(text, str):  # (none: pandas may hand a NaN)
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _on_stack(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is one of the calling thread's running frames."""
+    here = inspect.currentframe()
+    while here is not None and here is not frame:
+        here = here.f_back
+    return here is not None
 
 
 class Recording:
@@ -161,10 +205,7 @@ class Recording:
     ):
         if stats not in _STATS_CHOICES:
             raise ValueError(f"stats= takes 'saved' or 'all', not {stats!r}")
-        try:
-            self._meta_json = json.dumps(meta)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta= must be JSON-serialisable: {exc}") from exc
+        self._meta_json = _meta_json(meta)
         from tracelake.recorder import check_model
         from tracelake.recorder.selectors import as_selector
 
@@ -193,12 +234,17 @@ class Recording:
         self._progress: Progress | None = None
         self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
         self._writer: TensorWriter | None = None
-        self._lock_fd: int | None = None
+        self._lock: io.FileIO | None = None  # the run's writing lock, held
         self._hooks: list[Any] = []
         self._eager: EagerStance | None = None
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
         self._auto: tuple[ForwardRecording, OpTable, StoreEmitter, tuple, dict] | None = None
         self._depth = 0
+        #: The thread whose forward is the step running (None between steps); calls of
+        #: the model from other threads meanwhile are refused, counted by thread.
+        self._owner: int | None = None
+        self._refused: dict[int, int] = {}
+        self._call_frame: FrameType | None = None  # where the step's forward was called
         #: Set by the model's ordinary forward hook, which runs only when the forward
         #: returned: the always-called hook reads it to tell a raised forward apart.
         self._returned_ok = False
@@ -226,7 +272,7 @@ class Recording:
             "torch_version": torch.__version__,
             "meta": self._meta,
         }
-        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite, info)
+        self.run_id, self._lock = self.store._catalog.reserve(self.name, self._overwrite, info)
         try:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
@@ -270,6 +316,10 @@ class Recording:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._auto is not None and self._owner == threading.get_ident():
+            # a forward left by a BaseException (Ctrl-C): torch ran no always-called
+            # hook for it, so its mode and hooks are still installed
+            self._drop_stale()
         if self._eager is not None:
             self._eager.__exit__()
             self._eager = None
@@ -351,6 +401,7 @@ class Recording:
     def _record(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         from tracelake.recorder import ForwardRecording
 
+        self._claim()
         table, emitter = self._begin(model)
         recording = ForwardRecording(
             model,
@@ -360,9 +411,10 @@ class Recording:
             len(self._steps),
             record_args=self._record_args,
         )
-        recording.start(args, kwargs)
         self._depth += 1  # the block's own hooks must not start a second step
+        self._owner, self._call_frame = threading.get_ident(), inspect.currentframe()
         try:
+            recording.start(args, kwargs)
             from tracelake.recorder.eager import uncompiled
 
             output = uncompiled(model)(*args, **kwargs)  # (the wrapper would run it too)
@@ -371,6 +423,8 @@ class Recording:
             raise
         finally:
             self._depth -= 1
+            if not self._depth:
+                self._owner = self._call_frame = None
         recording.stop(output)
         self._end(model, recording, table, emitter, args, kwargs)
         return output
@@ -390,10 +444,31 @@ class Recording:
             raise StoreError("call rec.backward(loss) inside the block, after a forward pass")
         self._backward.backward(loss, gradient, **options)
 
+    def _claim(self) -> None:
+        """Refuse a forward of another thread while one thread's step runs: a step is
+        one thread's forward pass (the recorder follows one thread)."""
+        thread = threading.get_ident()
+        if self._owner is not None and self._owner != thread:
+            raise ConcurrentRecordingError(
+                f"the recording {self.name!r} is recording a forward pass of another "
+                "thread: a recording block records one forward at a time, so call the "
+                "model from one thread at a time inside it (or record each thread's "
+                "forwards in a recording block of their own)"
+            )
+
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        thread = threading.get_ident()
+        if self._owner is not None and self._owner != thread:
+            self._refused[thread] = self._refused.get(thread, 0) + 1
+            self._claim()  # raises; the always-called hook below still runs
+        if self._depth and not _on_stack(self._call_frame):
+            self._drop_stale()  # the step's forward was left by Ctrl-C, which was caught
         self._depth += 1
+        self._owner = thread
         if self._depth > 1 or self._auto is not None:
             return  # the model calling itself: part of the step already running
+        here = inspect.currentframe()  # (then torch's call of the model's hooks)
+        self._call_frame = here.f_back if here is not None else None
         try:
             from tracelake.recorder import ForwardRecording
 
@@ -406,12 +481,14 @@ class Recording:
                 len(self._steps),
                 record_args=self._record_args,
             )
-            recording.start(args, kwargs)
             self._auto = (recording, table, emitter, args, kwargs)
+            recording.start(args, kwargs)
         except InterventionError:  # a rule that cannot apply: never run unpatched
             self._auto = None
             raise
         except Exception as exc:
+            if self._auto is not None:
+                self._auto[0].abort()
             self._auto = None
             warnings.warn(
                 f"tracelake could not record this forward pass of "
@@ -420,20 +497,44 @@ class Recording:
                 stacklevel=2,
             )
 
+    def _drop_stale(self) -> None:
+        """Give up the step whose forward a ``BaseException`` (Ctrl-C) left: torch runs
+        no always-called hook then, so its mode and hooks are still installed."""
+        auto, self._auto = self._auto, None
+        self._owner, self._depth, self._call_frame = None, 0, None
+        if auto is not None:
+            self._abandon(auto[0])
+
     def _returned(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._returned_ok = True
+        if threading.get_ident() == self._owner:
+            self._returned_ok = True
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        thread = threading.get_ident()
+        if thread != self._owner:  # a refused call of another thread
+            left = self._refused.pop(thread, 0) - 1
+            if left > 0:
+                self._refused[thread] = left
+            return
         self._depth -= 1
         returned, self._returned_ok = self._returned_ok, False
-        if self._depth or self._auto is None:
+        if self._depth:
+            return
+        self._owner = self._call_frame = None
+        if self._auto is None:
             return
         recording, table, emitter, args, kwargs = self._auto
-        self._auto = None
         if not returned:  # the forward raised (torch calls this hook all the same)
+            self._auto = None
             self._abandon(recording)
             return
-        recording.stop(output)
+        try:
+            recording.stop(output)
+        except BaseException:
+            self._auto = None
+            self._abandon(recording)
+            raise
+        self._auto = None
         self._end(module, recording, table, emitter, args, kwargs)
 
     def _abandon(self, recording: ForwardRecording) -> None:
@@ -441,6 +542,7 @@ class Recording:
         the tensors it saved are left out of the run."""
         assert self._writer is not None
         try:
+            recording.abort()  # first: whatever else fails, the mode and hooks are gone
             recording.stop(None, failed=True)
         finally:
             self._writer.settle()
@@ -560,9 +662,9 @@ class Recording:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 class Store:
@@ -833,7 +935,7 @@ class Store:
             row["ops"] = row.pop("op_count")
             if row["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
                 row["status"] = INTERRUPTED
-            row["meta"] = json.loads(row["meta"]) if row["meta"] is not None else None
+            row["meta"] = _loads_meta(row["meta"])
             rows.append(row)
         return rows
 

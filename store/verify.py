@@ -58,8 +58,26 @@ class VerifyReport:
 
 
 def verify_files(paths: StorePaths, report: VerifyReport) -> None:
-    """The store's own files: a catalog without its change marker, or run
-    directories without a catalog."""
+    """The store's own files: a catalog without its change marker, run directories
+    without a catalog, and symbolic links where tracelake keeps files (it makes none,
+    and never follows one)."""
+    wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+    own = [paths.marker, paths.catalog, wal, paths.gen, paths.lock, paths.reserve, paths.runs]
+    if not paths.runs.is_symlink():
+        for run_id in paths.run_dir_ids():
+            run_dir = paths.run_dir(run_id)
+            own.append(run_dir)
+            if not run_dir.is_symlink():
+                own += [paths.run_marker(run_id), paths.writing_lock(run_id)]
+    for path in own:
+        if path.is_symlink():
+            report.problems.append(
+                Problem(
+                    "-",
+                    str(path.relative_to(paths.root)),
+                    "is a symbolic link (refused: it may lead outside the store)",
+                )
+            )
     if paths.catalog.exists() and not paths.gen.exists():
         report.problems.append(
             Problem(
@@ -94,6 +112,7 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
         [run.id],
     ).fetchall()
     by_array: dict[str, list[tuple[int, int, str]]] = {}
+    misshapen: set[str] = set()  # own arrays whose zarr.json disagrees with the catalog
     # Links among the run's files: tracelake writes none, and reads refuse them (they
     # may lead outside the store), so each is a problem to report.
     try:
@@ -123,7 +142,8 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
             )
         if offset is None:
             by_array.setdefault(array, []).append((0, nbytes, labels))
-            _check_array_shape(run, arrays, array, shape, labels, report)
+            if not _check_array_shape(run, arrays, array, shape, labels, report):
+                misshapen.add(array)
         else:
             by_array.setdefault(array, []).append((offset, nbytes, labels))
     on_disk = set(arrays.names())
@@ -134,6 +154,8 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
             labels = ", ".join(sorted({s[2] for s in spans}))
             report.problems.append(Problem(run.name, labels, f"array {name} is missing"))
             continue
+        if name in misshapen:  # reported once; its chunk grid says nothing of the tensor
+            continue
         _check_chunks(run, arrays, name, spans, report)
         if spans and spans[0][0] is not None and name.startswith("pack"):
             _check_spans(run, arrays, name, spans, report)
@@ -141,32 +163,63 @@ def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyR
 
 def _check_array_shape(
     run: Run, arrays: Any, name: str, shape: list[int], labels: str, report: VerifyReport
-) -> None:
+) -> bool:
+    """Whether a tensor's own array has the shape the catalog gives (else one problem)."""
     try:
-        array = arrays.array(name)
+        array = arrays.array(name, labels)
     except ChunkCorruptError as exc:
         report.problems.append(Problem(run.name, labels, str(exc)))
-        return
+        return False
     stored = tuple(array.shape)
     if stored != (tuple(shape) or (1,)):
         report.problems.append(
             Problem(
                 run.name,
                 labels,
-                f"array {name} has shape {stored}, the catalog says {tuple(shape)}",
+                f"array {name} has shape {_shown(stored)}, the catalog says {tuple(shape)}",
             )
         )
+        return False
+    return True
+
+
+def _shown(shape: tuple[int, ...]) -> str:
+    """A shape for a message (a crafted zarr.json's may be long)."""
+    return str(shape) if len(shape) <= 8 else f"({', '.join(map(str, shape[:8]))}, ...)"
+
+
+#: The fewest bytes a chunk tracelake writes holds (far fewer, in truth): an array
+#: whose metadata declares more chunks than its bytes could fill at this size was not
+#: written by tracelake, and checking each would take unbounded time.
+_MIN_CHUNK_BYTES = 4096
 
 
 def _check_chunks(
     run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]], report: VerifyReport
 ) -> None:
+    every = ", ".join(s[2] for s in spans)
     try:
-        array = arrays.array(name)
+        array = arrays.array(name, every)
     except ChunkCorruptError as exc:
-        report.problems.append(Problem(run.name, ", ".join(s[2] for s in spans), str(exc)))
+        report.problems.append(Problem(run.name, every, str(exc)))
         return
     packed = array.ndim == 1 and array.attrs.get("tracelake") == "pack"
+    nbytes = max((o + n for o, n, _ in spans), default=0)
+    grid = (
+        math.ceil(nbytes / _file_size(array))
+        if packed
+        else math.prod(math.ceil(n / c) for n, c in zip(array.shape, array.chunks, strict=True))
+    )
+    if grid > nbytes // _MIN_CHUNK_BYTES + 1:
+        report.problems.append(
+            Problem(
+                run.name,
+                every or name,
+                f"array {name} declares {grid} chunks for {nbytes} bytes: its zarr.json "
+                "was not written by tracelake (its chunks were not checked)",
+            )
+        )
+        return
     if packed:
         end = max((o + n for o, n, _ in spans), default=0)
         if end > array.shape[0]:
@@ -192,7 +245,7 @@ def _check_chunks(
             selection = (slice(selection[0].start, min(selection[0].stop, end)),)
         try:
             if not arrays.has_chunk(name, key):
-                raise ChunkCorruptError(run.name, "?", f"{name}/c/{key}", "missing")
+                raise ChunkCorruptError(run.name, every, f"{name}/c/{key}", "missing")
             array[selection]
         except Exception as exc:
             if packed:

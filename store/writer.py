@@ -42,7 +42,7 @@ from tracelake.recorder.stats import (
 from .dtypes import numpy_dtype
 from .format import ALIGN, CHUNK_BYTES, pack_codec, pack_stream
 from .inflight import Buffers, Live, Overwritten, alias_version, storage_holders
-from .layout import DEFAULT_MAX_INFLIGHT
+from .layout import DEFAULT_MAX_INFLIGHT, full_hint
 from .rows import distinct_codes
 from .tensors import RunArrays
 
@@ -128,7 +128,9 @@ class TensorWriter:
         Runs once per saved tensor on the forward thread: a small CPU tensor costs a few
         attribute reads, one ``memmove`` into its pack's open buffer and one tuple."""
         if self._errors:
-            raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
+            raise StoreError(
+                f"writing tensors failed: {self._errors[0]!r}{full_hint(self._errors[0])}"
+            ) from self._errors[0]
         if tensor.layout is not _STRIDED:
             raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
         nbytes = tensor.nbytes
@@ -272,6 +274,8 @@ class TensorWriter:
     def _done(self, future: Future[None]) -> None:
         with self._lock:
             self._pending.discard(future)
+        if future.cancelled():  # (abort())
+            return
         exc = future.exception()
         if exc is not None:
             self._errors.append(exc)
@@ -338,7 +342,9 @@ class TensorWriter:
         for slot in self.lost:  # what was written of them is not theirs
             self.arrays.delete(f"t{slot}")
         if self._errors:
-            raise StoreError(f"writing tensors failed: {self._errors[0]!r}") from self._errors[0]
+            raise StoreError(
+                f"writing tensors failed: {self._errors[0]!r}{full_hint(self._errors[0])}"
+            ) from self._errors[0]
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -18,6 +18,8 @@ def test_public_names_are_pinned() -> None:
             "CatalogError",
             "ChunkCorruptError",
             "Comparison",
+            "ConcurrentRecordingError",
+            "InvalidMetaError",
             "InvalidRunNameError",
             "LabelError",
             "LazyTensor",
@@ -27,8 +29,11 @@ def test_public_names_are_pinned() -> None:
             "Problem",
             "QueryCompileError",
             "QueryError",
+            "QueryLimitError",
+            "QueryResultError",
             "QuerySyntaxError",
             "Recording",
+            "QueryTypeError",
             "RecorderError",
             "RenderError",
             "Result",
@@ -59,6 +64,7 @@ def test_public_names_are_pinned() -> None:
             "open",
             "options",
             "validate",
+            "set_query_limits",
             "trace",
             # interventions and replay (issue 13)
             "InterventionError",
@@ -92,6 +98,9 @@ def test_every_error_is_a_tracelake_error() -> None:
     assert issubclass(tl.InvalidRunNameError, ValueError)
     assert issubclass(tl.ChunkCorruptError, tl.StoreError)
     assert issubclass(tl.CatalogError, tl.StoreError)
+    assert issubclass(tl.InvalidMetaError, ValueError)
+    assert issubclass(tl.QueryTypeError, TypeError)
+    assert issubclass(tl.QueryLimitError, tl.QueryError)
 
 
 def test_import_defines_names_and_does_nothing_else() -> None:

@@ -311,3 +311,148 @@ def test_gc_removes_a_linked_orphan_directory_not_its_target(tmp_path: Path) -> 
     assert not (root / "runs" / "00000099").exists()
     assert (victim / "keep.txt").read_text() == "keep"
     _unchanged(secret, before)
+
+
+# -- 13. a zarr.json declaring a huge shape or chunk grid --------------------------------
+
+
+@pytest.mark.parametrize("which", ["own-shape", "own-chunks", "pack-shape", "pack-shards"])
+def test_a_huge_zarr_json_costs_verify_one_problem(tmp_path: Path, which: str) -> None:
+    root = tmp_path / "s"
+    _store(root, big=which.startswith("own"))
+    arrays = root / "runs" / "00000001" / "tensors"
+    packs = sorted(p for p in arrays.iterdir() if p.name.startswith("pack"))
+    array = _own_array(root) if which.startswith("own") else packs[0]
+    meta = json.loads((array / "zarr.json").read_text())
+    if which.endswith("shape"):
+        meta["shape"] = [2**40, *meta["shape"][1:]]
+    elif which == "own-chunks":
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [1] * len(meta["shape"])
+    else:  # a 1-byte shard: one shard per byte the catalog points at
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+        meta["codecs"][-1]["configuration"]["chunk_shape"] = [1]
+    (array / "zarr.json").write_text(json.dumps(meta))
+    clear_chunk_cache()
+    store = tl.open(root)
+    report = store.verify()  # (before: 48 s and a million problems for the shape 2^40)
+    # (a pack longer than its tensors is harmless: nothing points past them)
+    assert (which != "pack-shape") <= len(report.problems) <= 2, report.problems
+    assert report.chunks < 100
+    for problem in report.problems:
+        assert problem.label != "?" and "?" not in problem.what.split(":")[0]
+        assert array.name in problem.what
+
+
+# -- links and garbage in every place: open, list, query, verify, record ------------------
+
+
+def _outside_catalog(tmp_path: Path) -> Path:
+    """A real catalog outside the store (another store's), for links to point at."""
+    other = tmp_path / "outside" / "other"
+    _store(other)
+    return other / "catalog.duckdb"
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        "catalog.duckdb",
+        "catalog.duckdb.wal",
+        "catalog.gen",
+        "catalog.lock",
+        "catalog.reserve",
+        "tracelake.json",
+        "runs/00000001/run.json",
+        "runs/00000001/writing.lock",
+        "runs/00000001/tensors",
+        "runs/00000001/tensors/zarr.json",
+        "runs/00000001/tensors/PACK/zarr.json",
+        "runs/00000001/tensors/PACK/c/0",
+        "runs/00000001",
+        "runs",
+    ],
+)
+def test_a_link_in_any_place_is_never_followed_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], place: str
+) -> None:
+    secret, before = _sentinel(tmp_path)
+    outside_catalog = _outside_catalog(tmp_path)
+    watched = {
+        p: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in outside_catalog.parent.rglob("*")
+        if p.is_file()
+    }
+    root = tmp_path / "s"
+    model, x = _store(root)
+    pack = next(
+        p.name for p in (root / "runs/00000001/tensors").iterdir() if p.name.startswith("pack")
+    )
+    target = root / place.replace("PACK", pack)
+    moved = tmp_path / "outside" / "moved"
+    if target.exists() or target.is_symlink():
+        target.rename(moved)
+    link_to = (
+        outside_catalog
+        if place == "catalog.duckdb"
+        else (moved if place in ("runs", "runs/00000001", "runs/00000001/tensors") else secret)
+    )
+    target.symlink_to(link_to)
+    outcomes = []
+    for action in [
+        *_every_read(root, capsys),
+        lambda: _read_outs(tl.open(root)),
+        lambda: tl.open(root).verify(),
+        lambda: tl.open(root).record(model, x, name="b"),
+        lambda: tl.open(root).gc(),
+        lambda: main(["runs", str(root)]),
+        lambda: main(["verify", str(root)]),
+    ]:
+        try:
+            value = action()
+            outcomes.append("ok")
+        except tl.TraceLakeError as exc:
+            value = str(exc)
+            outcomes.append(type(exc).__name__)
+        except SystemExit as exc:
+            value = exc.code
+            outcomes.append(f"exit {exc.code}")
+        _no_secret(value)
+        if hasattr(value, "problems"):  # verify() says what is wrong
+            assert any("symbolic link" in str(p) for p in value.problems), value.problems
+    _no_secret(capsys.readouterr())
+    _unchanged(secret, before)
+    for path, (mtime, data) in watched.items():  # the other store: not read into ours...
+        assert (path.stat().st_mtime_ns, path.read_bytes()) == (mtime, data), path
+    if place == "catalog.duckdb":  # ...nor its runs listed as ours
+        assert all(o != "ok" for o in outcomes[:4]), outcomes
+
+
+@pytest.mark.parametrize(
+    "place, content",
+    [
+        ("tracelake.json", b"\xff\xfe garbage"),
+        ("tracelake.json", b'{"format": "x"}'),
+        ("tracelake.json", b"[]"),
+        ("tracelake.json", b"{" * 100_000),
+        ("runs/00000001/run.json", b"\xff garbage"),
+        ("runs/00000001/run.json", b'{"run": 7, "created": 1}'),
+        ("runs/00000001/run.json", b"[1]"),
+        ("catalog.gen", b"\x00" * 10_000),
+    ],
+)
+def test_garbled_marker_files_say_what_is_wrong(tmp_path: Path, place: str, content: bytes) -> None:
+    root = tmp_path / "s"
+    _model, _x = _store(root)
+    (root / place).write_bytes(content)
+    if place == "tracelake.json":
+        with pytest.raises(tl.StoreFormatError, match=r"tracelake\.json|format"):
+            tl.open(root)
+        return
+    store = tl.open(root)
+    if place == "catalog.gen":
+        assert list(store.runs()["name"]) == ["a"]
+        return
+    with pytest.raises(tl.StoreError, match="marker"):
+        store["a"]["input_1"].out  # noqa: B018
+    report = store.verify()
+    assert any("marker" in p.what for p in report.problems)

@@ -17,13 +17,18 @@ from tracelake.errors import (
     ArgumentClashError,
     CatalogError,
     ChunkCorruptError,
+    ConcurrentRecordingError,
     InterventionError,
+    InvalidMetaError,
     InvalidRunNameError,
     LabelError,
     NestedTraceError,
     QueryCompileError,
     QueryError,
+    QueryLimitError,
+    QueryResultError,
     QuerySyntaxError,
+    QueryTypeError,
     RecorderError,
     RenderError,
     ReplayError,
@@ -61,6 +66,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, the lazy tabl
     from tracelake.recorder.stats import Stats
     from tracelake.recorder.trace import Trace
     from tracelake.recorder.validate import ValidationReport, validate
+    from tracelake.store.catalog import set_query_limits
     from tracelake.store.compare import Comparison, compare
     from tracelake.store.run import LazyTensor, Run, StepView
     from tracelake.store.store import Recording, Store
@@ -103,6 +109,7 @@ else:
             "none": "tracelake.recorder.selectors",
             "open": "tracelake.store.store:open_store",
             "options": "tracelake.options:",
+            "set_query_limits": "tracelake.store.catalog",
             "patch_from": "tracelake.recorder.patch",
             "project_off": "tracelake.recorder.actions",
             "replace_with": "tracelake.recorder.actions",
@@ -129,7 +136,9 @@ __all__ = [
     "CatalogError",
     "ChunkCorruptError",
     "Comparison",
+    "ConcurrentRecordingError",
     "InterventionError",
+    "InvalidMetaError",
     "InvalidRunNameError",
     "LabelError",
     "LazyTensor",
@@ -139,7 +148,10 @@ __all__ = [
     "Problem",
     "QueryCompileError",
     "QueryError",
+    "QueryLimitError",
+    "QueryResultError",
     "QuerySyntaxError",
+    "QueryTypeError",
     "RecorderError",
     "Recording",
     "RenderError",
@@ -179,6 +191,7 @@ __all__ = [
     "project_off",
     "replace_with",
     "scale",
+    "set_query_limits",
     "steer",
     "trace",
     "validate",

@@ -19,7 +19,9 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   ├── NestedTraceError       a recording is already active in this thread
     │   ├── InterventionError      an intervention rule cannot apply (names the op and rule)
     │   ├── ReplayError            a run cannot be replayed (says why, before running)
-    │   └── ArgumentClashError (TypeError)   a keyword both tracelake's and the model's
+    │   ├── ArgumentClashError (TypeError)   a keyword both tracelake's and the model's
+    │   └── ConcurrentRecordingError   a recording block's model called from a second
+    │                              thread while the first one's forward is recorded
     ├── LabelError (KeyError)      no entry has that label
     │   └── AmbiguousLabelError    a bare label names a layer or module with several passes
     ├── StoreError                 a store could not be opened, written or read
@@ -30,6 +32,7 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   ├── RunNotFoundError (KeyError)   no complete run has that name
     │   ├── RunExistsError         a run of that name exists (pass ``overwrite=True``)
     │   ├── InvalidRunNameError (ValueError)   a run name tracelake refuses
+    │   ├── InvalidMetaError (ValueError)   a run's ``meta=`` that cannot be stored
     │   ├── ObjectNotFoundError (KeyError)   no stored object has that key (array bytes)
     │   ├── InvalidKeyError (ValueError)   a storage key that could leave its store
     │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
@@ -37,8 +40,12 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │                              matplotlib missing, or ``dot`` failed)
     └── QueryError                 a query could not be parsed, compiled or run
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
-        └── QueryCompileError      an unknown table, column, function or parameter, or a
-                                   construct that cannot stand where it is (did-you-mean)
+        ├── QueryCompileError      an unknown table, column, function or parameter, or a
+        │                          construct that cannot stand where it is (did-you-mean)
+        ├── QueryTypeError (TypeError)   a query or parameter value of a type not taken
+        ├── QueryLimitError        a query ran past its time or memory limit
+        └── QueryResultError       a row's tensor cannot serve what the query asks of it
+                                   (an index past its shape)
 
 Warnings the recorder emits instead of breaking a user's forward pass are
 ``TraceLakeWarning`` (a ``UserWarning``).
@@ -54,15 +61,20 @@ __all__ = [
     "ArgumentClashError",
     "CatalogError",
     "ChunkCorruptError",
+    "ConcurrentRecordingError",
     "InterventionError",
     "InvalidKeyError",
+    "InvalidMetaError",
     "InvalidRunNameError",
     "LabelError",
     "NestedTraceError",
     "ObjectNotFoundError",
     "QueryCompileError",
     "QueryError",
+    "QueryLimitError",
+    "QueryResultError",
     "QuerySyntaxError",
+    "QueryTypeError",
     "RecorderError",
     "RenderError",
     "ReplayError",
@@ -103,6 +115,11 @@ class ArgumentClashError(RecorderError, TypeError):
     """A keyword given to a recording entry point (``tl.trace``, ``store.record``) is
     both one of its own options and a keyword of the model's ``forward``: pass the
     model's keyword inputs as ``kwargs={...}``."""
+
+
+class ConcurrentRecordingError(RecorderError):
+    """A recording block's model was called from a second thread while the forward of
+    another thread was being recorded (that thread's recording goes on)."""
 
 
 class LabelError(TraceLakeError, KeyError):
@@ -179,6 +196,11 @@ class InvalidRunNameError(StoreError, ValueError):
     """A run name tracelake refuses (empty, too long, or with control characters)."""
 
 
+class InvalidMetaError(StoreError, ValueError):
+    """A run's ``meta=`` tracelake cannot store (not JSON, nested too deeply, or text
+    that is not Unicode)."""
+
+
 class ObjectNotFoundError(StoreError, KeyError):
     """A storage backend holds no object under the key asked for (a ``KeyError`` too)."""
 
@@ -243,6 +265,19 @@ class QuerySyntaxError(QueryError):
     ):
         self.expected = tuple(expected)
         super().__init__(message, line=line, column=column, excerpt=excerpt)
+
+
+class QueryTypeError(QueryError, TypeError):
+    """A query (or a parameter's value) of a type the language does not take."""
+
+
+class QueryLimitError(QueryError):
+    """A query ran past its time or memory limit (``tl.set_query_limits`` raises them)."""
+
+
+class QueryResultError(QueryError):
+    """A returned row's tensor cannot give what the query asks of it (an index past its
+    shape, more indices than it has dimensions)."""
 
 
 class QueryCompileError(QueryError):
