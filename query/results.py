@@ -310,10 +310,8 @@ def _frame_class() -> type:
             plain = pandas.DataFrame(self)
             for name in plain.columns[plain.dtypes == "object"]:
                 column = plain[name]
-                if any(isinstance(v, torch.Tensor) for v in column):
-                    plain[name] = [
-                        describe(v) if isinstance(v, torch.Tensor) else v for v in column
-                    ]
+                if any(is_tensor(v) for v in column):
+                    plain[name] = [describe(v) if is_tensor(v) else v for v in column]
             return plain
 
         def __repr__(self) -> str:

@@ -31,11 +31,14 @@ import pytest
 import torch
 from browser import chromium
 from png import png_pixels
-from selenium.common.exceptions import NoAlertPresentException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from torch import nn
 
@@ -144,8 +147,24 @@ def go(driver: WebDriver, element: WebElement) -> None:
     next page has replaced this one)."""
     old = driver.find_element(By.TAG_NAME, "html")
     element.click()
-    WebDriverWait(driver, 60).until(staleness_of(old))
+    WebDriverWait(driver, 60).until(lambda _: _replaced(old))
     driver.find_element(By.ID, "timing")  # the last element of every page
+
+
+def _replaced(old: WebElement) -> bool:
+    """Whether the page ``old`` belongs to is gone. (Selenium's ``staleness_of``, except
+    that chromedriver may report a node of the old page as an inspector error, "does not
+    belong to the document", rather than as a stale element, when the page is replaced
+    while it asks.)"""
+    try:
+        old.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
+    return False
 
 
 def texts(driver: WebDriver, css: str) -> list[str]:
