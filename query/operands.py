@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 from typing import Any, Literal
 
-from tracelake.errors import QueryCompileError, QueryTypeError, RunNotFoundError
+from tracelake.errors import QueryCompileError, QueryRunNotFoundError, QueryTypeError
 from tracelake.recorder.names import func_spellings
 
 from . import ast
@@ -609,7 +609,7 @@ class Operands:
             elif isinstance(value, ast.Literal):
                 name = value.value
                 if written and isinstance(name, str) and name not in self.runs:  # a typo?
-                    raise RunNotFoundError(name, self.runs)
+                    raise QueryRunNotFoundError(name, self.runs)
             else:
                 return None
             if name is not None and not isinstance(name, str):

@@ -42,6 +42,7 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
         ├── QueryCompileError      an unknown table, column, function or parameter, or a
         │                          construct that cannot stand where it is (did-you-mean)
+        │   └── QueryRunNotFoundError (RunNotFoundError)   `run = 'bsae'`: no such run
         ├── QueryTypeError (TypeError)   a query or parameter value of a type not taken
         ├── QueryLimitError        a query ran past its time or memory limit
         └── QueryResultError       a row's tensor cannot serve what the query asks of it
@@ -73,6 +74,7 @@ __all__ = [
     "QueryError",
     "QueryLimitError",
     "QueryResultError",
+    "QueryRunNotFoundError",
     "QuerySyntaxError",
     "QueryTypeError",
     "RecorderError",
@@ -284,3 +286,13 @@ class QueryCompileError(QueryError):
     """The query parses but asks for something unknown (a table, column, function or
     parameter; the message suggests the closest known name) or puts a construct where it
     cannot stand (an aggregate in ``where``, a tensor slice in ``order by``)."""
+
+
+class QueryRunNotFoundError(QueryCompileError, RunNotFoundError):
+    """A query names, as written text, a run that is not a complete run of the store
+    (``run = 'bsae'``): a ``QueryError`` (the query is at fault) and a
+    ``RunNotFoundError`` (with the closest names), so either ``except`` catches it."""
+
+    def __init__(self, name: object, known: Iterable[str] = ()):
+        RunNotFoundError.__init__(self, name, known)
+        self.line, self.column, self.excerpt = None, None, ""
