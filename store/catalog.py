@@ -216,6 +216,22 @@ def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
     _ENGINE.attached = False
 
 
+def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
+    """The catalog file's and its log's identity and change stamps (None if the file is
+    missing): equal values mean nobody wrote either since."""
+    states = []
+    for path in (paths.catalog, paths.catalog.with_name(paths.catalog.name + ".wal")):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if not states:
+                return None
+            states.append(())
+            continue
+        states.append((st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(states)
+
+
 class CatalogWriter:
     """Short, exclusive, transactional changes to ``catalog.duckdb``: each attaches the
     file to the process's writing DuckDB (:class:`_Engine`) and detaches it (a
@@ -224,6 +240,9 @@ class CatalogWriter:
     def __init__(self, paths: StorePaths):
         self.paths = paths
         self._has_schema = False
+        #: The catalog file's and its log's stat as this writer's last transaction left
+        #: them (checked then, and changed by nobody else while they stay so).
+        self._checked: tuple[tuple[int, ...], ...] | None = None
         #: How readers learn that a transaction committed.
         self.changes: ChangeToken = FileChangeToken(paths)
 
@@ -256,10 +275,16 @@ class CatalogWriter:
                 path = str(self.paths.catalog).replace("'", "''")
                 if not self.paths.catalog.exists():
                     self._has_schema = False
+                seen = _file_state(self.paths)
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
                 _ENGINE.attached = True
                 try:
-                    check_objects(con, _ATTACHED)  # before any statement reads a table
+                    # Before any statement reads a table; skipped when the file is, by
+                    # its stat, as this writer's own last transaction left it (listing
+                    # DuckDB's functions for macros costs more than a small commit).
+                    if seen is None or seen != self._checked:
+                        check_objects(con, _ATTACHED)
+                    self._checked = None
                     con.execute(f"USE {_ATTACHED}")
                     con.execute("BEGIN TRANSACTION")
                     try:
@@ -279,6 +304,7 @@ class CatalogWriter:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
+                self._checked = _file_state(self.paths)
             except duckdb.Error:
                 _ENGINE.reset()
                 raise
