@@ -9,15 +9,22 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pandas
 import pyarrow as pa
 import torch
 
-from tracelake.errors import InterventionError, RunNotFoundError, StoreError, TraceLakeWarning
+from tracelake.errors import (
+    InterventionError,
+    RunExistsError,
+    RunNotFoundError,
+    StoreError,
+    TraceLakeWarning,
+)
 from tracelake.recorder import ForwardRecording, OpTable, check_model
 from tracelake.recorder.intercept import flatten_tensors
 from tracelake.recorder.intervene import Interventions, as_rules
@@ -33,17 +40,22 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    StagedRun,
     writer_alive,
 )
+from .catalog import _now as _catalog_now
 from .compare import Comparison, compare
 from .layout import (
     StorePaths,
     check_run_marker,
+    durable_trees,
     fsync_tree,
     locked,
     remove_run_dir,
     remove_tree,
     trash_run_dir,
+    trash_staged,
+    try_lock,
     validate_name,
 )
 from .replay import replay_run
@@ -53,7 +65,7 @@ from .tensors import RunArrays
 from .verify import Problem, VerifyReport, verify_files, verify_run
 from .writer import DEFAULT_MAX_INFLIGHT, StoreEmitter, TensorWriter
 
-__all__ = ["Recording", "Store", "last_opened", "open_store"]
+__all__ = ["Batch", "Recording", "Store", "last_opened", "open_store"]
 
 log = logging.getLogger("tracelake.store")
 
@@ -173,6 +185,11 @@ class Recording:
         self._device: str | None = None
         self.run_id = -1
         self.info: dict[str, Any] | None = None  # the committed run's catalog row
+        #: The store's open batch when the block began (None: committed on its own).
+        self._batch: Batch | None = None
+        self._dir = Path()
+        self._info: dict[str, Any] = {}
+        self._created = datetime.min
         self.model_class = type(model).__name__ if model is not None else None
 
     # -- the block --------------------------------------------------------------------------
@@ -185,11 +202,19 @@ class Recording:
             "torch_version": torch.__version__,
             "meta": self._meta,
         }
-        self.run_id, self._lock_fd = self.store._catalog.reserve(self.name, self._overwrite, info)
+        batch = self._batch = self.store._batch
+        if batch is None:
+            self.run_id, self._lock_fd = self.store._catalog.reserve(
+                self.name, self._overwrite, info
+            )
+            self._dir = self.store.paths.run_dir(self.run_id)
+        else:  # a directory of its own, no catalog transaction: the batch commits it
+            self._dir, self._lock_fd = batch.stage(self.name, self._overwrite)
+            self._info, self._created = info, _catalog_now()
         try:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
-                arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
-            self._writer = TensorWriter(arrays, self._max_inflight)
+                arrays = RunArrays(self._dir / "tensors", self.name, create=True)
+            self._writer = TensorWriter(arrays, self._max_inflight, sync=batch is None)
         except BaseException:
             self._fail()  # no block runs, so no __exit__ will
             raise
@@ -349,15 +374,32 @@ class Recording:
             for slot in sorted(self._discarded):  # (packed ones: unreferenced bytes)
                 if writer.slots[slot][0] == f"t{slot}":
                     writer.arrays.delete(f"t{slot}")
-        with _os_errors(f"cannot make run {self.name!r} durable"):
-            nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {
             "steps": len(self._steps),
             "op_count": merged["ops"].num_rows,
-            "bytes": nbytes,
+            "bytes": 0,
             "device": self._device,
             **self._fingerprints,
         }
+        if self._batch is not None:  # durable and visible when the batch commits
+            assert self._lock_fd is not None
+            self._batch.add(
+                StagedRun(
+                    self._dir,
+                    self.name,
+                    self._overwrite,
+                    self._created,
+                    self._info,
+                    merged,
+                    summary,
+                ),
+                self._lock_fd,
+            )
+            self._lock_fd = None  # the batch's now
+            self._steps = []
+            return
+        with _os_errors(f"cannot make run {self.name!r} durable"):
+            summary["bytes"] = fsync_tree(self._dir)  # durable before visible
         self.info = self.store._catalog.commit(
             self.run_id, self.name, self._overwrite, merged, summary
         )
@@ -389,7 +431,10 @@ class Recording:
         try:
             if self._writer is not None:
                 self._writer.abort()
-            if self.run_id >= 0:
+            if self._batch is not None:  # nothing in the catalog: just its directory
+                if self._lock_fd is not None:
+                    remove_tree(self._dir)
+            elif self.run_id >= 0:
                 self.store._catalog.set_status(self.run_id, FAILED)
         except StoreError as exc:
             log.warning("could not mark run %r failed: %s", self.name, exc)
@@ -400,6 +445,67 @@ class Recording:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+class Batch:
+    """The runs of one ``store.batch()`` block: each recorded into a directory of its
+    own under ``runs/.batch-*`` (its ``writing.lock`` held), their files written but not
+    synced; :meth:`commit` makes them all durable at once and commits them in one
+    catalog transaction."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._staged: list[tuple[StagedRun, int]] = []
+        self._names: set[str] = set()
+        #: The runs committed, in order (after the block).
+        self.names: list[str] = []
+
+    def stage(self, name: str, overwrite: bool) -> tuple[Path, int]:
+        """A new directory for run ``name``, and its writing lock's descriptor. A name
+        already complete in the store, or taken earlier in this batch, is refused here
+        (unless ``overwrite``), not only at the commit."""
+        if not overwrite and (name in self._names or name in self._complete()):
+            raise RunExistsError(
+                f"the store already has a run named {name!r} (or this batch does); choose "
+                "another name, or pass overwrite=True to replace it"
+            )
+        staged = self.store.paths.staging()
+        with _os_errors(f"cannot create a directory for run {name!r}"):
+            self.store.paths.runs.mkdir(parents=True, exist_ok=True)
+            staged.mkdir()
+            fd = try_lock(staged / "writing.lock")
+        if fd is None:
+            raise StoreError(f"run directory {staged} is in use")
+        self._names.add(name)
+        return staged, fd
+
+    def _complete(self) -> Collection[str]:
+        """The names of the store's complete runs (the mirror's, refreshed only when
+        the catalog moved: no query per run)."""
+        mirror = self.store.catalog
+        mirror.refresh(())
+        return mirror.run_ids.keys()
+
+    def add(self, run: StagedRun, lock_fd: int) -> None:
+        self._staged.append((run, lock_fd))
+
+    def commit(self) -> None:
+        """Make every run of the batch durable (one ``syncfs``), then visible (one
+        transaction). Their locks are let go either way; what a failure leaves,
+        ``gc()`` removes."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        try:
+            runs = [run for run, _ in staged]
+            with _os_errors("cannot make the batch's runs durable"):
+                for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
+                    run.summary["bytes"] = nbytes
+            self.store._catalog.commit_batch(runs)
+            self.names += [run.name for run in runs]
+        finally:
+            for _, fd in staged:
+                os.close(fd)
 
 
 class Store:
@@ -420,6 +526,7 @@ class Store:
         self._catalog = CatalogWriter(self.paths)
         self._mirror: CatalogMirror | None = None
         self._open_arrays: dict[int, RunArrays] = {}
+        self._batch: Batch | None = None
 
     @property
     def path(self) -> str:
@@ -463,6 +570,25 @@ class Store:
         rules applied to every step (as :meth:`record`'s)."""
         return Recording(self, name, model, save, stats, meta, overwrite, max_inflight, intervene)
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """Record many runs with one commit: ``with store.batch(): ...``. Runs recorded
+        in the block (``record``, ``recording``) are written as usual but made durable
+        and visible together, in one catalog transaction, when the block ends (also
+        when it raises: the runs that completed are committed). Each run stays atomic.
+        A crash (SIGKILL, power loss) before that commit loses every run of the open
+        batch and nothing else; ``gc()`` removes their files. Inside a batch,
+        ``record`` returns None (the run has no id until the batch commits); afterwards
+        ``batch.names`` lists the committed runs."""
+        if self._batch is not None:
+            raise StoreError("a batch is already open on this store; batches do not nest")
+        batch = self._batch = Batch(self)
+        try:
+            yield batch
+        finally:
+            self._batch = None
+            batch.commit()
+
     def record(
         self,
         model: torch.nn.Module,
@@ -475,8 +601,9 @@ class Store:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         intervene: Any = None,
         **kwargs: Any,
-    ) -> Run:
-        """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it.
+    ) -> Run | None:
+        """Record one forward pass of ``model(*args, **kwargs)`` as a run and return it
+        (None inside :meth:`batch`: the run is visible when the batch commits).
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
@@ -501,7 +628,8 @@ class Store:
         rec.model_class = type(model).__name__
         with rec:
             rec.record(model, *args, **kwargs)
-        assert rec.info is not None
+        if rec.info is None:  # in a batch: visible once the batch commits
+            return None
         return self._open_run(rec.info)  # its metadata is read when first asked for
 
     # -- reading --------------------------------------------------------------------------
@@ -648,6 +776,8 @@ class Store:
                     if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
                         continue  # (dirs of collected runs: a gc() killed before removing)
                     orphans += trash_run_dir(self.paths, run_id) is not None
+                for staged in self.paths.staging_dirs():  # batches whose process died
+                    orphans += trash_staged(self.paths, staged)
             # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
                 freed += remove_tree(trash)
