@@ -9,7 +9,8 @@ smaller, for a quick look).
   ``store.record`` calls and one ``with store.batch():`` block of ``--batch`` records.
   Printed: ``record()`` median and 90th percentile, and the batched cost per run
   (block wall time / runs, median and 90th percentile over rounds; it includes the
-  batch's one ``syncfs`` and one catalog transaction).
+  batch's one ``syncfs`` and one catalog transaction), and the process's CPU time per
+  run (all its threads; what a loaded machine inflates least).
 * **Growth**: ``--runs`` runs of the query benchmark's chain (``--ops`` elementwise ops
   on a (32, 32) tensor, all saved: ``benchmarks/query_latency.py``'s store), recorded
   one by one. Printed: for the first and the last hundred runs, the median wall time of
@@ -50,22 +51,28 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
         store.record(model, x)
     single: list[float] = []
     batched: list[float] = []
+    single_cpu: list[float] = []  # CPU time of the process (all its threads)
+    batched_cpu: list[float] = []
     for _ in range(rounds):
         for _ in range(3):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             store.record(model, x)
             single.append(time.perf_counter() - start)
-        start = time.perf_counter()
+            single_cpu.append(time.process_time() - cpu)
+        start, cpu = time.perf_counter(), time.process_time()
         with store.batch():
             for _ in range(batch):
                 store.record(model, x)
         batched.append((time.perf_counter() - start) / batch)
+        batched_cpu.append((time.process_time() - cpu) / batch)
     ms = 1e3
     return {
         "record_median_ms": statistics.median(single) * ms,
         "record_p90_ms": _p90(single) * ms,
         "batched_median_ms": statistics.median(batched) * ms,
         "batched_p90_ms": _p90(batched) * ms,
+        "record_cpu_ms": statistics.median(single_cpu) * ms,
+        "batched_cpu_ms": statistics.median(batched_cpu) * ms,
     }
 
 
@@ -123,11 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tiny run (nn.Linear(8, 8)), {args.rounds} interleaved rounds:")
     print(
         f"  store.record       median {t['record_median_ms']:7.2f} ms   "
-        f"p90 {t['record_p90_ms']:7.2f} ms"
+        f"p90 {t['record_p90_ms']:7.2f} ms   CPU {t['record_cpu_ms']:6.2f} ms"
     )
     print(
         f"  batched ({args.batch}/batch)  median {t['batched_median_ms']:7.2f} ms   "
-        f"p90 {t['batched_p90_ms']:7.2f} ms   per run, amortised"
+        f"p90 {t['batched_p90_ms']:7.2f} ms   CPU {t['batched_cpu_ms']:6.2f} ms   "
+        "per run, amortised"
     )
     if args.skip_growth:
         return

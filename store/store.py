@@ -457,6 +457,7 @@ class Batch:
         self.store = store
         self._staged: list[tuple[StagedRun, int]] = []
         self._names: set[str] = set()
+        self._known: set[str] | None = None
         #: The runs committed, in order (after the block).
         self.names: list[str] = []
 
@@ -480,11 +481,13 @@ class Batch:
         return staged, fd
 
     def _complete(self) -> Collection[str]:
-        """The names of the store's complete runs (the mirror's, refreshed only when
-        the catalog moved: no query per run)."""
-        mirror = self.store.catalog
-        mirror.refresh(())
-        return mirror.run_ids.keys()
+        """The names of the store's complete runs when the batch began (read once;
+        a run committed by another writer since is caught by the batch's commit)."""
+        if self._known is None:
+            mirror = self.store.catalog
+            mirror.refresh(())
+            self._known = set(mirror.run_ids)
+        return self._known
 
     def add(self, run: StagedRun, lock_fd: int) -> None:
         self._staged.append((run, lock_fd))
