@@ -141,9 +141,10 @@ class ByteStore(ABC):
     def commit(self) -> int:
         """Make everything written so far durable; return the bytes stored."""
 
-    def pending(self, window: int = 16, background: bool = True) -> Pending:
+    def pending(self, window: int = 16, background: bool = True, sync: bool = True) -> Pending:
         """A set of writes made durable together, at most ``window`` waiting at a time,
-        by a thread of its own (``background``) or by the writer that adds one too many."""
+        by a thread of its own (``background``) or by the writer that adds one too many.
+        ``sync=False``: the caller makes them durable later (a batch of runs)."""
         return _Immediate()
 
     def zarr_store(self, prefix: str = "") -> Any:

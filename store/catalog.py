@@ -26,6 +26,7 @@ starts clean.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -38,9 +39,11 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import duckdb
+import pyarrow as pa
 
 from tracelake.errors import (
     CatalogError,
@@ -55,6 +58,7 @@ from .boundary import CatalogCursor, duckdb_errors, guarded
 from .layout import (
     StorePaths,
     disk_full,
+    fsync_dir,
     keep_reserve,
     locked,
     release_reserve,
@@ -67,6 +71,7 @@ from .points import OpIndex
 from .schema import (
     RUN_TABLES,
     TABLES,
+    arrow_schema,
     create_schema,
     ident,
     insert,
@@ -83,6 +88,7 @@ __all__ = [
     "ChangeToken",
     "FileChangeToken",
     "QueryLimits",
+    "StagedRun",
     "set_query_limits",
     "writer_alive",
 ]
@@ -236,6 +242,22 @@ def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
     _ENGINE.attached = False
 
 
+def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
+    """The catalog file's and its log's identity and change stamps (None if the file is
+    missing): equal values mean nobody wrote either since."""
+    states: list[tuple[int, ...]] = []
+    for path in (paths.catalog, paths.catalog.with_name(paths.catalog.name + ".wal")):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if not states:
+                return None
+            states.append(())
+            continue
+        states.append((st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(states)
+
+
 class CatalogWriter:
     """Short, exclusive, transactional changes to ``catalog.duckdb``: each attaches the
     file to the process's writing DuckDB (:class:`_Engine`) and detaches it (a
@@ -244,6 +266,9 @@ class CatalogWriter:
     def __init__(self, paths: StorePaths):
         self.paths = paths
         self._has_schema = False
+        #: The catalog file's and its log's stat as this writer's last transaction left
+        #: them (checked then, and changed by nobody else while they stay so).
+        self._checked: tuple[tuple[int, ...], ...] | None = None
         #: How readers learn that a transaction committed.
         self.changes: ChangeToken = FileChangeToken(paths)
 
@@ -276,10 +301,16 @@ class CatalogWriter:
                 path = str(self.paths.catalog).replace("'", "''")
                 if not self.paths.catalog.exists():
                     self._has_schema = False
+                seen = _file_state(self.paths)
                 con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
                 _ENGINE.attached = True
                 try:
-                    check_objects(con, _ATTACHED)  # before any statement reads a table
+                    # Before any statement reads a table; skipped when the file is, by
+                    # its stat, as this writer's own last transaction left it (listing
+                    # DuckDB's functions for macros costs more than a small commit).
+                    if seen is None or seen != self._checked:
+                        check_objects(con, _ATTACHED)
+                    self._checked = None
                     con.execute(f"USE {_ATTACHED}")
                     con.execute("BEGIN TRANSACTION")
                     try:
@@ -300,6 +331,7 @@ class CatalogWriter:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
+                self._checked = _file_state(self.paths)
             except BaseException as exc:
                 # after a DuckDB failure or an interrupt (Ctrl-C) half-way through a
                 # statement, the engine may still hold the file: a new one, next time
@@ -453,6 +485,84 @@ class CatalogWriter:
                 raise
         return change()
 
+    @guarded("cannot commit the batch's runs to the catalog")
+    def commit_batch(self, runs: list[StagedRun]) -> list[int]:
+        """Make the runs of a batch visible, all in one transaction; return their ids.
+        Each run's directory (``runs/.batch-*``, durable already) is renamed to its id's
+        name inside the transaction, before ``COMMIT``; a crash before the commit
+        leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
+        is in the catalog before this."""
+        then: list[Callable[[], None]] = []
+        with self._transaction(then) as con:
+            on_disk = self._check_disk(con)
+            top, seq = con.execute(
+                "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
+            ).fetchone() or (0, 0)
+            next_id = max(int(top), on_disk) + 1
+            host = socket.gethostname()
+            rows: list[dict[str, Any]] = []  # the runs' rows
+            ids: list[int] = []
+            named: dict[str, int] = {}  # this batch's runs by name, the latest one
+            incoming: dict[str, list[Any]] = {table: [] for table in RUN_TABLES}
+            finished = _now()
+            complete: dict[str, list[int]] = {}  # the complete runs of the batch's names
+            for i, name in con.execute(
+                "SELECT id, name FROM runs WHERE status = ? AND name IN "
+                "(SELECT unnest(?::VARCHAR[]))",
+                [COMPLETE, sorted({run.name for run in runs})],
+            ).fetchall():
+                complete.setdefault(name, []).append(int(i))
+            for run in runs:
+                run_id = next_id + len(ids)
+                clash = complete.pop(run.name, [])
+                clash += [named[run.name]] if run.name in named else []
+                if clash and not run.overwrite:
+                    raise RunExistsError(
+                        f"a run named {run.name!r} was committed while this batch was "
+                        "recording; pass overwrite=True to replace it"
+                    )
+                named[run.name] = run_id
+                if clash:
+                    marks = ", ".join("?" * len(clash))
+                    con.execute(
+                        f"UPDATE runs SET status = '{DELETED}' WHERE id IN ({marks})", clash
+                    )
+                summary = run.summary
+                rows.append(
+                    {
+                        "id": run_id,
+                        "name": run.name,
+                        "status": COMPLETE,
+                        "created": run.created,
+                        "finished": finished,
+                        "steps": summary["steps"],
+                        "op_count": summary["op_count"],
+                        "bytes": summary["bytes"],
+                        "model_class": run.info.get("model_class"),
+                        "param_fingerprint": summary.get("param_fingerprint"),
+                        "input_fingerprint": summary.get("input_fingerprint"),
+                        "torch_version": run.info.get("torch_version"),
+                        "device": summary.get("device"),
+                        "meta": json.dumps(run.info.get("meta")),
+                        "host": host,
+                        "pid": os.getpid(),
+                        "seq": seq + len(rows) + 1,
+                    }
+                )
+                for table, data in run.tables.items():
+                    if data is not None and data.num_rows:
+                        incoming[table].append(_with_run_id(data, run_id))
+                os.rename(run.staged, self.paths.run_dir(run_id))
+                ids.append(run_id)
+            fsync_dir(self.paths.runs)  # the new names, durable before the rows are
+            insert(con, "runs", pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"])))
+            for table, parts in incoming.items():
+                if parts:
+                    insert(con, table, _concat(parts))
+            for run_id, run in zip(ids, runs, strict=True):
+                then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
+        return ids
+
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
         """Set run ``run_id``'s status (``error``: why it failed, for ``failed``)."""
@@ -502,6 +612,31 @@ class CatalogWriter:
                     con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", dead)
                 con.execute(f"UPDATE runs SET status = '{COLLECTED}' WHERE id IN ({marks})", dead)
             return dead
+
+
+@dataclass
+class StagedRun:
+    """A run of a batch, recorded and written (not yet durable): where its directory is,
+    its catalog rows (with any ``run_id``: the batch's commit gives the id) and its
+    ``runs`` row's values."""
+
+    staged: Path
+    name: str
+    overwrite: bool
+    created: datetime
+    info: dict[str, Any]
+    tables: dict[str, Any]
+    summary: dict[str, Any]
+
+
+def _with_run_id(table: Any, run_id: int) -> Any:
+    k = table.schema.get_field_index("run_id")
+    field = table.schema.field(k)
+    return table.set_column(k, field, pa.array([run_id] * table.num_rows, field.type))
+
+
+def _concat(parts: list[Any]) -> Any:
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
 
 
 class ChangeToken(Protocol):

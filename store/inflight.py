@@ -84,6 +84,9 @@ class Buffers:
                 size = next(n for n, bufs in self._free.items() if bufs)
                 self._free[size].pop()
                 self.kept -= size
+        spare = _spare(nbytes)
+        if spare is not None:
+            return spare
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         # Huge pages, populated in one call rather than fault by fault (the second advice:
         # MADV_POPULATE_WRITE, Linux 5.14): huge pages faulted in one by one can make the
@@ -103,8 +106,28 @@ class Buffers:
 
     def clear(self) -> None:
         with self._cond:
+            spare = self._free.get(_SPARE_BYTES, [])
+            with _SPARE_LOCK:
+                while spare and len(_SPARE) < _SPARE_KEPT:
+                    _SPARE.append(spare.pop())
             self._free.clear()
             self.kept = 0
+
+
+#: Pack-chunk buffers (4 MiB, ``format.CHUNK_BYTES``) the writers of this process let go,
+#: kept for the next writer (at most two: 8 MiB): a run of a few small tensors then
+#: costs no fresh map, which must be faulted in, a good part of a tiny run's time.
+_SPARE_BYTES = 4 << 20
+_SPARE_KEPT = 2
+_SPARE: list[np.ndarray] = []
+_SPARE_LOCK = threading.Lock()
+
+
+def _spare(nbytes: int) -> np.ndarray | None:
+    if nbytes != _SPARE_BYTES or not _SPARE:
+        return None
+    with _SPARE_LOCK:
+        return _SPARE.pop() if _SPARE else None
 
 
 class Overwritten(Exception):

@@ -10,6 +10,8 @@
       runs/<id>/            one directory per run, named by its numeric id, never by its name
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
+      runs/.batch-<pid>-*   a run of a batch not yet committed (renamed to runs/<id>
+                            by the batch's commit; gc() removes one whose writer died)
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
@@ -20,6 +22,7 @@ Run names live only in the catalog, so no name ever becomes a path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import io
@@ -28,6 +31,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import warnings
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -70,6 +74,8 @@ DEFAULT_MAX_INFLIGHT = 256 << 20
 #: The on-disk format this code writes; a store with a larger number is refused.
 FORMAT = 1
 _MARKER = "tracelake.json"
+#: How the directories of runs of a batch not yet committed begin (under ``runs/``).
+STAGING = ".batch-"
 _NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
 
@@ -128,6 +134,19 @@ class StorePaths:
         except FileNotFoundError:
             return []
         return sorted(int(n) for n in names if n.isdigit())
+
+    def staging(self) -> Path:
+        """A new directory name for a run of an open batch (``Store.batch``): it becomes
+        ``runs/<id>`` when the batch commits."""
+        return self.runs / f"{STAGING}{os.getpid()}-{os.urandom(6).hex()}"
+
+    def staging_dirs(self) -> list[Path]:
+        """Directories of runs of batches, committed by none yet."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        return [self.runs / n for n in sorted(names) if n.startswith(STAGING)]
 
     def trash_dirs(self) -> list[Path]:
         """Run directories a ``gc()`` began to remove and did not finish."""
@@ -209,6 +228,40 @@ def fsync_file(path: Path) -> None:
 def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
         fsync_file(path)
+
+
+def durable_trees(roots: list[Path]) -> list[int]:
+    """Make every file and directory under each of ``roots`` durable; return the bytes
+    of each one's files. One ``syncfs`` of their filesystem where Linux offers it (one
+    device flush for a whole batch of runs, where an fsync per file costs one each),
+    else :func:`fsync_tree` on each."""
+    if not roots or _syncfs is None:
+        return [fsync_tree(root) for root in roots]
+    sizes = []
+    for root in roots:
+        total = 0
+        for dirpath, _, files in os.walk(root):
+            total += sum(os.lstat(os.path.join(dirpath, name)).st_size for name in files)
+        sizes.append(total)
+    fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(roots[0]))
+    finally:
+        os.close(fd)
+    return sizes
+
+
+def _find_syncfs() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _find_syncfs() if sys.platform.startswith("linux") else None
 
 
 def fsync_tree(root: Path) -> int:
@@ -403,6 +456,23 @@ def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
         return None
     fsync_dir(paths.runs)  # the new name survives a power loss too
     return trash
+
+
+def trash_staged(paths: StorePaths, staged: Path) -> bool:
+    """Move the directory of a batch's run whose writer is gone (its ``writing.lock``
+    held by nobody: the batch's process died before committing) to a ``.trash-`` name;
+    False where a writer holds it, or it has no lock file yet (being made), or is gone."""
+    fd = try_lock(staged / "writing.lock")
+    if fd is None:
+        return False
+    try:
+        os.rename(staged, paths.runs / f".trash-{staged.name[len(STAGING) :]}")
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+    fsync_dir(paths.runs)
+    return True
 
 
 def remove_run_dir(paths: StorePaths, run_id: int) -> int:

@@ -41,8 +41,11 @@ class Unsynced:
     between threads; ``background=False``: the thread that adds one too many syncs the
     oldest itself."""
 
-    def __init__(self, window: int = 16, background: bool = True):
+    def __init__(self, window: int = 16, background: bool = True, sync: bool = True):
         self.window = window
+        #: False: files are only written and closed here; the caller makes them durable
+        #: later, many at once (a batch of runs: ``layout.durable_trees``).
+        self.sync = sync
         self._fds: deque[int] = deque()
         self._busy = 0  # being made durable now
         self._error: OSError | None = None
@@ -51,6 +54,9 @@ class Unsynced:
         self._thread: threading.Thread | None = None
 
     def add(self, fd: int) -> None:
+        if not self.sync:
+            os.close(fd)
+            return
         if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         with self._cond:
@@ -323,8 +329,8 @@ class LocalBackend(ByteStore):
         only once its directory is)."""
         return fsync_tree(self.root) if self.root.exists() else 0
 
-    def pending(self, window: int = 16, background: bool = True) -> Unsynced:
-        return Unsynced(window, background)
+    def pending(self, window: int = 16, background: bool = True, sync: bool = True) -> Unsynced:
+        return Unsynced(window, background, sync)
 
     def zarr_store(self, prefix: str = "") -> Any:
         """The directory itself: zarr-python's own local store reads and writes it."""

@@ -16,6 +16,7 @@ import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from tracelake.errors import (
     InterventionError,
     InvalidMetaError,
     RecorderError,
+    RunExistsError,
     RunNotFoundError,
     StoreError,
     TraceLakeWarning,
@@ -39,13 +41,16 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    StagedRun,
     read_runs,
     writer_alive,
 )
+from .catalog import _now as _catalog_now
 from .layout import (
     DEFAULT_MAX_INFLIGHT,
     StorePaths,
     check_run_marker,
+    durable_trees,
     fsync_tree,
     full_hint,
     is_utf8,
@@ -53,6 +58,8 @@ from .layout import (
     remove_run_dir,
     remove_tree,
     trash_run_dir,
+    trash_staged,
+    try_lock,
     validate_name,
 )
 from .verify import Problem, VerifyReport, verify_files, verify_run
@@ -77,7 +84,7 @@ if TYPE_CHECKING:
 # the store: listing, deleting and collecting runs need only the catalog (the command
 # line's `tracelake runs` starts without torch).
 
-__all__ = ["Recording", "Store", "last_opened", "open_store"]
+__all__ = ["Batch", "Recording", "Store", "last_opened", "open_store"]
 
 log = logging.getLogger("tracelake.store")
 
@@ -255,6 +262,11 @@ class Recording:
         self._device: str | None = None
         self.run_id = -1
         self.info: dict[str, Any] | None = None  # the committed run's catalog row
+        #: The store's open batch when the block began (None: committed on its own).
+        self._batch: Batch | None = None
+        self._dir = Path()
+        self._info: dict[str, Any] = {}
+        self._created = datetime.min
         self.model_class = type(model).__name__ if model is not None else None
 
     # -- the block --------------------------------------------------------------------------
@@ -272,11 +284,17 @@ class Recording:
             "torch_version": torch.__version__,
             "meta": self._meta,
         }
-        self.run_id, self._lock = self.store._catalog.reserve(self.name, self._overwrite, info)
+        batch = self._batch = self.store._batch
+        if batch is None:
+            self.run_id, self._lock = self.store._catalog.reserve(self.name, self._overwrite, info)
+            self._dir = self.store.paths.run_dir(self.run_id)
+        else:  # a directory of its own, no catalog transaction: the batch commits it
+            self._dir, self._lock = batch.stage(self.name, self._overwrite)
+            self._info, self._created = info, _catalog_now()
         try:
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
-                arrays = RunArrays(self.store.paths.tensors(self.run_id), self.name, create=True)
-            self._writer = TensorWriter(arrays, self._max_inflight)
+                arrays = RunArrays(self._dir / "tensors", self.name, create=True)
+            self._writer = TensorWriter(arrays, self._max_inflight, sync=batch is None)
             if self._grad_selector is not None:
                 from tracelake.recorder.backward import BackwardCapture
 
@@ -606,15 +624,32 @@ class Recording:
             for slot in sorted(self._discarded):  # (packed ones: unreferenced bytes)
                 if writer.slots[slot][0] == f"t{slot}":
                     writer.arrays.delete(f"t{slot}")
-        with _os_errors(f"cannot make run {self.name!r} durable"):
-            nbytes = fsync_tree(self.store.paths.run_dir(self.run_id))  # durable before visible
         summary = {
             "steps": len(self._steps),
             "op_count": merged["ops"].num_rows,
-            "bytes": nbytes,
+            "bytes": 0,
             "device": self._device,
             **self._fingerprints,
         }
+        if self._batch is not None:  # durable and visible when the batch commits
+            assert self._lock is not None
+            self._batch.add(
+                StagedRun(
+                    self._dir,
+                    self.name,
+                    self._overwrite,
+                    self._created,
+                    self._info,
+                    merged,
+                    summary,
+                ),
+                self._lock,
+            )
+            self._lock = None  # the batch's now
+            self._steps = []
+            return
+        with _os_errors(f"cannot make run {self.name!r} durable"):
+            summary["bytes"] = fsync_tree(self._dir)  # durable before visible
         self.info = self.store._catalog.commit(
             self.run_id, self.name, self._overwrite, merged, summary
         )
@@ -651,7 +686,10 @@ class Recording:
         try:
             if self._writer is not None:
                 self._writer.abort()
-            if self.run_id >= 0:
+            if self._batch is not None:  # nothing in the catalog: just its directory
+                if self._lock is not None:
+                    remove_tree(self._dir)
+            elif self.run_id >= 0:
                 self.store._catalog.set_status(self.run_id, FAILED, reason)
         except StoreError as exc:
             log.warning("could not mark run %r failed: %s", self.name, exc)
@@ -665,6 +703,72 @@ class Recording:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+class Batch:
+    """The runs of one ``store.batch()`` block: each recorded into a directory of its
+    own under ``runs/.batch-*`` (its ``writing.lock`` held), their files written but not
+    synced; :meth:`commit` makes them all durable at once and commits them in one
+    catalog transaction."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._staged: list[tuple[StagedRun, io.FileIO]] = []
+        self._names: set[str] = set()
+        self._known: set[str] | None = None
+        #: The runs committed, in order (after the block).
+        self.names: list[str] = []
+
+    def stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
+        """A new directory for run ``name``, and its writing lock (the open file). A name
+        already complete in the store, or taken earlier in this batch, is refused here
+        (unless ``overwrite``), not only at the commit."""
+        if not overwrite and (name in self._names or name in self._complete()):
+            raise RunExistsError(
+                f"the store already has a run named {name!r} (or this batch does); choose "
+                "another name, or pass overwrite=True to replace it"
+            )
+        staged = self.store.paths.staging()
+        with _os_errors(f"cannot create a directory for run {name!r}"):
+            self.store.paths.runs.mkdir(parents=True, exist_ok=True)
+            staged.mkdir()
+            fd = try_lock(staged / "writing.lock")
+        if fd is None:
+            raise StoreError(f"run directory {staged} is in use")
+        self._names.add(name)
+        return staged, fd
+
+    def _complete(self) -> Collection[str]:
+        """The names of the store's complete runs when the batch began (read once;
+        a run committed by another writer since is caught by the batch's commit)."""
+        if self._known is None:
+            mirror = self.store.catalog
+            mirror.refresh(())
+            self._known = set(mirror.run_ids)
+        return self._known
+
+    def add(self, run: StagedRun, lock: io.FileIO) -> None:
+        """A run of the batch, recorded and waiting for the commit (``lock``: its
+        directory's writing lock, released after the commit)."""
+        self._staged.append((run, lock))
+
+    def commit(self) -> None:
+        """Make every run of the batch durable (one ``syncfs``), then visible (one
+        transaction). Their locks are let go either way; what a failure leaves,
+        ``gc()`` removes."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        try:
+            runs = [run for run, _ in staged]
+            with _os_errors("cannot make the batch's runs durable"):
+                for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
+                    run.summary["bytes"] = nbytes
+            self.store._catalog.commit_batch(runs)
+            self.names += [run.name for run in runs]
+        finally:
+            for _, lock in staged:
+                lock.close()
 
 
 class Store:
@@ -694,6 +798,7 @@ class Store:
         self._catalog = CatalogWriter(self.paths)
         self._mirror: CatalogMirror | None = None
         self._open_arrays: dict[int, RunArrays] = {}
+        self._batch: Batch | None = None
 
     @property
     def path(self) -> str:
@@ -758,6 +863,25 @@ class Store:
             progress=progress,
         )
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """Record many runs with one commit: ``with store.batch(): ...``. Runs recorded
+        in the block (``record``, ``recording``) are written as usual but made durable
+        and visible together, in one catalog transaction, when the block ends (also
+        when it raises: the runs that completed are committed). Each run stays atomic.
+        A crash (SIGKILL, power loss) before that commit loses every run of the open
+        batch and nothing else; ``gc()`` removes their files. Inside a batch,
+        ``record`` returns None (the run has no id until the batch commits); afterwards
+        ``batch.names`` lists the committed runs."""
+        if self._batch is not None:
+            raise StoreError("a batch is already open on this store; batches do not nest")
+        batch = self._batch = Batch(self)
+        try:
+            yield batch
+        finally:
+            self._batch = None
+            batch.commit()
+
     def record(
         self,
         model: torch.nn.Module,
@@ -776,9 +900,9 @@ class Store:
         args: tuple | None = None,
         kwargs: dict[str, Any] | None = None,
         **model_kwargs: Any,
-    ) -> Run:
+    ) -> Run | None:
         """Record one forward pass of ``model(*inputs, **model_kwargs)`` as a run and
-        return it.
+        return it (None inside :meth:`batch`: the run is visible when the batch commits).
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
@@ -857,7 +981,8 @@ class Store:
             output = rec._record(model, inputs, model_kwargs)
             if backward is not None:
                 rec.backward(backward(output))
-        assert rec.info is not None
+        if rec.info is None:  # in a batch: visible once the batch commits
+            return None
         return self._open_run(rec.info)  # its metadata is read when first asked for
 
     # -- reading --------------------------------------------------------------------------
@@ -1030,6 +1155,8 @@ class Store:
                     if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
                         continue  # (dirs of collected runs: a gc() killed before removing)
                     orphans += trash_run_dir(self.paths, run_id) is not None
+                for staged in self.paths.staging_dirs():  # batches whose process died
+                    orphans += trash_staged(self.paths, staged)
             # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
                 freed += remove_tree(trash)

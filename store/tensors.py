@@ -22,6 +22,7 @@ chunk constants, ``Unsynced``, ``choose_codec``) are re-exported.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -137,6 +138,33 @@ def _check_not_linked(where: str | os.PathLike[str], run: str) -> None:
         here = os.path.dirname(here)
 
 
+_TEMPLATES: dict[str, bytes] = {}
+
+
+def _template(kind: str) -> bytes:
+    """The ``zarr.json`` zarr-python writes for a run's group (``"group"``) or a new
+    pack (its name), made once per process in memory: zarr-python's own create costs a
+    millisecond or two each, a good part of a tiny run."""
+    data = _TEMPLATES.get(kind)
+    if data is None:
+        memory: dict[str, Any] = {}
+        store = zarr.storage.MemoryStore(memory)
+        if kind == "group":
+            zarr.create_group(store, zarr_format=3)
+        else:
+            zarr.create_array(store, **pack_array_spec(kind))
+        data = _TEMPLATES[kind] = memory["zarr.json"].to_bytes()
+    return data
+
+
+def _pack_metadata(name: str, nbytes: int) -> bytes:
+    """Pack ``name``'s ``zarr.json`` for a length of ``nbytes``: zarr-python's own
+    metadata of a new pack, its shape changed as ``resize`` changes it."""
+    metadata = json.loads(_template(name))
+    metadata["shape"] = [nbytes]
+    return json.dumps(metadata, indent=2).encode()
+
+
 class RunArrays:
     """The Zarr group of one run: creates, writes and reads its arrays.
 
@@ -154,28 +182,35 @@ class RunArrays:
         self._arrays: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._grow: dict[str, threading.Lock] = {}
+        self._pack_bytes: dict[str, int] = {}  # each pack's length, as its metadata says
         if create:
-            zarr.create_group(self.backend.zarr_store(), zarr_format=3, overwrite=False)
+            self._put_metadata("zarr.json", _template("group"))
+
+    def _put_metadata(self, key: str, data: bytes) -> None:
+        """Write Zarr metadata zarr-python made (``_template``): as zarr-python would,
+        not synced here; the run's commit makes every file of it durable."""
+        self.backend.put(key, [data], self.backend.pending(sync=False))
 
     # -- writing ---------------------------------------------------------------------------
 
-    def pending(self) -> Pending:
-        """Writes made durable together, by the time it closes (pass to the writes)."""
-        return self.backend.pending()
+    def pending(self, sync: bool = True) -> Pending:
+        """Writes made durable together, by the time it closes (pass to the writes);
+        ``sync=False``: left to the caller (a batch of runs is made durable at once)."""
+        return self.backend.pending(sync=sync)
 
     def prepare_pack(self, name: str) -> None:
         """Create pack ``name``'s array (its metadata) ahead of its first shard."""
         self._pack(name)
 
-    def _pack(self, name: str) -> Any:
+    def _pack(self, name: str) -> threading.Lock:
+        """Pack ``name``'s lock for growing it, its metadata written first if need be."""
         with self._lock:
-            array = self._arrays.get(name)
-            if array is None:
-                array = self._arrays[name] = zarr.create_array(
-                    self.backend.zarr_store(name), **pack_array_spec(name)
-                )
-                self._grow[name] = threading.Lock()
-            return array
+            grow = self._grow.get(name)
+            if grow is None:
+                self._put_metadata(f"{name}/zarr.json", _pack_metadata(name, CHUNK_BYTES))
+                self._pack_bytes[name] = CHUNK_BYTES
+                grow = self._grow[name] = threading.Lock()
+            return grow
 
     def write_pack_chunk(
         self, name: str, index: int, data: np.ndarray, pending: Pending | None = None
@@ -183,11 +218,12 @@ class RunArrays:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in inner
         chunks, each encoded and checksummed, then the shard's index. Durable on return,
         or once ``pending`` closes."""
-        array = self._pack(name)
+        grow = self._pack(name)
         start = index * CHUNK_BYTES
-        with self._grow[name]:  # packs only ever grow, so concurrent writers cannot lose shards
-            if array.shape[0] < start + CHUNK_BYTES:
-                array.resize((start + CHUNK_BYTES,))
+        with grow:  # packs only ever grow, so concurrent writers cannot lose shards
+            if self._pack_bytes[name] < start + CHUNK_BYTES:
+                self._put_metadata(f"{name}/zarr.json", _pack_metadata(name, start + CHUNK_BYTES))
+                self._pack_bytes[name] = start + CHUNK_BYTES
         self.backend.put(chunk_key(name, index), encode_shard(data, pack_codec(name)), pending)
 
     def write_array(
@@ -239,6 +275,8 @@ class RunArrays:
         """Remove array ``name`` and its chunks."""
         with self._lock:
             self._arrays.pop(name, None)
+            self._grow.pop(name, None)
+            self._pack_bytes.pop(name, None)
         self.backend.delete_prefix(name)
 
     def commit(self) -> int:

@@ -93,8 +93,14 @@ class TensorWriter:
     -1, nbytes, shape, dtype, step); ``location(slot)`` names the fields."""
 
     def __init__(
-        self, arrays: RunArrays, max_inflight: int = DEFAULT_MAX_INFLIGHT, workers: int = 2
+        self,
+        arrays: RunArrays,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        workers: int = 2,
+        sync: bool = True,
     ):
+        """``sync=False``: files are written and closed, never synced here (a batch of
+        runs makes them durable at once, ``Store.batch``)."""
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays
@@ -106,7 +112,7 @@ class TensorWriter:
         self.step = 0
         self.bytes_written = 0
         self._buffers = Buffers(max_inflight)
-        self._unsynced = arrays.pending()  # writes made durable by the end of close()
+        self._unsynced = arrays.pending(sync)  # writes made durable by the end of close()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
         self._pending: set[Future[None]] = set()
         self._errors: list[BaseException] = []

@@ -488,3 +488,44 @@ def test_a_forward_that_raises_leaves_nothing_visible(tmp_path: Path) -> None:
     assert not _get_current_function_mode_stack()
     store.record(model.lin, torch.randn(2, 4), name="broken")  # the name is free again
     assert store.gc()["runs"] == 1 and store.verify().ok
+
+
+def test_a_batch_commits_its_runs_together(tmp_path: Path) -> None:
+    store = tl.open(tmp_path / "s")
+    model, inputs = BUILDERS["mlp"]()
+    store.record(model, *inputs, name="before")
+    reader = tl.open(tmp_path / "s")  # another view of the store, as another process's
+    with store.batch() as batch:
+        for k in range(4):
+            xs = tuple(x + k for x in inputs)
+            assert store.record(model, *xs, name=f"r{k}", meta={"k": k}) is None
+        with store.recording("steps", model) as rec:  # a multi-step run, in the batch
+            model(*inputs)
+            rec.record(model, *inputs)
+        with pytest.raises(tl.RunExistsError):  # taken earlier in this batch
+            store.record(model, *inputs, name="r1")
+        with pytest.raises(tl.RunExistsError):  # taken in the store
+            store.record(model, *inputs, name="before")
+        with pytest.raises(RuntimeError), store.recording("broken", model):
+            raise RuntimeError("a failed run in a batch")
+        with pytest.raises(tl.StoreError):
+            store.batch().__enter__()  # batches do not nest
+        assert sorted(reader.runs()["name"]) == ["before"]  # nothing visible yet
+    assert batch.names == ["r0", "r1", "r2", "r3", "steps"]
+    assert sorted(reader.runs()["name"]) == ["before", "r0", "r1", "r2", "r3", "steps"]
+    assert "broken" not in reader.runs(all=True)["name"].tolist()
+    for k in range(4):
+        xs = tuple(x + k for x in inputs)
+        run = reader[f"r{k}"]
+        assert run.meta == {"k": k}
+        assert_bitwise(run["output_1"].out, model(*xs), f"r{k}")
+    assert len(reader["steps"].steps) == 2
+    assert len(list((tmp_path / "s" / "runs").iterdir())) == 6  # no staging left
+    assert reader.verify().ok
+    # a block that raises still commits the runs that completed; overwrite replaces
+    with pytest.raises(KeyError), store.batch():
+        store.record(model, *inputs, name="r0", overwrite=True, meta={"again": 1})
+        raise KeyError("the user's error")
+    assert reader["r0"].meta == {"again": 1}
+    assert reader.gc()["runs"] == 1  # the replaced r0
+    assert reader.verify().ok

@@ -70,6 +70,18 @@ print("survived")
 """
 
 
+def _killed(script: str, root: Path, moment: str) -> None:
+    """Run ``script`` on the store at ``root``; it must die of SIGKILL at ``moment``."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(root), moment],
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
 def _record_earlier_runs(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     store = tl.open(root)
     expected = {}
@@ -87,14 +99,7 @@ def _record_earlier_runs(root: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None:
     root = tmp_path / "s"
     expected = _record_earlier_runs(root)
-    done = subprocess.run(
-        [sys.executable, "-c", _DIE_AT, str(root), moment],
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-        timeout=300,
-    )
-    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    _killed(_DIE_AT, root, moment)
 
     store = tl.open(root)  # openable
     committed = moment == "after-commit"
@@ -197,3 +202,71 @@ def test_four_writers_and_a_reader_at_once(tmp_path: Path) -> None:
         inputs = tuple(x + i for x in inputs)
         assert_bitwise(notebook[f"w{i}-0"]["output_1"].out, model(*inputs), f"w{i}-0")
     assert notebook.verify().ok
+
+
+# A child that commits a batch of runs "k0".."k2", opens a second batch ("o0".."o2"),
+# and SIGKILLs itself at the moment named by argv[2]: while recording the open batch's
+# third run, or inside the open batch's catalog transaction (its runs' directories
+# renamed to their ids, nothing committed).
+_DIE_IN_BATCH = """
+import os, signal, sys
+import torch
+import tracelake as tl
+from tracelake.store import catalog
+from model_zoo import BUILDERS
+
+root, moment = sys.argv[1], sys.argv[2]
+
+def die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+store = tl.open(root)
+with store.batch():
+    for k in range(3):
+        model, inputs = BUILDERS["cnn" if k % 2 else "mlp"]()
+        assert store.record(model, *inputs, name=f"k{k}", meta={"k": k}) is None
+if moment == "batch-commit":
+    catalog.fsync_dir = die  # after the renames, before COMMIT
+with store.batch():
+    for k in range(3):
+        model, inputs = BUILDERS["mlp"]()
+        if moment == "open-batch" and k == 2:
+            model.register_forward_hook(die)
+        store.record(model, *inputs, name=f"o{k}")
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("moment", ["open-batch", "batch-commit"])
+def test_sigkill_during_a_batch_loses_only_the_open_batch(tmp_path: Path, moment: str) -> None:
+    root = tmp_path / "s"
+    expected = _record_earlier_runs(root)
+    _killed(_DIE_IN_BATCH, root, moment)
+
+    store = tl.open(root)
+    assert sorted(store.runs()["name"]) == ["a", "b", "k0", "k1", "k2"]
+    for name, outs in expected.items():  # runs from before the batches, bit for bit
+        for label, tensor in outs.items():
+            assert_bitwise(store[name][label].out, tensor, f"{name} {label}")
+    for k in range(3):  # the committed batch's runs, bit for bit
+        model, inputs = BUILDERS["cnn" if k % 2 else "mlp"]()
+        log = tl.trace(model, *inputs)
+        run = store[f"k{k}"]
+        assert run.meta == {"k": k}
+        for op in log:
+            assert_bitwise(run[op.label].out, op.out, f"k{k} {op.label}")
+    listed = store.runs(all=True)["name"].tolist()
+    assert not any(name.startswith("o") for name in listed), listed  # invisible, even there
+    assert store.verify().ok
+    left = [p for p in (root / "runs").iterdir() if p.name not in {f"{i:08d}" for i in range(6)}]
+    assert left, "the open batch's files should be on disk until gc()"
+    collected = store.gc()
+    assert collected["orphans"] == len(left) and collected["bytes"] > 0, (collected, left)
+    assert sorted(p.name for p in (root / "runs").iterdir()) == [f"{i:08d}" for i in range(1, 6)]
+    # the store takes new runs (and batches) afterwards, under the lost runs' names too
+    with store.batch() as batch:
+        model, inputs = BUILDERS["mlp"]()
+        store.record(model, *inputs, name="o0")
+    assert batch.names == ["o0"] and "o0" in store
+    assert_bitwise(store["o0"]["output_1"].out, model(*inputs), "o0")
+    assert store.verify().ok
