@@ -462,15 +462,15 @@ def trash_staged(paths: StorePaths, staged: Path) -> bool:
     """Move the directory of a batch's run whose writer is gone (its ``writing.lock``
     held by nobody: the batch's process died before committing) to a ``.trash-`` name;
     False where a writer holds it, or it has no lock file yet (being made), or is gone."""
-    fd = try_lock(staged / "writing.lock")
-    if fd is None:
+    lock = try_lock(staged / "writing.lock")
+    if lock is None:
         return False
     try:
         os.rename(staged, paths.runs / f".trash-{staged.name[len(STAGING) :]}")
     except FileNotFoundError:
         return False
     finally:
-        os.close(fd)
+        lock.close()
     fsync_dir(paths.runs)
     return True
 

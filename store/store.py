@@ -732,11 +732,11 @@ class Batch:
         with _os_errors(f"cannot create a directory for run {name!r}"):
             self.store.paths.runs.mkdir(parents=True, exist_ok=True)
             staged.mkdir()
-            fd = try_lock(staged / "writing.lock")
-        if fd is None:
+            lock = try_lock(staged / "writing.lock")
+        if lock is None:
             raise StoreError(f"run directory {staged} is in use")
         self._names.add(name)
-        return staged, fd
+        return staged, lock
 
     def _complete(self) -> Collection[str]:
         """The names of the store's complete runs when the batch began (read once;
