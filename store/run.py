@@ -245,6 +245,12 @@ class Run:
     def __init__(
         self, info: dict[str, Any], arrays: RunArrays, query: Callable[[str, list[Any]], Any]
     ):
+        self._bind(info, arrays, query)
+
+    def _bind(
+        self, info: dict[str, Any], arrays: RunArrays, query: Callable[[str, list[Any]], Any]
+    ) -> None:
+        """Point this object at a catalog row (again, for a run of a batch, once committed)."""
         self.info = info
         self.name: str = info["name"]
         self.id: int = info["id"]

@@ -714,6 +714,7 @@ class Batch:
     def __init__(self, store: Store):
         self.store = store
         self._staged: list[tuple[StagedRun, io.FileIO]] = []
+        self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
         self._known: set[str] | None = None
         #: The runs committed, in order (after the block).
@@ -747,6 +748,23 @@ class Batch:
             self._known = set(mirror.run_ids)
         return self._known
 
+    def pending(self, name: str) -> Run:
+        """The :class:`Run` ``record`` returns for run ``name`` of this batch: readable
+        once the batch commits (before that, reading it raises :class:`StoreError`)."""
+        from .run import Run
+        from .tensors import RunArrays
+
+        def not_yet(*_: Any, **__: Any) -> Any:
+            raise StoreError(
+                f"run {name!r} belongs to an open store.batch(): it can be read once the "
+                "batch's `with` block ends"
+            )
+
+        info = {"name": name, "id": -1, "steps": 1}  # (record: one step)
+        run = Run(info, RunArrays(self.store.paths.root, name), not_yet)
+        self._pending.append(run)
+        return run
+
     def add(self, run: StagedRun, lock: io.FileIO) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
         directory's writing lock, released after the commit)."""
@@ -766,6 +784,11 @@ class Batch:
                     run.summary["bytes"] = nbytes
             self.store._catalog.commit_batch(runs)
             self.names += [run.name for run in runs]
+            for pending in self._pending:
+                info = self.store._run_info("name = ? AND status = ?", [pending.name, COMPLETE])
+                if info is not None:
+                    arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
+                    pending._bind(info, arrays, self.store._run_query(info["id"]))
         finally:
             for _, lock in staged:
                 lock.close()
@@ -870,9 +893,9 @@ class Store:
         and visible together, in one catalog transaction, when the block ends (also
         when it raises: the runs that completed are committed). Each run stays atomic.
         A crash (SIGKILL, power loss) before that commit loses every run of the open
-        batch and nothing else; ``gc()`` removes their files. Inside a batch,
-        ``record`` returns None (the run has no id until the batch commits); afterwards
-        ``batch.names`` lists the committed runs."""
+        batch and nothing else; ``gc()`` removes their files. Inside a batch, the
+        :class:`Run` ``record`` returns can be read once the batch commits (it has no
+        id before); afterwards ``batch.names`` lists the committed runs."""
         if self._batch is not None:
             raise StoreError("a batch is already open on this store; batches do not nest")
         batch = self._batch = Batch(self)
@@ -900,9 +923,9 @@ class Store:
         args: tuple | None = None,
         kwargs: dict[str, Any] | None = None,
         **model_kwargs: Any,
-    ) -> Run | None:
+    ) -> Run:
         """Record one forward pass of ``model(*inputs, **model_kwargs)`` as a run and
-        return it (None inside :meth:`batch`: the run is visible when the batch commits).
+        return it (inside :meth:`batch`, the run can be read once the batch commits).
 
         ``save`` selects the tensors to store (default all), ``meta`` is any
         JSON-serialisable dict kept with the run, ``name`` is generated when omitted.
@@ -982,7 +1005,8 @@ class Store:
             if backward is not None:
                 rec.backward(backward(output))
         if rec.info is None:  # in a batch: visible once the batch commits
-            return None
+            assert self._batch is not None
+            return self._batch.pending(rec.name)
         return self._open_run(rec.info)  # its metadata is read when first asked for
 
     # -- reading --------------------------------------------------------------------------

@@ -495,10 +495,13 @@ def test_a_batch_commits_its_runs_together(tmp_path: Path) -> None:
     model, inputs = BUILDERS["mlp"]()
     store.record(model, *inputs, name="before")
     reader = tl.open(tmp_path / "s")  # another view of the store, as another process's
+    returned = []
     with store.batch() as batch:
         for k in range(4):
             xs = tuple(x + k for x in inputs)
-            assert store.record(model, *xs, name=f"r{k}", meta={"k": k}) is None
+            returned.append(store.record(model, *xs, name=f"r{k}", meta={"k": k}))
+        with pytest.raises(tl.StoreError, match=r"open store\.batch"):
+            _ = returned[0].labels  # no id before the commit
         with store.recording("steps", model) as rec:  # a multi-step run, in the batch
             model(*inputs)
             rec.record(model, *inputs)
@@ -512,6 +515,9 @@ def test_a_batch_commits_its_runs_together(tmp_path: Path) -> None:
             store.batch().__enter__()  # batches do not nest
         assert sorted(reader.runs()["name"]) == ["before"]  # nothing visible yet
     assert batch.names == ["r0", "r1", "r2", "r3", "steps"]
+    for k, run in enumerate(returned):  # what record returned is the committed run
+        assert run.name == f"r{k}" and run.meta == {"k": k}
+        assert_bitwise(run["output_1"].out, reader[f"r{k}"]["output_1"].out, f"r{k}")
     assert sorted(reader.runs()["name"]) == ["before", "r0", "r1", "r2", "r3", "steps"]
     assert "broken" not in reader.runs(all=True)["name"].tolist()
     for k in range(4):

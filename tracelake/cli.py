@@ -465,7 +465,10 @@ def _query(args: argparse.Namespace) -> int:
         result = run_query(store, text, dict(args.param), lazy=True)
     except QueryError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        # A run that is not there is an error in the store's state, not in the query's text.
+        from tracelake.errors import RunNotFoundError
+
+        return 1 if isinstance(exc, RunNotFoundError) else 2
     if fmt != "table":
         from tracelake.query.export import export
 
