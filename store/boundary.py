@@ -44,8 +44,12 @@ def _converted(exc: BaseException, what: str, error: type[TraceLakeError]) -> Ba
     into an error of its own (``InterruptException``, or ``RuntimeError: Query
     interrupted`` while fetching): it leaves as the ``KeyboardInterrupt`` it was. Other
     ``RuntimeError``s are not DuckDB's to convert and leave unchanged."""
-    if isinstance(exc, duckdb.InterruptException) or (
-        isinstance(exc, RuntimeError) and "interrupted" in str(exc).lower()
+    if (
+        isinstance(exc, duckdb.InterruptException)
+        or (isinstance(exc, RuntimeError) and "interrupted" in str(exc).lower())
+        # a Ctrl-C while DuckDB called back into Python (reading a registered Arrow
+        # table) comes back wrapped in the statement's error
+        or (isinstance(exc, duckdb.Error) and "KeyboardInterrupt" in str(exc))
     ):
         return KeyboardInterrupt()
     if isinstance(exc, RuntimeError) and not isinstance(exc, duckdb.Error):

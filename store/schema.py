@@ -11,6 +11,7 @@ declarations say.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -208,5 +209,12 @@ def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
         con.register("_incoming", rows)
         try:
             con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
-        finally:
-            con.unregister("_incoming")
+        except BaseException:
+            # a failed (or interrupted) statement aborts the transaction, and so would
+            # the unregister: the first error is the one to report
+            import duckdb
+
+            with contextlib.suppress(duckdb.Error):
+                con.unregister("_incoming")
+            raise
+        con.unregister("_incoming")

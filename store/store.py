@@ -285,13 +285,17 @@ class Recording:
             "meta": self._meta,
         }
         batch = self._batch = self.store._batch
-        if batch is None:
-            self.run_id, self._lock = self.store._catalog.reserve(self.name, self._overwrite, info)
-            self._dir = self.store.paths.run_dir(self.run_id)
-        else:  # a directory of its own, no catalog transaction: the batch commits it
-            self._dir, self._lock = batch.stage(self.name, self._overwrite)
-            self._info, self._created = info, _catalog_now()
+        # Everything from here is undone if anything fails or a Ctrl-C comes: no block
+        # runs then, so no __exit__ will.
         try:
+            if batch is None:
+                self.run_id, self._lock = self.store._catalog.reserve(
+                    self.name, self._overwrite, info
+                )
+                self._dir = self.store.paths.run_dir(self.run_id)
+            else:  # a directory of its own, no catalog transaction: the batch commits it
+                self._dir, self._lock = batch.stage(self.name, self._overwrite)
+                self._info, self._created = info, _catalog_now()
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(self._dir / "tensors", self.name, create=True)
             self._writer = TensorWriter(arrays, self._max_inflight, sync=batch is None)
@@ -312,23 +316,36 @@ class Recording:
                 poll=lambda: writer.bytes_written,
                 describe=lambda: f"recording {name}: {len(self._steps)} step(s)",
             ).__enter__()
-        except BaseException:
-            self._fail()  # no block runs, so no __exit__ will
-            raise
-        if self.model is not None:
-            # A compiled model runs eagerly for the whole block: its hooks below would
-            # otherwise run inside the compiled code (model.compile()).
-            from tracelake.recorder.eager import EagerStance
+            if self.model is not None:
+                # A compiled model runs eagerly for the whole block: its hooks below would
+                # otherwise run inside the compiled code (model.compile()).
+                from tracelake.recorder.eager import EagerStance
 
-            self._eager = EagerStance(self.model).__enter__()
-            self._hooks = [
-                self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                self.model.register_forward_hook(self._returned),  # before the next one
-                self.model.register_forward_hook(
-                    self._post_hook, with_kwargs=True, always_call=True
-                ),
-            ]
+                self._eager = EagerStance(self.model).__enter__()
+                self._hooks.append(
+                    self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+                )
+                self._hooks.append(  # before the next one
+                    self.model.register_forward_hook(self._returned)
+                )
+                self._hooks.append(
+                    self.model.register_forward_hook(
+                        self._post_hook, with_kwargs=True, always_call=True
+                    )
+                )
+        except BaseException:
+            self._unhook()
+            self._fail()
+            raise
         return self
+
+    def _unhook(self) -> None:
+        """Remove the block's model hooks and eager stance (what ``__enter__`` installed)."""
+        while self._hooks:
+            self._hooks.pop().remove()
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            eager.__exit__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         for handle in self._hooks:
@@ -338,9 +355,7 @@ class Recording:
             # a forward left by a BaseException (Ctrl-C): torch ran no always-called
             # hook for it, so its mode and hooks are still installed
             self._drop_stale()
-        if self._eager is not None:
-            self._eager.__exit__()
-            self._eager = None
+        self._unhook()
         if exc_type is None:
             try:
                 self._commit()
@@ -1005,7 +1020,7 @@ class Store:
             if backward is not None:
                 rec.backward(backward(output))
         if rec.info is None:  # in a batch: visible once the batch commits
-            assert self._batch is not None
+            assert self._batch is not None and rec.name is not None
             return self._batch.pending(rec.name)
         return self._open_run(rec.info)  # its metadata is read when first asked for
 

@@ -224,7 +224,7 @@ store = tl.open(root)
 with store.batch():
     for k in range(3):
         model, inputs = BUILDERS["cnn" if k % 2 else "mlp"]()
-        assert store.record(model, *inputs, name=f"k{k}", meta={"k": k}) is None
+        store.record(model, *inputs, name=f"k{k}", meta={"k": k})
 if moment == "batch-commit":
     catalog.fsync_dir = die  # after the renames, before COMMIT
 with store.batch():
