@@ -192,3 +192,47 @@ def test_grad_is_null_without_backward_and_refused_outside_ops(tmp_path):
     ):
         with pytest.raises(tl.QueryError, match=message):
             store.query(query)
+
+
+class _Residual(torch.nn.Module):
+    """The engine hands one gradient to several nodes: the addition's to both of its
+    inputs, the views' on as views (same bytes, other shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        r = torch.relu(h).view(-1)
+        return h + r.view(h.shape) * 1.0
+
+
+def test_a_gradient_handed_to_several_ops_is_stored_once(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Residual(), torch.randn(256, 64)
+    store = tl.open(tmp_path / "runs.tl")
+    store.record(model, x, name="r", backward=lambda out: (out * out).sum())
+    res = store.query(
+        "select idx, kind, shape, grad, norm(grad), mean(grad), absmax(grad) from ops "
+        "where run = 'r' order by idx"
+    )
+    ref = _Residual()
+    ref.load_state_dict(model.state_dict())
+    mode = GradHookMode()
+    with mode:
+        out = ref(x)
+    (out * out).sum().backward()
+    hooked = [grads for _, per_call in mode.calls for grads in per_call]
+    ops = [row for row in res if row["kind"] == "op"]
+    assert len(ops) == len(hooked) == 6  # linear, relu, view, view, mul, add
+    for row, grads in zip(ops, hooked, strict=True):
+        (want,) = grads
+        assert row["grad"].shape == want.shape == tuple(row["shape"])
+        assert torch.equal(row["grad"], want), row["idx"]
+        assert row["norm(grad)"] == pytest.approx(float(want.double().norm()), rel=1e-6)
+        assert row["mean(grad)"] == pytest.approx(float(want.double().mean()), rel=1e-5, abs=1e-9)
+        assert row["absmax(grad)"] == float(want.abs().max())
+    # several ops' rows name the same bytes (written once)
+    where = store.sql('select "array", byte_offset from grads')
+    assert len(where.drop_duplicates()) < len(where) - 2
