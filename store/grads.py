@@ -30,20 +30,20 @@ class StoreGrads:
 
     The engine hands the same gradient to several nodes (an addition passes its
     gradient on to both of its inputs' nodes as it is, a view's backward a view of it):
-    the bytes are stored once. A contiguous gradient whose bytes are those of one saved
-    earlier in the same backward call (same address, size and dtype) while that one is
-    still alive (so its memory is still its storage's) and its version has not moved
-    (views share their base's counter) gets that slot, or an alias of it with its own
-    shape (:meth:`TensorWriter.alias`, packed bytes only): the same bytes, nothing
-    copied or written again.
-    Only weak references are kept, so no gradient lives longer than the engine keeps it.
+    its bytes are stored once. A contiguous gradient whose bytes are those of one saved
+    earlier in the same backward call (same device, address, size and dtype), while that
+    one is still alive (so the memory is still its storage's) and neither version has
+    moved since (views share their base's counter), gets that one's slot, or an alias
+    of it with its own shape (:meth:`TensorWriter.alias`, packed bytes only): nothing
+    is copied or written again. Only weak references are kept, so no gradient lives
+    longer than the engine keeps it.
     """
 
     def __init__(self, writer: TensorWriter):
         self._writer = writer
         self.fires: list[tuple[GradFire, int]] = []  # (fire, slot)
-        # (address, nbytes, dtype) -> (the gradient saved there, its version, its slot)
-        self._saved: dict[tuple[int, int, torch.dtype], tuple[Any, int, int]] = {}
+        # (device, address, nbytes, dtype) -> (the gradient saved there, its version, slot)
+        self._saved: dict[tuple[Any, int, int, torch.dtype], tuple[Any, int, int]] = {}
 
     def keep(self, fire: GradFire, grad: torch.Tensor) -> None:
         writer = self._writer
@@ -51,7 +51,7 @@ class StoreGrads:
         if not grad.is_contiguous() or not grad.nbytes:
             self.fires.append((fire, writer.save(grad)))
             return
-        key = (grad.data_ptr(), grad.nbytes, grad.dtype)
+        key = (grad.device, grad.data_ptr(), grad.nbytes, grad.dtype)
         version = grad._version
         seen = self._saved.get(key)
         if seen is not None:
