@@ -141,9 +141,11 @@ class Star(Node):
 
 @dataclass(frozen=True, slots=True)
 class Out(Node):
-    """``out``: the op's output tensor."""
+    """``out``: the op's output tensor; ``grad`` (``tensor="grad"``): the gradient of the
+    loss with respect to it (its latest backward fire)."""
 
     table: str | None = None
+    tensor: Lit["out", "grad"] = "out"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +162,11 @@ Index = int | SliceSpec | EllipsisType
 
 @dataclass(frozen=True, slots=True)
 class OutSlice(Node):
-    """``out[i, a:b, ...]``: basic indexing of the output tensor."""
+    """``out[i, a:b, ...]`` (``grad[...]``): basic indexing of the tensor."""
 
     index: tuple[Index, ...]
     table: str | None = None
+    tensor: Lit["out", "grad"] = "out"
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,13 @@ __all__ = ["CompiledQuery", "PointLookup", "TensorItem", "compile_query"]
 _POINT_COLUMNS = frozenset({"run", *POINT_FIELDS} - {"run_id"})
 
 
+#: Each op's latest gradient: the ``grads`` row of its last fire (its last backward
+#: call), which ``grad`` and its reductions read; every fire is a row of ``grads``.
+_LATEST_GRADS = (
+    '(SELECT * FROM "grads" QUALIFY row_number() OVER '
+    '(PARTITION BY "run_id", "step", "idx" ORDER BY "fire" DESC) = 1)'
+)
+
 #: More ``and`` / ``or`` terms than this in one filter and DuckDB's optimizer, which
 #: rewrites each conjunction term by term, costs time quadratic (and worse) in their
 #: number: 1,000 terms 2.4 s, 20,000 ~50 s. Behind a CASE it evaluates them as written.
@@ -153,7 +160,8 @@ class _Compiler(PairRules):
         self.aggregates = any(is_aggregate(c) for c in calls)
         self.joined = len(self.sources) > 1
         self.merged = {c.name for j in query.joins for c in j.using}
-        self.located: set[int] = set()  # tables whose tensors the executor reads
+        self.located: set[int] = set()  # where the tensors the executor reads lie
+        self.grads: set[int] = set()
         self.post_columns: list[tuple[str, list[Any]]] = []  # __e<n>: SQL, params
         self.post_where: Post | None = None
         self.post_order: tuple[tuple[Post, bool], ...] = ()
@@ -248,9 +256,9 @@ class _Compiler(PairRules):
             tuple(name for name, _ in hidden),
             self.sources[0].table,
             frozenset(self.used),
-            None if grouped or post or self.joined or q.distinct else self._point(),
+            None if grouped or post or self.joined or q.distinct or self.grads else self._point(),
             self._scope(),
-            tuple(f"_{s.index}" for s in self.sources) if self.joined else ("",),
+            self._suffixes(),
             self.post_where,
             self.post_order,
             self.post_limit,
@@ -281,17 +289,32 @@ class _Compiler(PairRules):
                 q.having,
             )
 
+    def _suffixes(self) -> tuple[str, ...]:
+        """The suffix of each location's hidden columns (see ``tensor_location``): a
+        table's place in a join; ``_g<k>`` for the gradients of table ``k``."""
+        tables = tuple(f"_{s.index}" for s in self.sources) if self.joined else ("",)
+        if not self.grads:
+            return tables
+        return tables + tuple(f"_g{s.index}" for s in self.sources)
+
+    def _location_sql(self, location: int) -> str:
+        """The SQL alias of the rows holding ``location``'s tensors."""
+        n = len(self.sources)
+        if location >= n:
+            return self.grad_row(self.sources[location - n])
+        return self.sources[location].sql
+
     def _hidden(self) -> list[tuple[str, str]]:
-        """(name, SQL) of the hidden columns: each located table's tensor location, then
-        the expressions the executor reads."""
+        """(name, SQL) of the hidden columns: each located tensor's location, then the
+        expressions the executor reads."""
         hidden = []
-        for src in self.sources:
-            if src.index in self.located:
-                suffix = f"_{src.index}" if self.joined else ""
-                hidden += [
-                    (name + suffix, f"{src.sql}.{ident(column)}")
-                    for name, column in HIDDEN_COLUMNS.items()
-                ]
+        suffixes = self._suffixes()
+        for location in sorted(self.located):
+            sql = self._location_sql(location)
+            hidden += [
+                (name + suffixes[location], f"{sql}.{ident(column)}")
+                for name, column in HIDDEN_COLUMNS.items()
+            ]
         hidden += [(f"__e{n}", sql) for n, (sql, _) in enumerate(self.post_columns)]
         return hidden
 
@@ -449,6 +472,12 @@ class _Compiler(PairRules):
                     f' JOIN "runs" AS {r} ON {r}."id" = {src.sql}."run_id" AND {r}."status" = ?'
                 )
                 params.append(COMPLETE)
+            if src.index in self.grads:
+                g, t = self.grad_row(src), src.sql
+                parts.append(
+                    f" LEFT JOIN {_LATEST_GRADS} AS {g} ON "
+                    + " AND ".join(f'{g}."{c}" = {t}."{c}"' for c in ("run_id", "step", "idx"))
+                )
         return "".join(parts), params
 
     # clauses --------------------------------------------------------------------------
@@ -641,7 +670,7 @@ class _Compiler(PairRules):
                 )
             item_ = self._tensor_item(expr, name)
             self.tensors.append(item_)
-            return [(f'{self.sources[item_.source].sql}."tensor"', name)]
+            return [(f'{self._location_sql(item_.source)}."tensor"', name)]
         if grouped:
             self._require_grouped(expr, "select")
         if isinstance(expr, ast.Literal | ast.Param):
@@ -652,10 +681,10 @@ class _Compiler(PairRules):
 
     def _tensor_item(self, expr: ast.Expr, name: str) -> TensorItem:
         if isinstance(expr, ast.Out):
-            return TensorItem(name, "out", source=self.tensor_source(expr).index)
+            return TensorItem(name, "out", source=self.tensor_location(expr))
         if isinstance(expr, ast.OutSlice):
-            src = self.tensor_source(expr)
-            return TensorItem(name, "slice", self.index_of(expr), source=src.index)
+            location = self.tensor_location(expr)
+            return TensorItem(name, "slice", self.index_of(expr), source=location)
         assert isinstance(expr, ast.Call) and isinstance(expr.args[0], ast.OutSlice)
         if expr.name not in FUNCTIONS:
             raise self.refuse(
@@ -665,8 +694,8 @@ class _Compiler(PairRules):
             raise self.refuse(
                 f"{expr.name}() does not reduce a tensor; reductions: {', '.join(REDUCTIONS)}", expr
             )
-        src = self.tensor_source(expr.args[0])
-        return TensorItem(name, "reduce", self.index_of(expr.args[0]), expr.name, src.index)
+        location = self.tensor_location(expr.args[0])
+        return TensorItem(name, "reduce", self.index_of(expr.args[0]), expr.name, location)
 
     def visit_OrderItem(self, item: ast.OrderItem) -> list[str]:
         expr = item.expr

@@ -162,6 +162,7 @@ class Operands:
     touched: set[tuple[int, bool]]
     graphs: bool  # whether the query names parent. or child. anywhere
     query: ast.Query
+    grads: set[int]  # tables of from whose ops' latest gradients the SQL joins
 
     def visit(self, node: Any) -> Any:
         return getattr(self, f"visit_{type(node).__name__}", self.visit_default)(node)
@@ -212,6 +213,21 @@ class Operands:
             )
         return src
 
+    def grad_source(self, node: Any) -> Source:
+        """The ``ops`` table whose ``grad`` (or reduction of it) ``node`` names: the SQL
+        then joins each op's latest gradient row of ``grads`` (:meth:`grad_row`)."""
+        src = self.source(node)
+        if src.table != "ops":
+            hint = "; in grads, out is the gradient" if src.table == "grads" else ""
+            raise self.refuse(f"grad is a tensor of ops, not of {src.table}{hint}", node)
+        self.grads.add(src.index)
+        self.touched.add((src.index, True))  # joined after its table, as its runs row
+        return src
+
+    def grad_row(self, src: Source) -> str:
+        """The SQL alias of the ``grads`` row joined to ``src``'s rows."""
+        return f"{src.sql}g"
+
     def _runs_row(self, src: Source) -> str:
         """The SQL alias of the ``runs`` row of ``src``'s rows (joined on demand)."""
         if src.table == "runs":
@@ -229,8 +245,12 @@ class Operands:
                 return str(self.visit(aliased))
         src = self.source(node)
         if node.name not in src.columns:
-            extra = ", out" if src.table in TENSOR_TABLES else ""
-            hint = closest(node.name, [*src.columns, *(["out"] if extra else [])])
+            extra = (
+                (", out, grad" if src.table == "ops" else ", out")
+                if src.table in TENSOR_TABLES
+                else ""
+            )
+            hint = closest(node.name, [*src.columns, *extra.split(", ")[1:]])
             raise self.refuse(
                 f"unknown column {node.name!r}{hint}"
                 if hint
@@ -367,11 +387,14 @@ class Operands:
         if name in SCALARS:
             return f"{name}({self.number(arg)})"
         if isinstance(arg, ast.Out) and name in REDUCTIONS:
-            src = self.ops_source(arg, "out")
+            if arg.tensor == "grad":
+                row = self.grad_row(self.grad_source(arg))
+            else:
+                row = self.ops_source(arg, "out").sql
             if name == "sum":  # mean x element count; a 0-d tensor has one element
-                mean = f'{src.sql}."mean"'
-                return f'coalesce({mean} * list_product({src.sql}."shape"), {mean})'
-            return f"{src.sql}.{ident(STATS[name])}"
+                mean = f'{row}."mean"'
+                return f'coalesce({mean} * list_product({row}."shape"), {mean})'
+            return f"{row}.{ident(STATS[name])}"
         if isinstance(arg, ast.OutSlice):
             raise self.refuse(
                 f"{expr_text(node)} reads the tensor, so it can only be "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import ast
-from .operands import Operands, Source, walk
+from .operands import Operands, walk
 from .plan import PAIR_DEFAULTS, Apply, Const, Pair, Post, Ref, TensorRef
 from .printer import expr_text
 from .schema import PAIR_FUNCTIONS
@@ -32,10 +32,17 @@ class PairRules(Operands):
     post_columns: list[tuple[str, list[Any]]]
     located: set[int]
 
-    def tensor_source(self, expr: ast.Out | ast.OutSlice) -> Source:
-        src = self.ops_source(expr, "out")
-        self.located.add(src.index)
-        return src
+    def tensor_location(self, expr: ast.Out | ast.OutSlice) -> int:
+        """Where ``expr``'s tensor lies: a table's place in ``from`` for its ``out``;
+        that plus the number of tables for the ``grad`` of an ``ops`` table (its ops'
+        latest gradients, joined from ``grads``). The executor finds each location's
+        hidden columns by its suffix (``CompiledQuery.suffixes``)."""
+        if expr.tensor == "grad":
+            location = self.grad_source(expr).index + len(self.sources)
+        else:
+            location = self.ops_source(expr, "out").index
+        self.located.add(location)
+        return location
 
     def index_of(self, expr: ast.OutSlice) -> tuple[Any, ...]:
         if sum(i is ... for i in expr.index) > 1:
@@ -142,7 +149,7 @@ class PairRules(Operands):
                     f"{name}() compares tensors (a.out, b.out[0]), not {expr_text(arg)}", arg
                 )
             index = self.index_of(arg) if isinstance(arg, ast.OutSlice) else None
-            refs.append(TensorRef(self.tensor_source(arg).index, index))
+            refs.append(TensorRef(self.tensor_location(arg), index))
         tolerances = list(PAIR_DEFAULTS)
         for k, arg in enumerate(node.args[2:]):
             value = arg.value if isinstance(arg, ast.Literal) else None

@@ -57,6 +57,7 @@ KEYWORDS = frozenset(
         "true",
         "false",
         "out",
+        "grad",
     }
 )
 
@@ -385,19 +386,25 @@ class _Build:
                 f"({head!s}.meta.key); a table's column is {head!s}.<column>",
                 _cover(names[1]),
             )
-        if first == "out":
-            return ast.Out(table, span=span)
+        if first in ("out", "grad"):
+            return ast.Out(table, "out" if first == "out" else "grad", span=span)
         return ast.Column(_name(names[0]).lower(), table, span=span)
 
     def qualified_slice(self, head: Token, *parts: Any) -> ast.OutSlice:
         names = [p for p in parts if isinstance(p, Token) and p.type == "NAME"]
         index = parts[len(names) : -1]
-        if len(names) != 1 or str(names[0]).lower() != "out" or str(head).lower() == "meta":
+        tensor = str(names[0]).lower() if len(names) == 1 else ""
+        if tensor not in ("out", "grad") or str(head).lower() == "meta":
             raise _Misplaced(
-                "only a tensor can be indexed: out[...] or <table>.out[...]",
+                "only a tensor can be indexed: out[...], grad[...] or <table>.out[...]",
                 _cover(head, *names),
             )
-        return ast.OutSlice(index, _name(head).lower(), span=_join(head, parts[-1]))
+        return ast.OutSlice(
+            index,
+            _name(head).lower(),
+            "out" if tensor == "out" else "grad",
+            span=_join(head, parts[-1]),
+        )
 
     def call(self, name: Token, args: tuple[Any, ...], rpar: Token) -> ast.Call:
         distinct = bool(args) and isinstance(args[0], str)
@@ -417,6 +424,12 @@ class _Build:
 
     def out_slice(self, tok: Token, *index: Any) -> ast.OutSlice:
         return ast.OutSlice(index[:-1], span=_join(tok, index[-1]))
+
+    def grad(self, tok: Token) -> ast.Out:
+        return ast.Out(tensor="grad", span=_span(tok))
+
+    def grad_slice(self, tok: Token, *index: Any) -> ast.OutSlice:
+        return ast.OutSlice(index[:-1], tensor="grad", span=_join(tok, index[-1]))
 
     def signed(self, minus: Token | None, tok: Token) -> ast.Literal:
         literal = self.number(tok)

@@ -56,9 +56,11 @@ def expr_text(expr: ast.Expr) -> str:
     if isinstance(expr, ast.GraphRef):
         return _qualified(expr.table, f"{expr.direction}.{expr.name}")
     if isinstance(expr, ast.Out):
-        return _qualified(expr.table, "out")
+        return _qualified(expr.table, expr.tensor)
     if isinstance(expr, ast.OutSlice):
-        return _qualified(expr.table, "out[" + ", ".join(_index(i) for i in expr.index) + "]")
+        return _qualified(
+            expr.table, expr.tensor + "[" + ", ".join(_index(i) for i in expr.index) + "]"
+        )
     if isinstance(expr, ast.Call):
         args = ", ".join(expr_text(a) for a in expr.args)
         return f"{expr.name}({'distinct ' if expr.distinct else ''}{args})"

@@ -120,7 +120,9 @@ class GradEdges:
 
 class GradSink(Protocol):
     """Where gradients go: ``keep`` runs in the backward pass (on autograd's thread),
-    ``done`` after each backward call."""
+    ``done`` after each backward call. ``keep`` gets the engine's own tensor (the same
+    object wherever the engine passes one gradient to several nodes); a sink that holds
+    on to it detaches it."""
 
     def keep(self, fire: GradFire, grad: torch.Tensor) -> None: ...
 
@@ -149,7 +151,7 @@ class BackwardCapture:
                 for index, number in targets:
                     grad = grad_outputs[number] if number < len(grad_outputs) else None
                     if grad is not None:
-                        self.sink.keep(GradFire(call, fire, name, step, index), grad.detach())
+                        self.sink.keep(GradFire(call, fire, name, step, index), grad)
 
         return pre_hook
 
@@ -190,6 +192,7 @@ class MemoryGrads:
         self._checked = 0
 
     def keep(self, fire: GradFire, grad: torch.Tensor) -> None:
+        grad = grad.detach()
         self._by_op.setdefault((fire.step, fire.op), []).append(len(self.fires))
         self.fires.append(fire)
         self.tensors.append(grad)

@@ -5,6 +5,7 @@ op record, :data:`tracelake.recorder.record.GRADS`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,18 +26,51 @@ __all__ = ["StoreGrads", "grads_table"]
 
 class StoreGrads:
     """The sink of a recording's backward calls: each gradient goes to the writer at
-    once (one slot), its fire to :attr:`fires`."""
+    once (one slot), its fire to :attr:`fires`.
+
+    The engine hands the same gradient to several nodes (an addition passes its
+    gradient on to both of its inputs' nodes as it is, a view's backward a view of it):
+    its bytes are stored once. A contiguous gradient whose bytes are those of one saved
+    earlier in the same backward call (same device, address, size and dtype), while that
+    one is still alive (so the memory is still its storage's) and neither version has
+    moved since (views share their base's counter), gets that one's slot, or an alias
+    of it with its own shape (:meth:`TensorWriter.alias`, packed bytes only): nothing
+    is copied or written again. Only weak references are kept, so no gradient lives
+    longer than the engine keeps it.
+    """
 
     def __init__(self, writer: TensorWriter):
         self._writer = writer
         self.fires: list[tuple[GradFire, int]] = []  # (fire, slot)
+        # (device, address, nbytes, dtype) -> (the gradient saved there, its version, slot)
+        self._saved: dict[tuple[Any, int, int, torch.dtype], tuple[Any, int, int]] = {}
 
     def keep(self, fire: GradFire, grad: torch.Tensor) -> None:
         writer = self._writer
         writer.step = fire.step
-        self.fires.append((fire, writer.save(grad)))
+        if not grad.is_contiguous() or not grad.nbytes:
+            self.fires.append((fire, writer.save(grad)))
+            return
+        key = (grad.device, grad.data_ptr(), grad.nbytes, grad.dtype)
+        version = grad._version
+        seen = self._saved.get(key)
+        if seen is not None:
+            held, held_version, slot = seen
+            same = held()
+            if same is not None and same._version == held_version == version:
+                shape = tuple(grad.shape)
+                if shape == tuple(same.shape):
+                    self.fires.append((fire, slot))
+                    return
+                if writer.slots[slot][1] >= 0:  # packed: read by offset, any shape
+                    self.fires.append((fire, writer.alias(slot, shape)))
+                    return
+        slot = writer.save(grad)
+        self._saved[key] = (weakref.ref(grad), version, slot)
+        self.fires.append((fire, slot))
 
     def done(self) -> None:
+        self._saved.clear()  # a later call's gradients are new tensors
         self._writer.settle()  # the engine's buffers are free to go once copied
 
     def slots_of(self, step: int) -> list[int]:

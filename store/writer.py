@@ -124,6 +124,8 @@ class TensorWriter:
         self._live: dict[int, list[Live]] = {}
         #: slots whose tensor was written in place, unseen, while being stored: dropped
         self.lost: set[int] = set()
+        #: slots that name another slot's bytes with a shape of their own (``alias``)
+        self._aliases: dict[int, int] = {}
 
     # -- the forward thread --------------------------------------------------------------
 
@@ -180,6 +182,16 @@ class TensorWriter:
             )
         )
         return slot
+
+    def alias(self, slot: int, shape: tuple[int, ...]) -> int:
+        """A new slot for the bytes saved in ``slot``, read with ``shape`` (same number
+        of elements): a view of a tensor already saved, with its contents unchanged.
+        Nothing is copied or written; its statistics are ``slot``'s."""
+        array, offset, nbytes, _shape, dtype, _step = self.slots[slot]
+        new = len(self.slots)
+        self.slots.append((array, offset, nbytes, shape, dtype, self.step))
+        self._aliases[new] = self._aliases.get(slot, slot)
+        return new
 
     def _plan(self, dtype: torch.dtype) -> tuple[_Stream, bool]:
         name = pack_stream(dtype)
@@ -347,6 +359,7 @@ class TensorWriter:
             self._errors.append(exc)
         for slot in self.lost:  # what was written of them is not theirs
             self.arrays.delete(f"t{slot}")
+        self.lost.update(a for a, slot in self._aliases.items() if slot in self.lost)
         if self._errors:
             raise StoreError(
                 f"writing tensors failed: {self._errors[0]!r}{full_hint(self._errors[0])}"
@@ -372,6 +385,10 @@ class TensorWriter:
             row = [getattr(stats, name) for name in _STAT_FIELDS]
             values[slot] = [0.0 if v is None else v for v in row]
             valid[slot] = [v is not None for v in row]
+        if self._aliases:
+            aliases = np.fromiter(self._aliases, np.int64, len(self._aliases))
+            sources = np.fromiter(self._aliases.values(), np.int64, len(self._aliases))
+            values[aliases], valid[aliases] = values[sources], valid[sources]
         return values, valid
 
     def codec(self, array: str) -> str:

@@ -84,6 +84,8 @@ def _mangled(draw: st.DrawFn) -> str:
                         " or ",
                         " not ",
                         "out",
+                        "grad",
+                        "norm(grad)",
                         "[0]",
                         "[99]",
                         "[0,0,0,0]",

@@ -87,6 +87,9 @@ ACCEPT = [
     ("select out[-1, :, 3:5] from ops", "negative index, slices"),
     ("select out[::2, 1:, :-1, ::-1] from ops", "steps"),
     ("select out[..., 0] from ops", "ellipsis"),
+    ("select grad, grad[0, ..., -1] from ops", "grad and its slices"),
+    ("select a.grad, b.grad[0] from ops a join ops b using (key)", "qualified grad"),
+    ("select label from ops where norm(grad) > 0 order by absmax(grad) desc", "grad reductions"),
     # reductions and aggregates
     (
         "select mean(out), std(out), min(out), max(out), absmax(out), norm(out), sum(out) from ops",
@@ -414,6 +417,7 @@ _ALPHABET = st.sampled_from(
         "label",
         "func",
         "out",
+        "grad",
         "[",
         "]",
         "(",
