@@ -790,7 +790,172 @@ fail:
     return NULL;
 }
 
+/* ---- statistics: one fused pass over a float32 tensor (recorder/stats.py) ---------- */
+
+/* Lane j of LANES sums the elements i = j (mod LANES), in float64 (a float32 squared is exact in
+ * a double, so a fused multiply-add gives what a multiply and an add give); the lanes are
+ * added in order at the end. Every implementation below keeps exactly this order, so
+ * they all give the same bits. The minimum and maximum are of float32s; a NaN or Inf
+ * makes the sums non-finite, and the caller then takes its careful path. */
+#define LANES 8 /* (16 or 32 measured slower here: 29 and 27 µs for 512 KiB, against 21) */
+#define BLOCK ((Py_ssize_t)1 << 24) /* elements per block: int32 zero counts cannot wrap */
+
+typedef struct {
+    double sum[LANES], sq[LANES];
+    float lo[LANES], hi[LANES];
+    long long zeros;
+} Moments;
+
+static void moments_tail(const float *x, Py_ssize_t start, Py_ssize_t n, Moments *m) {
+    for (Py_ssize_t i = start; i < n; i++) {
+        int j = (int)(i % LANES);
+        float v = x[i];
+        double d = (double)v;
+        m->sum[j] += d;
+        m->sq[j] += d * d;
+        m->lo[j] = v < m->lo[j] ? v : m->lo[j];
+        m->hi[j] = v > m->hi[j] ? v : m->hi[j];
+        m->zeros += v == 0.0f;
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_SIMD 1
+
+/* SSE2 (every x86-64): lane pairs 2k, 2k + 1 in s[k] and q[k]. */
+static Py_ssize_t moments_sse2(const float *x, Py_ssize_t n, Moments *m) {
+    __m128d s[LANES / 2], q[LANES / 2];
+    __m128 lo[LANES / 4], hi[LANES / 4];
+    for (int k = 0; k < LANES / 2; k++)
+        s[k] = _mm_loadu_pd(m->sum + 2 * k), q[k] = _mm_loadu_pd(m->sq + 2 * k);
+    for (int k = 0; k < LANES / 4; k++)
+        lo[k] = _mm_loadu_ps(m->lo + 4 * k), hi[k] = _mm_loadu_ps(m->hi + 4 * k);
+    __m128 zero = _mm_setzero_ps();
+    Py_ssize_t i = 0;
+    while (i + LANES <= n) {
+        Py_ssize_t end = i + BLOCK < n ? i + BLOCK : n;
+        __m128i z = _mm_setzero_si128();
+        for (; i + LANES <= end; i += LANES) {
+#pragma GCC unroll 4
+            for (int k = 0; k < LANES / 4; k++) {
+                __m128 a = _mm_loadu_ps(x + i + 4 * k);
+                __m128d d0 = _mm_cvtps_pd(a), d1 = _mm_cvtps_pd(_mm_movehl_ps(a, a));
+                s[2 * k] = _mm_add_pd(s[2 * k], d0);
+                s[2 * k + 1] = _mm_add_pd(s[2 * k + 1], d1);
+                q[2 * k] = _mm_add_pd(q[2 * k], _mm_mul_pd(d0, d0));
+                q[2 * k + 1] = _mm_add_pd(q[2 * k + 1], _mm_mul_pd(d1, d1));
+                lo[k] = _mm_min_ps(a, lo[k]), hi[k] = _mm_max_ps(a, hi[k]);
+                z = _mm_sub_epi32(z, _mm_castps_si128(_mm_cmpeq_ps(a, zero)));
+            }
+        }
+        int counts[4];
+        _mm_storeu_si128((__m128i *)counts, z);
+        m->zeros += (long long)counts[0] + counts[1] + counts[2] + counts[3];
+    }
+    for (int k = 0; k < LANES / 2; k++)
+        _mm_storeu_pd(m->sum + 2 * k, s[k]), _mm_storeu_pd(m->sq + 2 * k, q[k]);
+    for (int k = 0; k < LANES / 4; k++)
+        _mm_storeu_ps(m->lo + 4 * k, lo[k]), _mm_storeu_ps(m->hi + 4 * k, hi[k]);
+    return i;
+}
+
+/* AVX2 where the processor has it: lanes 4k to 4k + 3 in s[k] and q[k]. */
+__attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *x, Py_ssize_t n,
+                                                                   Moments *m) {
+    __m256d s[LANES / 4], q[LANES / 4];
+    __m256 lo[LANES / 8], hi[LANES / 8];
+    for (int k = 0; k < LANES / 4; k++)
+        s[k] = _mm256_loadu_pd(m->sum + 4 * k), q[k] = _mm256_loadu_pd(m->sq + 4 * k);
+    for (int k = 0; k < LANES / 8; k++)
+        lo[k] = _mm256_loadu_ps(m->lo + 8 * k), hi[k] = _mm256_loadu_ps(m->hi + 8 * k);
+    __m256 zero = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    while (i + LANES <= n) {
+        Py_ssize_t end = i + BLOCK < n ? i + BLOCK : n;
+        __m256i z = _mm256_setzero_si256();
+        for (; i + LANES <= end; i += LANES) {
+#pragma GCC unroll 2
+            for (int k = 0; k < LANES / 8; k++) {
+                __m256 a = _mm256_loadu_ps(x + i + 8 * k);
+                __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+                __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+                s[2 * k] = _mm256_add_pd(s[2 * k], d0);
+                s[2 * k + 1] = _mm256_add_pd(s[2 * k + 1], d1);
+                q[2 * k] = _mm256_fmadd_pd(d0, d0, q[2 * k]);
+                q[2 * k + 1] = _mm256_fmadd_pd(d1, d1, q[2 * k + 1]);
+                lo[k] = _mm256_min_ps(a, lo[k]), hi[k] = _mm256_max_ps(a, hi[k]);
+                z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(a, zero, _CMP_EQ_OQ)));
+            }
+        }
+        int counts[8];
+        _mm256_storeu_si256((__m256i *)counts, z);
+        for (int k = 0; k < 8; k++) m->zeros += counts[k];
+    }
+    for (int k = 0; k < LANES / 4; k++)
+        _mm256_storeu_pd(m->sum + 4 * k, s[k]), _mm256_storeu_pd(m->sq + 4 * k, q[k]);
+    for (int k = 0; k < LANES / 8; k++)
+        _mm256_storeu_ps(m->lo + 8 * k, lo[k]), _mm256_storeu_ps(m->hi + 8 * k, hi[k]);
+    return i;
+}
+#endif
+
+/* (sum, sum of squares, min, max, zeros) of count > 0 runs of run > 0 contiguous float32s,
+ * run k starting step elements after run k - 1 (a dense tensor: one run; a dense tensor's
+ * slice or permutation: rows of its innermost contiguous block). Each run is summed by
+ * lanes from its own start, so the bits depend on the layout, never on the processor. */
+static void moments_f32(const float *x, Py_ssize_t run, Py_ssize_t count, Py_ssize_t step,
+                        double *out) {
+    Moments m = {{0}, {0}, {0}, {0}, 0};
+    for (int j = 0; j < LANES; j++) m.lo[j] = m.hi[j] = x[0];
+#ifdef HAVE_SIMD
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    for (Py_ssize_t r = 0; r < count; r++) {
+        const float *row = x + r * step;
+        Py_ssize_t done = 0;
+#ifdef HAVE_SIMD
+        done = avx2 ? moments_avx2(row, run, &m) : moments_sse2(row, run, &m);
+#endif
+        moments_tail(row, done, run, &m);
+    }
+    double sum = 0, sq = 0;
+    float low = m.lo[0], high = m.hi[0];
+    for (int j = 0; j < LANES; j++) {
+        sum += m.sum[j];
+        sq += m.sq[j];
+        low = m.lo[j] < low ? m.lo[j] : low;
+        high = m.hi[j] > high ? m.hi[j] : high;
+    }
+    out[0] = sum, out[1] = sq, out[2] = low, out[3] = high, out[4] = (double)m.zeros;
+}
+
+/* moments_f32(address, run, count, step): moments_f32's (sum, sum of squares, min, max,
+ * zeros) of the float32s at address, in float64, the GIL released meanwhile. */
+static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "moments_f32(address, run, count, step)");
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(a[0]);
+    Py_ssize_t run = PyLong_AsSsize_t(a[1]), count = PyLong_AsSsize_t(a[2]);
+    Py_ssize_t step = PyLong_AsSsize_t(a[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (!address || run <= 0 || count <= 0 || (count > 1 && step < run)) {
+        PyErr_SetString(PyExc_ValueError, "moments_f32: no elements, or overlapping runs");
+        return NULL;
+    }
+    double out[5];
+    Py_BEGIN_ALLOW_THREADS
+    moments_f32((const float *)address, run, count, step, out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
+}
+
 static PyMethodDef hot_functions[] = {
+    {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
+     "moments_f32(address, run, count, step): one pass's moments of float32s "
+     "(recorder/stats.py)."},
     {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
      "labels(rows, passes): every entry's final label (OpTable.finish)."},
     {NULL},

@@ -10,6 +10,7 @@ the tensor's version counter, and that value is dropped rather than kept wrong.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from tracelake.errors import RecorderError
 from .backward import GradEdges, MemoryGrads
 from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
-from .stats import Stats, StatsGatherer, compute_stats
+from .stats import Stats, StatsGatherer, compute_stats, fused_layout, fused_stats
 from .trees import Structure, flatten
 
 __all__ = [
@@ -204,6 +205,33 @@ def structure(obj: Any, slots: list[int]) -> Structure:
 _PLAIN = (type(None), bool, int, float, str)
 
 
+class ViewedStats:
+    """:func:`compute_stats` for a forward's unsaved ops, each reduction done once per
+    memory layout: a view that only reshapes or permutes the elements of a tensor
+    reduced before (a model's ``view``, ``transpose``, ``permute`` of an activation)
+    has the very same statistics, to the bit (:func:`fused_layout`), as long as nothing
+    has written them since: the version counter, shared by views, tells, and the tensor
+    first reduced, still alive, keeps the memory from being another tensor's."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, ...], tuple[weakref.ref[torch.Tensor], int, Stats]] = {}
+
+    def stats(self, tensor: torch.Tensor) -> Stats:
+        key = fused_layout(tensor)
+        version = None if key is None else tensor_version(tensor)
+        if key is None or version is None:
+            return fused_stats(tensor, key)
+        seen = self._seen.get(key)
+        if seen is not None:
+            first, when, stats = seen
+            kept = first()
+            if when == version and kept is not None and tensor_version(kept) == version:
+                return stats
+        stats = fused_stats(tensor, key)
+        self._seen[key] = (weakref.ref(tensor), version, stats)
+        return stats
+
+
 class SelectingEmitter:
     """What every emitter shares: which entries to keep (the selector), statistics of
     unsaved ops on request, and module entries pointing at kept tensors. Subclasses say
@@ -221,6 +249,7 @@ class SelectingEmitter:
         self._stats: dict[int, Stats] = {}
         # unsaved ops' statistics: small tensors' gathered, complete at finish_ops()
         self._gather = StatsGatherer() if self._stats_all else None
+        self._viewed = ViewedStats()
         #: False when no op entry needs anything: the labeller then skips on_entry.
         #: The autograd nodes of entries whose gradients a later backward call records
         #: (``CaptureOptions(backward_ready=True)``), or None.
@@ -253,7 +282,7 @@ class SelectingEmitter:
         if selected:
             self._op_slot[index] = self._slot_for(tensor, same_as)
         elif self._gather is not None and not self._gather.add(index, tensor):
-            self._stats[index] = compute_stats(tensor)
+            self._stats[index] = self._viewed.stats(tensor)
 
     @property
     def op_slots(self) -> dict[int, int]:
@@ -271,6 +300,7 @@ class SelectingEmitter:
         if self._gather is not None:
             self._stats.update(self._gather.finish())
             self._gather = StatsGatherer()
+            self._viewed = ViewedStats()
 
     def before_write(self, tensor: torch.Tensor) -> None:
         pass

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import compiled
 from .record import F64, OPS, STAT_FIELDS, Stats
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "StatsGatherer",
     "combine_stats",
     "compute_stats",
+    "fused_layout",
+    "fused_stats",
     "gatherable",
     "gathered_values",
     "partial_stats",
@@ -58,6 +61,11 @@ _NATIVE = {
     torch.uint8: np.uint8,
 }
 _memmove = ctypes.memmove
+#: How much of the second moment the spread must be for std from float64 sums of exact
+#: squares (``_hot.moments_f32``; a float32 norm needs half): the sums' relative error
+#: (~n * 2**-53 at worst, ~1e-11 for a million elements) then costs the std at most
+#: ~1e-8 relatively; below, the shifted second pass (:func:`_std`).
+_EXACT_SQUARES = 1e-3
 
 
 def compute_stats(tensor: torch.Tensor) -> Stats:
@@ -67,6 +75,12 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
     two moments when that is well conditioned, else from a shifted second pass; NaN and
     Inf are counted only when min or max shows there are any.
     """
+    if tensor.dtype is torch.float32:  # the common case: one compiled pass, no torch calls
+        layout = fused_layout(tensor)
+        fused = None if layout is None else _fused_partial(tensor, layout)
+        if fused is not None:
+            total, l2, low, high, nonzero, m2, numel = fused
+            return _finish(tensor, numel, total, l2, low, high, nonzero, m2)
     with torch.no_grad():
         x = tensor.detach()
         numel = x.numel()
@@ -121,6 +135,10 @@ def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, f
     with torch.no_grad():
         x = _real(x.detach())
         numel = x.numel()
+        layout = fused_layout(x)
+        fused = None if layout is None else _fused_partial(x, layout)
+        if fused is not None:
+            return fused
         low, high = torch.aminmax(x)
         f64 = torch.float64
         parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64)]
@@ -142,6 +160,83 @@ def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, f
                 total = x.sum(dtype=f64).item()
             m2 = _std(x, numel, total / numel, l2) ** 2 * numel
         return total, l2, min_, max_, nonzero, m2, numel
+
+
+def fused_layout(tensor: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(address, run, count, step) of the memory :func:`compute_stats` reduces in one
+    compiled pass as it lies (``_hot.moments_f32``; :func:`_runs`: no copy of a sliced or
+    permuted view), for a float32 CPU tensor of more than a handful of elements; two
+    views of one layout hold the same elements, so get the same statistics, to the bit.
+    ``None`` for the rest, and without the extension (or with one built before it had
+    this pass)."""
+    numel = tensor.numel()
+    if (
+        numel <= _SMALL
+        or tensor.dtype is not torch.float32
+        or type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout is not torch.strided
+        or tensor.is_neg()
+        or not hasattr(compiled.hot(), "moments_f32")
+    ):
+        return None
+    runs = _runs(tensor, numel)
+    return None if runs is None else (tensor.data_ptr(), *runs)
+
+
+def fused_stats(tensor: torch.Tensor, layout: tuple[int, int, int, int] | None) -> Stats:
+    """:func:`compute_stats` of ``tensor``, whose :func:`fused_layout` is ``layout``."""
+    fused = None if layout is None else _fused_partial(tensor, layout)
+    if fused is None:
+        return compute_stats(tensor)
+    total, l2, low, high, nonzero, m2, numel = fused
+    return _finish(tensor, numel, total, l2, low, high, nonzero, m2)
+
+
+def _fused_partial(
+    x: torch.Tensor, layout: tuple[int, int, int, int]
+) -> tuple[float, float, float, float, float, float, int] | None:
+    """:func:`partial_stats` of ``x`` from the compiled pass over its ``layout``
+    (:func:`fused_layout`: the sum and the sum of squares in float64, min, max, zeros),
+    and a second pass only when its mean dwarfs its spread (:func:`_std`); ``None`` when
+    it meets a NaN or an Inf (the sums then say so): the caller's careful path counts
+    them."""
+    total, squares, min_, max_, zeros = compiled.hot().moments_f32(*layout)
+    if not (math.isfinite(total) and math.isfinite(squares)):
+        return None
+    numel = layout[1] * layout[2]
+    l2, mean = math.sqrt(squares), total / numel
+    spread = squares / numel - mean * mean
+    if spread >= _EXACT_SQUARES * squares / numel:
+        m2 = spread * numel
+    else:
+        with torch.no_grad():
+            m2 = _std(x.detach(), numel, mean, l2) ** 2 * numel
+    return total, l2, min_, max_, numel - zeros, m2, numel
+
+
+def _runs(x: torch.Tensor, numel: int) -> tuple[int, int, int] | None:
+    """(run, count, step): ``x``'s elements as ``count`` runs of ``run`` contiguous
+    elements ``step`` apart (``step`` = ``run`` for one run), in some order (statistics
+    do not care which), or ``None`` when its dimensions do not fold into two that way
+    (broadcast strides, say)."""
+    if x.is_contiguous():
+        return numel, 1, numel
+    sizes = zip(x.shape, x.stride(), strict=True)
+    dims = sorted((stride, size) for size, stride in sizes if size > 1)
+    run, count, step = 1, 1, 0
+    for stride, size in dims:
+        if stride == 0:  # broadcast: elements repeat
+            return None
+        if count == 1 and stride == run:  # still the innermost contiguous block
+            run *= size
+        elif count == 1 and stride > run:  # the first gap: the rows begin
+            count, step = size, stride
+        elif stride == step * count:  # rows that continue the rows before them
+            count *= size
+        else:
+            return None
+    return run, count, step if count > 1 else run
 
 
 def _real(x: torch.Tensor) -> torch.Tensor:

@@ -232,17 +232,26 @@ def fsync_dir(path: Path) -> None:
 
 def durable_trees(roots: list[Path]) -> list[int]:
     """Make every file and directory under each of ``roots`` durable; return the bytes
-    of each one's files. One ``syncfs`` of their filesystem where Linux offers it (one
-    device flush for a whole batch of runs, where an fsync per file costs one each),
-    else :func:`fsync_tree` on each."""
-    if not roots or _syncfs is None:
-        return [fsync_tree(root) for root in roots]
-    sizes = []
+    of each one's files. One ``syncfs`` of their filesystem where Linux offers it and
+    there are more than a few files (one device flush for a run's packs or a batch of
+    runs, where an fsync per file costs one each: 40 files of 4 MiB, 70-90 ms against
+    160-330 ms on the development machine), else an fsync of each file and directory."""
+    sizes, files, dirs = [], [], []
     for root in roots:
         total = 0
-        for dirpath, _, files in os.walk(root):
-            total += sum(os.lstat(os.path.join(dirpath, name)).st_size for name in files)
+        for dirpath, _, names in os.walk(root):
+            dirs.append(dirpath)
+            for name in names:
+                path = os.path.join(dirpath, name)
+                files.append(path)
+                total += os.lstat(path).st_size
         sizes.append(total)
+    if _syncfs is None or len(files) <= _FSYNC_FILES:
+        for path in files:
+            fsync_file(Path(path))
+        for path in dirs:
+            fsync_dir(Path(path))
+        return sizes
     fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
     try:
         if _syncfs(fd) != 0:
@@ -251,6 +260,11 @@ def durable_trees(roots: list[Path]) -> list[int]:
     finally:
         os.close(fd)
     return sizes
+
+
+#: Up to this many files, fsyncs of each cost less than a syncfs may (which also waits
+#: for whatever else on the filesystem is dirty).
+_FSYNC_FILES = 8
 
 
 def _find_syncfs() -> Any:

@@ -51,7 +51,6 @@ from .layout import (
     StorePaths,
     check_run_marker,
     durable_trees,
-    fsync_tree,
     full_hint,
     is_utf8,
     locked,
@@ -664,7 +663,7 @@ class Recording:
             self._steps = []
             return
         with _os_errors(f"cannot make run {self.name!r} durable"):
-            summary["bytes"] = fsync_tree(self._dir)  # durable before visible
+            summary["bytes"] = durable_trees([self._dir])[0]  # durable before visible
         self.info = self.store._catalog.commit(
             self.run_id, self.name, self._overwrite, merged, summary
         )

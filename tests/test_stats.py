@@ -226,3 +226,86 @@ def test_stats_combined_from_parts_match_the_whole(
         getattr(got, f) == pytest.approx(getattr(compute_stats(x), f), rel=1e-5)
         for f in ("mean", "std", "l2")
     )
+
+
+LAYOUTS = [
+    lambda t: t,
+    lambda t: t[..., 1:],  # rows with gaps
+    lambda t: t.transpose(0, 2),  # permuted: the memory is whole
+    lambda t: t[:, ::2],  # a stride between rows
+    lambda t: t[1:].permute(2, 0, 1),
+    lambda t: t[:1].expand(3, -1, -1),  # broadcast: the careful path
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=arrays(
+        np.float32,
+        st.tuples(st.integers(2, 9), st.integers(2, 9), st.integers(2, 40)),
+        elements=st.one_of(finite32, finite32.map(lambda v: v / 1e6 + 1e3), special),
+    ),
+    layout=st.sampled_from(range(len(LAYOUTS))),
+)
+def test_float32_views_reduced_where_they_lie(values: np.ndarray, layout: int) -> None:
+    """stats="all" reduces a float32 tensor in one compiled pass over its memory as it
+    lies (a transposed or sliced view is not copied), sums and squares in float64: the
+    numbers are the float64 reference's to ~1e-12 (NaN and Inf counted by the careful
+    path), the same with the compiled recorder switched off to float32 reductions' 1e-5,
+    and a view's statistics do not depend on its layout beyond rounding."""
+    from tracelake.recorder import compiled
+
+    view = LAYOUTS[layout](torch.from_numpy(values))
+    got = compute_stats(view)
+    want = reference(view.numpy())
+    assert (got.nan_count, got.inf_count) == (want["nan_count"], want["inf_count"])
+    assert got.frac_zero == want["frac_zero"]
+    was, compiled.ENABLED = compiled.ENABLED, False
+    try:
+        python = compute_stats(view)
+    finally:
+        compiled.ENABLED = was
+    assert (python.nan_count, python.inf_count) == (got.nan_count, got.inf_count)
+    if want["nan_count"] or want["inf_count"]:
+        return
+    scale = max(abs(want["min"]), abs(want["max"]))
+    assert got.min == want["min"] and got.max == want["max"]
+    exact = 1e-12 if view.numel() > 64 else 1e-5  # tiny tensors: plain Python floats
+    for name in ("mean", "l2", "std"):
+        assert close(getattr(got, name), want[name], exact if name != "std" else 1e-4, scale)
+        assert close(getattr(python, name), getattr(got, name), 1e-4, scale), name
+    contiguous = compute_stats(view.contiguous())
+    assert close(contiguous.mean, got.mean, 1e-12, scale)
+    assert close(contiguous.l2, got.l2, 1e-12, scale)
+
+
+def test_views_of_one_memory_share_statistics_until_written() -> None:
+    """Under stats="all", a view that only reshapes or permutes an op's output reuses
+    that output's statistics; an in-place write in between (seen by the version counter)
+    makes the next view's statistics its own again, as a plain forward shows."""
+    from torch import nn
+
+    import tracelake as tl
+
+    class Views(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 3  # (8, 16, 32): 4096 elements, reduced where they lie
+            a = y.view(8, 512).t()  # the same elements: the same statistics
+            y.add_(1)  # a write: what comes after sees new values
+            b = y.permute(2, 0, 1)
+            c = b[:, :, 1:]  # a slice: other elements
+            return a.sum() + b.sum() + c.sum()
+
+    x = torch.randn(8, 16, 32)
+    trace = tl.trace(Views(), x, save=tl.none(), stats="all")
+    y = x * 3
+    expected = {"mul_1_1": y, "view_1_2": y, "t_1_3": y, "add_1_4": y + 1, "permute_1_5": y + 1}
+    expected["getitem_1_6"] = (y + 1).permute(2, 0, 1)[:, :, 1:]
+    for label, value in expected.items():
+        stats = trace[label].stats
+        assert stats is not None, label
+        want = value.double()
+        assert stats.mean == pytest.approx(want.mean().item(), rel=1e-12), label
+        assert stats.l2 == pytest.approx(want.norm().item(), rel=1e-12), label
+        assert stats.std == pytest.approx(want.std(correction=0).item(), rel=1e-9), label
+        assert stats.min == want.min().item() and stats.max == want.max().item(), label
