@@ -483,6 +483,9 @@ class Explorer:
 
     def compare(self, a: str, b: str) -> Page:
         info_a, info_b = self._run_info(a), self._run_info(b)
+        # both runs' rows into the mirror at once: one read of the catalog file, not one
+        # for each run and each of the comparison's queries
+        self.store.catalog.refresh(runs={info_a["id"], info_b["id"]})
         comparison = self.store.compare(self._loaded(info_a), self._loaded(info_b))
         first = comparison.first_divergence()
         at = 0  # the first divergence's row: its metrics, and those before it, are known
