@@ -176,7 +176,7 @@ class Explorer:
         templates compiled) is paid at start, so that the first request a user makes is
         about as fast as the ones after it (``benchmarks/explorer_latency.py``). A store
         it cannot read is left to the pages to report."""
-        with self.lock, contextlib.suppress(TraceLakeError):
+        with self.lock, contextlib.suppress(KeyError, TraceLakeError):  # (as the pages do)
             render(self.runs("", 0))
             names = self._run_names()
             if not names:
