@@ -167,19 +167,19 @@ class _TensorColumn:
             )
         import numpy as np
 
-        mask = np.array([v is None for v in values], dtype=bool)
-        parts = []
         for v in values:
-            if v is None:
-                parts.append(np.zeros(self.size, dtype=self.value_type.to_pandas_dtype()))
-            else:
-                if list(v.shape) != self.shape:  # (the catalog said uniform)
-                    raise QueryError(
-                        f"column {self.name!r}: a tensor of shape {list(v.shape)} among "
-                        f"{self.shape}"
-                    )
-                parts.append(_flat(v))
-        flat = np.concatenate(parts) if parts else np.zeros(0)
+            if v is not None and list(v.shape) != self.shape:  # (the catalog said uniform)
+                raise QueryError(
+                    f"column {self.name!r}: a tensor of shape {list(v.shape)} among {self.shape}"
+                )
+        mask = np.array([v is None for v in values], dtype=bool)
+        if len(values) == 1 and values[0] is not None:
+            flat = _flat(values[0])  # (a large tensor is a batch of its own: no copy)
+        else:  # one copy of the batch's values, written in place (no list of parts)
+            flat = np.zeros(self.size * len(values), dtype=self.value_type.to_pandas_dtype())
+            for i, v in enumerate(values):
+                if v is not None:
+                    flat[i * self.size : (i + 1) * self.size] = _flat(v)
         storage = pa.FixedSizeListArray.from_arrays(
             pa.array(flat, type=self.value_type), self.size, mask=pa.array(mask)
         )
@@ -221,7 +221,13 @@ def _write_arrow(
                 plain = [f.name for f in fields if f.name not in columns]
                 codecs = {f.name: "snappy" if f.name in plain else "none" for f in fields}
                 writer = (
-                    pq.ParquetWriter(path, schema, use_dictionary=plain, compression=codecs)
+                    pq.ParquetWriter(
+                        path,
+                        schema,
+                        use_dictionary=plain,
+                        compression=codecs,
+                        data_page_version="2.0",
+                    )
                     if fmt == "parquet"
                     else pa.ipc.new_file(path, schema)
                 )
@@ -232,6 +238,8 @@ def _write_arrow(
                 for f in schema
             ]
             writer.write_batch(pa.record_batch(arrays, schema=schema))
+            del rows, arrays  # (not held while the next batch is read)
+            pa.default_memory_pool().release_unused()
     finally:
         if writer is not None:
             writer.close()
@@ -290,6 +298,7 @@ def _write_json(result: Result, out: TextIO, batches: Iterator[list[dict[str, An
                 else:
                     out.write(_scalar_json(value, allow_nan=False))
             out.write("}")
+        rows, row, value = [], {}, None  # (not held while the next batch is read)
     out.write("\n]\n")
 
 
@@ -328,3 +337,4 @@ def _write_csv(result: Result, out: TextIO, batches: Iterator[list[dict[str, Any
                 else:
                     out.write(_csv_quote(_csv_text(value)))
             out.write("\r\n")
+        rows, row, value = [], {}, None  # (not held while the next batch is read)

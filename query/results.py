@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import pandas
     import torch
 
+    from tracelake.progress import Progress
     from tracelake.store import Store
     from tracelake.store.catalog import CatalogMirror
     from tracelake.store.metrics import PairMetrics
@@ -339,9 +340,17 @@ class _Fetcher:
     read is mostly Python and holds the GIL, so threads would only take turns (slower,
     not faster, chunks cached or not)."""
 
-    def __init__(self, store: Store, table: pa.Table, names: Mapping[int, str], suffix: str = ""):
+    def __init__(
+        self,
+        store: Store,
+        table: pa.Table,
+        names: Mapping[int, str],
+        suffix: str = "",
+        progress: bool | None = None,
+    ):
         self.store = store
         self.names = names
+        self.progress = progress
         self.run_ids = table.column("__run_id" + suffix).to_pylist()
         self.locations = list(
             zip(
@@ -379,7 +388,8 @@ class _Fetcher:
         from tracelake.progress import Progress
 
         total = sum(self.locations[r][2] or 0 for rows in groups.values() for r in rows)
-        bar = Progress("reading tensors", total, "bytes")  # (after a second, if watched)
+        # (shown after a second of reading, where someone watches; progress=False: never)
+        bar = Progress("reading tensors", total, "bytes", self.progress)
 
         def read(batch: list[tuple[tuple[int, str], list[int]]]) -> None:
             for _group, rows in batch:
@@ -431,11 +441,18 @@ def _looked_up(
 
 
 def run_query(
-    store: Store, text: str, params: Mapping[str, Any] | None = None, lazy: bool = False
+    store: Store,
+    text: str,
+    params: Mapping[str, Any] | None = None,
+    lazy: bool = False,
+    progress: bool | None = None,
 ) -> Result:
     """Compile ``text``, run its SQL on ``store``'s catalog, read the tensors it needs
     (``lazy``: tensor columns are read when first used, or row by row with
-    :meth:`Result.read_rows`; reductions and pair functions are computed at once)."""
+    :meth:`Result.read_rows`; reductions and pair functions are computed at once).
+    ``progress``: a bar while tensors are read or compared, once that has taken a second
+    (None: where someone watches, a terminal or a notebook; see
+    :mod:`tracelake.progress`)."""
     mirror = store.catalog
     mirror.refresh(runs=())  # the run ids to compile in
     parsed = _parsed(text)
@@ -452,7 +469,7 @@ def run_query(
         names = list(compiled.columns) + table.column_names[len(compiled.columns) :]
         table = table.rename_columns(names)
     try:
-        return _with_tensors(store, compiled, table, lazy)
+        return _with_tensors(store, compiled, table, lazy, progress)
     except IndexError as exc:  # a slice the SQL could not check against each row's shape
         raise QueryResultError(
             f"a returned row's tensor has no such element ({exc}): slice within the shape "
@@ -461,17 +478,25 @@ def run_query(
 
 
 def _with_tensors(
-    store: Store, compiled: CompiledQuery, table: pa.Table, lazy: bool = False
+    store: Store,
+    compiled: CompiledQuery,
+    table: pa.Table,
+    lazy: bool = False,
+    progress: bool | None = None,
 ) -> Result:
     """The result: the plan's part over the SQL's rows, then the tensors they need."""
     mirror = store.catalog
     values: dict[str, list[Any]] = {}
     if any(t.kind == "value" for t in compiled.tensors) or compiled.where or compiled.order:
-        pairs = _Pairs(store, table, mirror.run_names, compiled.suffixes)
-        table = pairs.apply(compiled)
-        for item in compiled.tensors:
-            if item.kind == "value" and item.expr is not None:
-                values[item.column] = pairs.column(item.expr)
+        from tracelake.progress import Progress
+
+        # (a pair's tensors are read as the plan asks for it: a bar counting pairs)
+        with Progress("comparing tensors", table.num_rows, "rows", progress) as bar:
+            pairs = _Pairs(store, table, mirror.run_names, compiled.suffixes, bar)
+            table = pairs.apply(compiled)
+            for item in compiled.tensors:
+                if item.kind == "value" and item.expr is not None:
+                    values[item.column] = pairs.column(item.expr)
     fetchers: dict[int, _Fetcher] = {}
     deferred: dict[str, tuple[_Fetcher, Any]] = {}
     for item in compiled.tensors:
@@ -479,7 +504,7 @@ def _with_tensors(
             continue
         if item.source not in fetchers:
             suffix = compiled.suffixes[item.source]
-            fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix)
+            fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix, progress)
         key = item.index if item.kind in ("slice", "reduce") else None
         if lazy and item.kind != "reduce":
             deferred[item.column] = (fetchers[item.source], key)
@@ -535,9 +560,16 @@ class _Pairs:
     names), then ``where``, ``order``, ``limit``."""
 
     def __init__(
-        self, store: Store, table: pa.Table, names: Mapping[int, str], suffixes: tuple[str, ...]
+        self,
+        store: Store,
+        table: pa.Table,
+        names: Mapping[int, str],
+        suffixes: tuple[str, ...],
+        bar: Progress,
     ):
         self.store, self.table, self.names, self.suffixes = store, table, names, suffixes
+        self.bar = bar  # advanced once per row whose pair metrics were computed
+        self.counted: set[int] = set()
         self.fetchers: dict[int, _Fetcher] = {}
         self.memo: dict[tuple[Any, ...], PairMetrics | None] = {}
         self.columns: dict[str, list[Any]] = {}
@@ -603,6 +635,9 @@ class _Pairs:
                 if x.shape == y.shape:
                     metrics = tensor_metrics(x, y, pair.atol, pair.rtol)
         self.memo[key] = metrics
+        if row not in self.counted:
+            self.counted.add(row)
+            self.bar.advance()
         return metrics
 
 

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import duckdb
-import pyarrow as pa
 
 from tracelake.errors import (
     CatalogError,
@@ -555,6 +554,8 @@ class CatalogWriter:
                 os.rename(run.staged, self.paths.run_dir(run_id))
                 ids.append(run_id)
             fsync_dir(self.paths.runs)  # the new names, durable before the rows are
+            import pyarrow as pa  # (not at import: listing runs needs no Arrow)
+
             insert(con, "runs", pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"])))
             for table, parts in incoming.items():
                 if parts:
@@ -630,12 +631,16 @@ class StagedRun:
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:
+    import pyarrow as pa
+
     k = table.schema.get_field_index("run_id")
     field = table.schema.field(k)
     return table.set_column(k, field, pa.array([run_id] * table.num_rows, field.type))
 
 
 def _concat(parts: list[Any]) -> Any:
+    import pyarrow as pa
+
     return parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
 
 

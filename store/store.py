@@ -1117,13 +1117,15 @@ class Store:
 
     # -- queries --------------------------------------------------------------------------
 
-    def query(self, text: str, **params: Any) -> Result:
+    def query(self, text: str, *, progress: bool | None = None, **params: Any) -> Result:
         """Run a query (``docs/query.md``) over every complete run; returns a
         :class:`~tracelake.query.results.Result`. ``:name`` parameters are bound from
-        the keyword arguments."""
+        the keyword arguments (``progress`` is not one). ``progress``: a bar while the
+        query reads or compares tensors for over a second (None: only in a terminal or a
+        notebook; False: never; True: always)."""
         from tracelake.query.results import run_query  # the query room sits downstream
 
-        return run_query(self, text, params)
+        return run_query(self, text, params, progress=progress)
 
     def compare(self, a: Any, b: Any, **options: Any) -> Comparison:
         """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:

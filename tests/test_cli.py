@@ -107,6 +107,24 @@ def test_catalog_commands_never_import_torch(store_path: Path, tmp_path: Path) -
     ]
 
 
+def test_listing_runs_imports_only_duckdb_and_rich(store_path: Path) -> None:
+    """``tracelake runs`` (the startup benchmark's command) reads the catalog with DuckDB
+    and prints with rich: no torch, pandas, pyarrow, numpy or zarr is imported (each
+    costs startup time: ``benchmarks/cli_startup.py``)."""
+    code = (
+        "import sys\n"
+        "from tracelake.cli import main\n"
+        f"for argv in {[['runs', str(store_path)], ['runs', str(store_path), '--json']]!r}:\n"
+        "    main(argv)\n"
+        "heavy = ('torch', 'pandas', 'pyarrow', 'numpy', 'zarr')\n"
+        "print('imported', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "base" in done.stdout and '"name": "base"' in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "imported []"
+
+
 def test_runs_lists_sizes_for_people_and_failures_with_their_reason(store_path: Path) -> None:
     done = run("runs", str(store_path))
     assert done.returncode == 0, done.stderr

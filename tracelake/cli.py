@@ -715,7 +715,8 @@ def _demo_store(path: str, model: Any, out: Console) -> None:
     ]
     out.print(render_table(columns, texts, None, None, out.width))
     for text in DEMO_QUERIES:
-        result = store.query(text, **({"limit": 1.0} if ":limit" in text else {}))
+        bound: dict[str, Any] = {"limit": 1.0} if ":limit" in text else {}
+        result = store.query(text, **bound)
         out.print(f"\n[bold]>>> {text}[/bold]", soft_wrap=True)
         texts = [[cell(row[c]) for c in result.columns] for row in result]
         out.print(render_table(result.columns, texts, None, f"{len(texts)} rows", out.width))

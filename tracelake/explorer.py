@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
+    from tracelake.query.results import Result
     from tracelake.store import Store
 
 __all__ = ["ExplorerError", "create_app", "running", "serve"]
@@ -168,15 +169,51 @@ class Explorer:
             del self._runs[next(iter(self._runs))]
         return run
 
+    def warm(self, render: Callable[[Page], str]) -> None:
+        """Answer each kind of page once, on the store's most recent run, and render it
+        (``render``): what a first request would pay for once (torch and the query
+        room imported, the catalog mirror loaded, the query parser's tables built,
+        templates compiled) is paid at start, so that the first request a user makes is
+        about as fast as the ones after it (``benchmarks/explorer_latency.py``). A store
+        it cannot read is left to the pages to report."""
+        with self.lock, contextlib.suppress(KeyError, TraceLakeError):  # (as the pages do)
+            render(self.runs("", 0))
+            names = self._run_names()
+            if not names:
+                return
+            name = names[-1]
+            render(self.run(name, 0, "", 0))
+            render(self.graph(name, 0))
+            label = next(
+                (
+                    r["label"]
+                    for r in self._query(
+                        "select label from ops where run = :run and step = 0 and saved = true "
+                        "order by idx limit 1",
+                        run=name,
+                    )
+                ),
+                None,
+            )
+            if label is not None:
+                render(self.op(name, 0, label, ""))
+            render(self.compare(name, name))
+
     # -- helpers ----------------------------------------------------------------------
 
+    def _query(self, text: str, **params: Any) -> Result:
+        """``store.query``, without a progress bar on the server's terminal."""
+        from tracelake.query.results import run_query
+
+        return run_query(self.store, text, params, progress=False)
+
     def _run_names(self) -> list[str]:
-        return [r["name"] for r in self.store.query("select name from runs order by id")]
+        return [r["name"] for r in self._query("select name from runs order by id")]
 
     def _run_info(self, name: str, step: int = 0) -> dict[str, Any]:
         """The run's catalog row (``RunNotFoundError`` with suggestions if there is no
         complete run of that name; ``RecorderError`` if it has no step ``step``)."""
-        rows = list(self.store.query(f"select {RUN_COLUMNS} from runs where name = :n", n=name))
+        rows = list(self._query(f"select {RUN_COLUMNS} from runs where name = :n", n=name))
         if not rows:
             raise RunNotFoundError(name, self._run_names())
         steps = int(rows[0]["steps"] or 0)
@@ -198,7 +235,7 @@ class Explorer:
             total = self._count("runs", f"true{cond}", {})
             rows = [
                 _run_row(r)
-                for r in self.store.query(
+                for r in self._query(
                     text + "\norder by id limit :limit offset :offset",
                     limit=PAGE_ROWS,
                     offset=offset,
@@ -220,9 +257,7 @@ class Explorer:
         )
 
     def _count(self, table: str, where: str, params: dict[str, Any]) -> int:
-        result = list(
-            self.store.query(f"select count(*) as n from {table} where {where}", **params)
-        )
+        result = list(self._query(f"select count(*) as n from {table} where {where}", **params))
         return int(result[0]["n"]) if result else 0
 
     def run(self, name: str, step: int, where: str, offset: int) -> Page:
@@ -238,7 +273,7 @@ class Explorer:
             text = f"select {OP_COLUMNS} from ops where {base}"
             total = self._count("ops", base, params)
             rows = list(
-                self.store.query(
+                self._query(
                     text + "\norder by idx limit :limit offset :offset",
                     limit=PAGE_ROWS,
                     offset=offset,
@@ -277,7 +312,7 @@ class Explorer:
             return []
         found = {
             r["idx"]: r
-            for r in self.store.query(
+            for r in self._query(
                 "select idx, label, func, shape from ops where run = :run and step = :step "
                 "and idx in :idxs",
                 run=name,
@@ -295,7 +330,7 @@ class Explorer:
         self, name: str, step: int, idx: int, side: str, other: str, order: str
     ) -> list[dict[str, Any]]:
         """The ops at the ``side`` end of the edges whose ``other`` end is op ``idx``."""
-        found = self.store.query(
+        found = self._query(
             f"select {side} from edges where run = :run and step = :step and {other} = :idx "
             f"order by {order}",
             run=name,
@@ -307,7 +342,7 @@ class Explorer:
     def op(self, name: str, step: int, label: str, at: str) -> Page:
         info = self._run_info(name, step)
         rows = list(
-            self.store.query(
+            self._query(
                 "select * from ops where run = :run and step = :step and label = :label",
                 run=name,
                 step=step,
@@ -317,7 +352,7 @@ class Explorer:
         if not rows:
             labels = [
                 r["label"]
-                for r in self.store.query(
+                for r in self._query(
                     "select label from ops where run = :run and step = :step", run=name, step=step
                 )
             ]
@@ -372,12 +407,12 @@ class Explorer:
         sliced = None
         if index:
             got = list(
-                self.store.query(f"select out[{', '.join(index)}] as s from ops {where}", **params)
+                self._query(f"select out[{', '.join(index)}] as s from ops {where}", **params)
             )
             sliced = _numpy(got[0]["s"]) if got and got[0]["s"] is not None else None
         whole = op["nbytes"] is not None and int(op["nbytes"]) <= HISTOGRAM_BYTES
         if whole:
-            got = list(self.store.query(f"select out from ops {where}", **params))
+            got = list(self._query(f"select out from ops {where}", **params))
             values = _numpy(got[0]["out"]) if got and got[0]["out"] is not None else None
         else:
             values = sliced
@@ -412,7 +447,7 @@ class Explorer:
         info = self._run_info(name, step)
         params = {"run": name, "step": step}
         ops = list(
-            self.store.query(
+            self._query(
                 "select idx, label, func, kind from ops where run = :run and step = :step "
                 "order by idx limit :limit",
                 limit=GRAPH_NODES,
@@ -422,7 +457,7 @@ class Explorer:
         position = {r["idx"]: i for i, r in enumerate(ops)}
         edges = [
             (position[r["parent"]], position[r["child"]])
-            for r in self.store.query(
+            for r in self._query(
                 "select parent, child from edges where run = :run and step = :step", **params
             )
             if r["parent"] in position and r["child"] in position
@@ -448,6 +483,9 @@ class Explorer:
 
     def compare(self, a: str, b: str) -> Page:
         info_a, info_b = self._run_info(a), self._run_info(b)
+        # both runs' rows into the mirror at once: one read of the catalog file, not one
+        # for each run and each of the comparison's queries
+        self.store.catalog.refresh(runs={info_a["id"], info_b["id"]})
         comparison = self.store.compare(self._loaded(info_a), self._loaded(info_b))
         first = comparison.first_divergence()
         at = 0  # the first divergence's row: its metrics, and those before it, are known
@@ -573,6 +611,8 @@ def create_app(store: Store | str, allowed_hosts: list[str] | None = None) -> St
             )
 
         return endpoint
+
+    explorer.warm(lambda page: env.get_template(page.template).render(**page.values, elapsed_ms=0))
 
     def q(request: Request, name: str) -> str:
         return request.query_params.get(name, "")

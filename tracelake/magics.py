@@ -91,7 +91,9 @@ def run_magic(line: str, cell: str | None, namespace: dict[str, Any]) -> Any:
             f"{', '.join(':' + m for m in missing)} name no notebook variable: assign "
             f"{missing[0]} = ... first"
         )
-    result = store.query(text, **{name: namespace[name] for name in parameters(text)})
+    from tracelake.query.results import run_query  # (a variable may be named `progress`)
+
+    result = run_query(store, text, {name: namespace[name] for name in parameters(text)})
     if output is not None:
         namespace[output] = result
     return result
