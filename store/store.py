@@ -1111,6 +1111,14 @@ class Store:
 
         return run_query(self, text, params)
 
+    def dask_array(self, text: str, **params: Any) -> Any:
+        """The tensors a query selects (``out``, or its one tensor column) as one Dask
+        array, rows first, nothing read: ``.compute()`` equals the query's ``stack()``
+        bitwise. For aggregations larger than memory; needs the ``scale`` extra."""
+        from tracelake.query.results import run_query
+
+        return run_query(self, text, params, lazy=True).to_dask()
+
     def compare(self, a: Any, b: Any, **options: Any) -> Comparison:
         """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:
         see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
