@@ -98,3 +98,161 @@ def test_urls_and_a_clear_error_for_bad_options(s3: str) -> None:
     assert not is_url("relative/dir") and not is_url(Path("s3:/x"))
     with pytest.raises(tl.StoreError, match="cannot open the object store"):
         open_object_store("s3://b/p", {"no_such_option": 1})
+
+
+# -- a whole store with its arrays in the bucket ---------------------------------------------
+
+RUNS = ("r1", "r2", "r3", "r4")
+ORDER = "order by run, step, idx"
+
+
+def _objects(s3: str, prefix: str) -> list[str]:
+    import obstore
+
+    whole = open_object_store(f"s3://{BUCKET}", s3_options(s3))
+    return [m["path"] for batch in obstore.list(whole, prefix) for m in batch]
+
+
+@pytest.fixture(scope="module")
+def remote_store(s3: str, tmp_path_factory: pytest.TempPathFactory):
+    """Four runs of the Tower (packed and own arrays), two of them in a batch, arrays in
+    the bucket, catalog in a local directory; and what a plain forward computed."""
+    import torch
+    from test_aggregate import Tower, _inputs, _plain
+
+    catalog = tmp_path_factory.mktemp("remote") / "catalog"
+    url = f"s3://{BUCKET}/e2e"
+    store = tl.open(url, catalog=catalog, storage_options=s3_options(s3))
+    torch.manual_seed(0)
+    model = Tower()
+    with torch.no_grad():
+        for seed in (1, 2):
+            store.record(model, *_inputs(seed), name=f"r{seed}")
+        with store.batch():
+            for seed in (3, 4):
+                store.record(model, *_inputs(seed), name=f"r{seed}")
+    plain = {f"r{seed}": _plain(model, seed) for seed in (1, 2, 3, 4)}
+    return url, catalog, store, plain
+
+
+def test_runs_round_trip_through_the_bucket(remote_store, s3: str, tmp_path: Path) -> None:
+    """Record into the bucket, reopen in a new process (the URL from the catalog's
+    directory, credentials passed again), query; compare with a plain forward."""
+    _url, catalog, _store, plain = remote_store
+    assert not list((catalog / "runs").glob("*/tensors")), "no arrays on the local disk"
+    assert any(key.endswith("/zarr.json") for key in _objects(s3, "e2e/runs"))
+    script = f"""
+import numpy as np, tracelake as tl
+store = tl.open({str(catalog)!r}, create=False, storage_options={s3_options(s3)!r})
+for f in ("tanh", "relu"):
+    res = store.query("select out from ops where func = :f {ORDER}", f=f)
+    np.save({str(tmp_path)!r} + f"/{{f}}.npy", res.stack().numpy())
+np.save({str(tmp_path)!r} + "/dask.npy", store.dask_array(
+    "select out[0:4, 2] as s from ops where func = 'relu' {ORDER}").compute())
+assert store.verify().ok, store.verify().problems
+"""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    tanh = np.stack([t.numpy() for run in RUNS for t in plain[run]["tanh"]])
+    relu = np.stack([plain[run]["relu"][0].numpy() for run in RUNS])
+    assert np.array_equal(np.load(tmp_path / "tanh.npy").view(np.uint8), tanh.view(np.uint8))
+    assert np.array_equal(np.load(tmp_path / "relu.npy").view(np.uint8), relu.view(np.uint8))
+    assert np.array_equal(np.load(tmp_path / "dask.npy"), relu[:, 0:4, 2])
+
+
+def test_verify_reads_the_objects(s3: str, tmp_path: Path) -> None:
+    """A damaged object in the bucket is found by verify() and refused by a read."""
+    import obstore
+    import torch
+    from test_aggregate import Tower, _inputs
+
+    catalog = tmp_path / "cat"
+    store = tl.open(f"s3://{BUCKET}/damaged", catalog=catalog, storage_options=s3_options(s3))
+    with torch.no_grad():
+        store.record(Tower(), *_inputs(1), name="d")
+    assert store.verify().ok
+    whole = open_object_store(f"s3://{BUCKET}", s3_options(s3))
+    chunk = next(k for k in _objects(s3, "damaged/runs") if "/pack_raw/c/" in k)
+    data = bytearray(obstore.get(whole, chunk).bytes())
+    data[100] ^= 0xFF
+    obstore.put(whole, chunk, bytes(data))
+    report = tl.open(catalog, create=False, storage_options=s3_options(s3)).verify()
+    assert not report.ok and any(p.run == "d" for p in report.problems)
+    with pytest.raises(tl.ChunkCorruptError):
+        tl.open(catalog, storage_options=s3_options(s3)).query("select out from ops").tensors()
+
+
+def test_delete_and_gc_remove_the_objects(s3: str, tmp_path: Path) -> None:
+    import torch
+    from test_aggregate import Tower, _inputs
+
+    catalog = tmp_path / "cat"
+    store = tl.open(f"s3://{BUCKET}/gc", catalog=catalog, storage_options=s3_options(s3))
+    model = Tower()
+    with torch.no_grad():
+        store.record(model, *_inputs(1), name="keep")
+        store.record(model, *_inputs(2), name="drop")
+        with pytest.raises(RuntimeError, match="boom"), store.recording("failed", model) as rec:
+            rec.record(model, *_inputs(3))
+            raise RuntimeError("boom")
+    prefixes = {key.split("/")[2] for key in _objects(s3, "gc/runs")}
+    assert len(prefixes) == 3  # keep, drop, and the failed run's
+    store.delete("drop")
+    report = store.gc()
+    assert report["runs"] == 2 and report["bytes"] > 4 << 20
+    left = {key.split("/")[2] for key in _objects(s3, "gc/runs")}
+    assert len(left) == 1 and left < prefixes
+    assert store.verify().ok and list(store) == ["keep"]
+    store.query("select out from ops where func = 'relu'").stack()
+
+
+def test_a_killed_writer_leaves_nothing_visible_and_gc_collects_it(s3: str, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    catalog = tmp_path / "cat"
+    options = s3_options(s3)
+    tl.open(f"s3://{BUCKET}/killed", catalog=catalog, storage_options=options)
+    script = f"""
+import sys, time, torch, tracelake as tl
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_aggregate import Tower, _inputs
+store = tl.open({str(catalog)!r}, create=False, storage_options={options!r})
+model = Tower()
+with torch.no_grad(), store.recording("victim", model) as rec:
+    rec.record(model, *_inputs(1))
+    rec.record(model, *_inputs(2))
+    print("recorded", flush=True)
+    time.sleep(120)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "recorded"
+        assert _objects(s3, "killed/runs"), "the writer had written objects"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    store = tl.open(catalog, create=False, storage_options=options)
+    assert list(store) == []
+    with pytest.raises(tl.RunNotFoundError):
+        store["victim"]
+    store.gc()
+    assert _objects(s3, "killed/runs") == []
+    assert not [p for p in (catalog / "runs").iterdir() if not p.name.startswith(".")]
+
+
+def test_open_errors(s3: str, tmp_path: Path) -> None:
+    with pytest.raises(tl.StoreError, match="needs catalog=DIRECTORY"):
+        tl.open(f"s3://{BUCKET}/x", storage_options=s3_options(s3))
+    with pytest.raises(tl.StoreError, match="catalog= is for a store on object storage"):
+        tl.open(tmp_path / "a", catalog=tmp_path / "b")
+    tl.open(tmp_path / "local")
+    with pytest.raises(tl.StoreError, match="keeps its arrays on disk"):
+        tl.open(tmp_path / "local", storage_options=s3_options(s3))
+    tl.open(f"s3://{BUCKET}/one", catalog=tmp_path / "c", storage_options=s3_options(s3))
+    with pytest.raises(tl.StoreError, match="keeps its arrays at 's3://"):
+        tl.open(f"s3://{BUCKET}/two", catalog=tmp_path / "c", storage_options=s3_options(s3))
