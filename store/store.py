@@ -858,6 +858,7 @@ class Store:
         self._mirror: CatalogMirror | None = None
         self._open_arrays: dict[int, RunArrays] = {}
         self._batch: Batch | None = None
+        self._arrays_lock = threading.Lock()
         #: Where the runs' arrays live when on object storage (store/remote.py); None:
         #: under each run's directory. Imported only for such a store.
         self._remote: RemoteArrays | None = None
@@ -1084,16 +1085,23 @@ class Store:
         from .tensors import RunArrays
 
         arrays = self._open_arrays.get(run_id)
-        if arrays is None:
-            if name is None or created is None:
-                row = self._query(
-                    "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
-                ).fetchone()
-                name, created = (row[0], row[1]) if row else (str(run_id), None)
-            check_run_marker(self.paths, run_id, name, created)
-            arrays = self._open_arrays[run_id] = RunArrays(
-                self._arrays_at(self.paths.run_dir(run_id)), name
-            )
+        if arrays is not None:
+            return arrays
+        # Under a lock: the query room's reader threads open runs at once, and the
+        # catalog mirror's one DuckDB connection refuses a second caller ("connection
+        # is busy"), found by tests/test_object_storage.py's concurrent readers.
+        with self._arrays_lock:
+            arrays = self._open_arrays.get(run_id)
+            if arrays is None:
+                if name is None or created is None:
+                    row = self._query(
+                        "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
+                    ).fetchone()
+                    name, created = (row[0], row[1]) if row else (str(run_id), None)
+                check_run_marker(self.paths, run_id, name, created)
+                arrays = self._open_arrays[run_id] = RunArrays(
+                    self._arrays_at(self.paths.run_dir(run_id)), name
+                )
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:

@@ -256,3 +256,111 @@ def test_open_errors(s3: str, tmp_path: Path) -> None:
     tl.open(f"s3://{BUCKET}/one", catalog=tmp_path / "c", storage_options=s3_options(s3))
     with pytest.raises(tl.StoreError, match="keeps its arrays at 's3://"):
         tl.open(f"s3://{BUCKET}/two", catalog=tmp_path / "c", storage_options=s3_options(s3))
+
+
+_WRITER = """
+import json, sys, time, torch, tracelake as tl
+catalog, options, who = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+runs, victim = int(sys.argv[4]), sys.argv[5] == "1"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 2100), torch.nn.Tanh())
+store = tl.open(catalog, create=False, storage_options=options)
+def x(k):
+    return torch.randn(520, 64, generator=torch.Generator().manual_seed(k))
+with torch.no_grad():
+    for k in range(runs):
+        store.record(model, x(sum(map(ord, who)) * 100 + k), name=f"{who}-{k}")
+    if victim:
+        with store.recording(f"{who}-killed", model) as rec:
+            rec.record(model, x(1))
+            print("ready", flush=True)
+            time.sleep(300)
+print("done", flush=True)
+"""
+
+_READER = """
+import json, os, sys, tracelake as tl
+catalog, options, stop = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+store = tl.open(catalog, create=False, storage_options=options)
+queries = errors = 0
+while not os.path.exists(stop):
+    try:
+        counts = store.query("select run, count(*) as n from ops group by run").df()
+        for run, n in zip(counts["run"], counts["n"]):
+            assert n == counts["n"].iloc[0], f"run {run} has {n} ops: partial"
+            assert not run.endswith("-killed"), "the killed run is visible"
+        if len(counts):
+            run = counts["run"].iloc[-1]
+            store.query("select out from ops where run = :r", r=run).tensors()
+        queries += 1
+    except Exception as exc:
+        errors += 1
+        print("error", repr(exc), flush=True)
+print("reader", queries, errors, flush=True)
+"""
+
+
+def test_concurrent_writers_one_killed(s3: str, tmp_path: Path) -> None:
+    """Four writer processes and one reader on one store with its arrays in the bucket;
+    a fifth writer SIGKILLed mid-run. The reader sees no partial or killed run and no
+    error; every run is bitwise intact; gc() collects the killed run's objects."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    catalog = tmp_path / "cat"
+    options = json.dumps(s3_options(s3))
+    tl.open(f"s3://{BUCKET}/conc", catalog=catalog, storage_options=s3_options(s3))
+    py = sys.executable
+    stop = tmp_path / "stop"
+    reader = subprocess.Popen(
+        [py, "-c", _READER, str(catalog), options, str(stop)], stdout=subprocess.PIPE, text=True
+    )
+    victim = subprocess.Popen(
+        [py, "-c", _WRITER, str(catalog), options, "v", "1", "1"], stdout=subprocess.PIPE, text=True
+    )
+    writers = [
+        subprocess.Popen([py, "-c", _WRITER, str(catalog), options, f"w{i}", "3", "0"])
+        for i in range(4)
+    ]
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        for proc in writers:
+            assert proc.wait(timeout=600) == 0
+    finally:
+        stop.touch()
+        for proc in [*writers, victim]:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out, _ = reader.communicate(timeout=120)
+    summary = out.strip().splitlines()[-1].split()
+    assert summary[0] == "reader" and int(summary[1]) > 0, out
+    assert int(summary[2]) == 0, out  # no error seen by the reader
+
+    store = tl.open(catalog, create=False, storage_options=s3_options(s3))
+    names = sorted(store)
+    assert names == sorted([*(f"w{i}-{k}" for i in range(4) for k in range(3)), "v-0"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 2100), torch.nn.Tanh())
+    for name in names:
+        who, k = name.rsplit("-", 1)
+        x = torch.randn(
+            520, 64, generator=torch.Generator().manual_seed(sum(map(ord, who)) * 100 + int(k))
+        )
+        with torch.no_grad():
+            want = model(x)
+        got = store.query("select out from ops where run = :r and func = 'tanh'", r=name)
+        assert_bitwise(got.stack()[0], want, name)
+    assert store.verify().ok
+    before = {key.split("/")[2] for key in _objects(s3, "conc/runs")}
+    assert len(before) == len(names) + 1  # the killed run's objects are still there
+    store.gc()
+    after = {key.split("/")[2] for key in _objects(s3, "conc/runs")}
+    assert len(after) == len(names) and after < before
