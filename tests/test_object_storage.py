@@ -364,3 +364,30 @@ def test_concurrent_writers_one_killed(s3: str, tmp_path: Path) -> None:
     store.gc()
     after = {key.split("/")[2] for key in _objects(s3, "conc/runs")}
     assert len(after) == len(names) and after < before
+
+
+def test_the_command_line_takes_credentials_from_the_environment(remote_store, s3: str) -> None:
+    """`tracelake verify CATALOG` on a store whose arrays are in the bucket: the URL
+    from the catalog's directory, the credentials from the usual AWS_* variables."""
+    import os
+    import subprocess
+    import sys
+
+    _url, catalog, _store, _plain = remote_store
+    env = dict(
+        os.environ,
+        AWS_ENDPOINT_URL=s3,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+        AWS_ALLOW_HTTP="true",
+    )
+    exe = str(Path(sys.executable).with_name("tracelake"))
+    done = subprocess.run(
+        [exe, "verify", str(catalog), "--json"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    import json
+
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["runs"] == len(RUNS) and report["chunks"] > 0
