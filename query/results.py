@@ -35,6 +35,7 @@ from .plan import Pair, Ref, evaluate, order_rows
 from .schema import closest, json_path
 
 if TYPE_CHECKING:
+    import dask.array
     import pandas
     import torch
 
@@ -87,8 +88,9 @@ class Result:
     """The rows a query returned. Tensor columns hold torch tensors (``None`` for ops
     whose tensor was not saved); reductions of slices hold floats.
 
-    ``df()`` (pandas), ``arrow()``, ``tensors(column)``, ``stack(column)``, iteration
-    (one dict per row), ``len()``; ``sql`` and ``params`` are what ran."""
+    ``df()`` (pandas), ``arrow()``, ``tensors(column)``, ``stack(column)``,
+    ``to_dask(column)`` (unread, for aggregations), iteration (one dict per row),
+    ``len()``; ``sql`` and ``params`` are what ran."""
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class Result:
         table: pa.Table,
         tensor_values: dict[str, list[Any]],
         deferred: dict[str, tuple[_Fetcher, Any]] | None = None,
+        sources: dict[str, tuple[_Fetcher, Any]] | None = None,
     ):
         self.sql = compiled.sql
         self.params = list(compiled.params)
@@ -108,6 +111,9 @@ class Result:
         #: fetcher, the selection to apply); read whole on first use, or a few rows at a
         #: time by :meth:`read_rows` (exports: memory bounded by the rows in hand).
         self._deferred = dict(deferred or {})
+        #: Where each stored-tensor column's rows live (its fetcher and selection), read
+        #: or not: what :meth:`to_dask` builds on.
+        self._sources = dict(sources or {})
 
     @property
     def tensor_columns(self) -> list[str]:
@@ -227,6 +233,21 @@ class Result:
         if not isinstance(values[0], torch.Tensor):
             return torch.tensor(values)
         return torch.stack(values)
+
+    def to_dask(self, column: str | None = None) -> dask.array.Array:
+        """The column's tensors (default ``out``) as one Dask array, rows first, nothing
+        read yet: ``.compute()`` equals :meth:`stack` bitwise. For aggregations over
+        more than memory (``docs/query.md``: a PCA). Needs the ``scale`` extra (Dask)."""
+        from .aggregate import dask_array
+
+        name = self._default_column(column)
+        if name not in self._sources:
+            raise QueryError(
+                f"{name!r} holds no stored tensors (a reduction or a computed value): "
+                "to_dask() serves `out` and slices of it"
+            )
+        fetcher, key = self._sources[name]
+        return dask_array(name, fetcher, key)
 
     def df(self) -> pandas.DataFrame:
         """A DataFrame of the rows; tensor cells hold the tensors, shown as summaries
@@ -499,6 +520,7 @@ def _with_tensors(
                     values[item.column] = pairs.column(item.expr)
     fetchers: dict[int, _Fetcher] = {}
     deferred: dict[str, tuple[_Fetcher, Any]] = {}
+    sources: dict[str, tuple[_Fetcher, Any]] = {}
     for item in compiled.tensors:
         if item.kind == "value":
             continue
@@ -506,6 +528,8 @@ def _with_tensors(
             suffix = compiled.suffixes[item.source]
             fetchers[item.source] = _Fetcher(store, table, mirror.run_names, suffix, progress)
         key = item.index if item.kind in ("slice", "reduce") else None
+        if item.kind != "reduce":
+            sources[item.column] = (fetchers[item.source], key)
         if lazy and item.kind != "reduce":
             deferred[item.column] = (fetchers[item.source], key)
             continue
@@ -516,7 +540,7 @@ def _with_tensors(
             ]
         else:
             values[item.column] = got
-    return Result(compiled, table, values, deferred)
+    return Result(compiled, table, values, deferred, sources)
 
 
 def _warn_unknown_meta(mirror: CatalogMirror, query: ast.Query) -> None:

@@ -47,6 +47,7 @@ from tracelake.errors import (
 )
 
 __all__ = [
+    "ARRAYS_FILE",
     "DEFAULT_MAX_INFLIGHT",
     "FORMAT",
     "RESERVE_BYTES",
@@ -76,6 +77,9 @@ FORMAT = 1
 _MARKER = "tracelake.json"
 #: How the directories of runs of a batch not yet committed begin (under ``runs/``).
 STAGING = ".batch-"
+#: In the store's directory and in each run's: where the arrays live when they are on
+#: object storage (``store/remote.py``); absent, they are under ``tensors/``.
+ARRAYS_FILE = "arrays.json"
 _NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
 

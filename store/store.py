@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -47,6 +47,7 @@ from .catalog import (
 )
 from .catalog import _now as _catalog_now
 from .layout import (
+    ARRAYS_FILE,
     DEFAULT_MAX_INFLIGHT,
     StorePaths,
     check_run_marker,
@@ -54,7 +55,6 @@ from .layout import (
     full_hint,
     is_utf8,
     locked,
-    remove_run_dir,
     remove_tree,
     trash_run_dir,
     trash_staged,
@@ -73,8 +73,10 @@ if TYPE_CHECKING:
     from tracelake.recorder.eager import EagerStance
     from tracelake.recorder.replay import ReplayReport
 
+    from .backend import ByteStore
     from .compare import Comparison
     from .grads import StoreGrads
+    from .remote import RemoteArrays
     from .run import Run
     from .tensors import RunArrays
     from .writer import StoreEmitter, TensorWriter
@@ -94,9 +96,34 @@ _STATS_CHOICES = ("saved", "all")
 _LAST: list[Store] = []
 
 
-def open_store(path: str | os.PathLike[str], create: bool = True) -> Store:
-    """Open the store at ``path`` (a directory), creating it unless ``create=False``."""
-    store = Store(path, create=create)
+def open_store(
+    path: str | os.PathLike[str],
+    create: bool = True,
+    *,
+    catalog: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Store:
+    """Open the store at ``path`` (a directory), creating it unless ``create=False``.
+
+    ``path`` may be an object-store URL (``s3://bucket/prefix``): the runs' arrays go
+    there, and ``catalog`` names the directory that keeps the catalog, the locks and
+    the run directories (``docs/architecture.md``, "Past one machine"); credentials
+    from the environment or ``storage_options`` (obstore's keys: ``endpoint``,
+    ``region``, ``access_key_id``, ...). Needs the ``scale`` extra."""
+    if "://" in str(path):
+        if catalog is None:
+            raise StoreError(
+                f"a store on object storage ({str(path)!r}) needs catalog=DIRECTORY: the "
+                "local directory that keeps its catalog, locks and run directories"
+            )
+        store = Store(catalog, create=create, arrays=str(path), storage_options=storage_options)
+    elif catalog is not None:
+        raise StoreError(
+            "catalog= is for a store on object storage: tl.open('s3://bucket/prefix', "
+            f"catalog=DIRECTORY); {str(path)!r} is a directory, which holds its own catalog"
+        )
+    else:
+        store = Store(path, create=create, storage_options=storage_options)
     _LAST[:] = [store]
     return store
 
@@ -296,7 +323,9 @@ class Recording:
                 self._dir, self._lock = batch.stage(self.name, self._overwrite)
                 self._info, self._created = info, _catalog_now()
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
-                arrays = RunArrays(self._dir / "tensors", self.name, create=True)
+                arrays = RunArrays(
+                    self.store._arrays_at(self._dir, new=True), self.name, create=True
+                )
             self._writer = TensorWriter(arrays, self._max_inflight, sync=batch is None)
             if self._grad_selector is not None:
                 from tracelake.recorder.backward import BackwardCapture
@@ -702,7 +731,7 @@ class Recording:
                 self._writer.abort()
             if self._batch is not None:  # nothing in the catalog: just its directory
                 if self._lock is not None:
-                    remove_tree(self._dir)
+                    self.store._remove_dir(self._dir)
             elif self.run_id >= 0:
                 self.store._catalog.set_status(self.run_id, FAILED, reason)
         except StoreError as exc:
@@ -816,7 +845,14 @@ class Store:
     Several processes may record into one store at once while others read it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], create: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        create: bool = True,
+        *,
+        arrays: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ):
         self.paths = StorePaths(path)
         existed = self.paths.marker.exists()
         with _os_errors(f"cannot open the store at {str(self.paths.root)!r}"):
@@ -836,6 +872,29 @@ class Store:
         self._mirror: CatalogMirror | None = None
         self._open_arrays: dict[int, RunArrays] = {}
         self._batch: Batch | None = None
+        self._arrays_lock = threading.Lock()
+        #: Where the runs' arrays live when on object storage (store/remote.py); None:
+        #: under each run's directory. Imported only for such a store.
+        self._remote: RemoteArrays | None = None
+        if arrays is not None or storage_options or (self.paths.root / ARRAYS_FILE).exists():
+            from .remote import RemoteArrays
+
+            self._remote = RemoteArrays.open(self.paths.root, arrays, storage_options, create)
+
+    def _arrays_at(self, run_dir: Path, new: bool = False) -> ByteStore | Path:
+        """Where the arrays of the run in ``run_dir`` live: its ``tensors/`` directory,
+        or (a store on object storage) its objects; ``new``: a run about to write."""
+        if self._remote is None:
+            return run_dir / "tensors"
+        if new:
+            return self._remote.new_run(run_dir)
+        backend = self._remote.of_run(run_dir)
+        return run_dir / "tensors" if backend is None else backend
+
+    def _remove_dir(self, path: Path) -> int:
+        """Remove a run directory (and first the objects it names); return the bytes."""
+        freed = self._remote.remove(path) if self._remote is not None else 0
+        return freed + remove_tree(path)
 
     @property
     def path(self) -> str:
@@ -1040,14 +1099,23 @@ class Store:
         from .tensors import RunArrays
 
         arrays = self._open_arrays.get(run_id)
-        if arrays is None:
-            if name is None or created is None:
-                row = self._query(
-                    "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
-                ).fetchone()
-                name, created = (row[0], row[1]) if row else (str(run_id), None)
-            check_run_marker(self.paths, run_id, name, created)
-            arrays = self._open_arrays[run_id] = RunArrays(self.paths.tensors(run_id), name)
+        if arrays is not None:
+            return arrays
+        # Under a lock: the query room's reader threads open runs at once, and the
+        # catalog mirror's one DuckDB connection refuses a second caller ("connection
+        # is busy"), found by tests/test_object_storage.py's concurrent readers.
+        with self._arrays_lock:
+            arrays = self._open_arrays.get(run_id)
+            if arrays is None:
+                if name is None or created is None:
+                    row = self._query(
+                        "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
+                    ).fetchone()
+                    name, created = (row[0], row[1]) if row else (str(run_id), None)
+                check_run_marker(self.paths, run_id, name, created)
+                arrays = self._open_arrays[run_id] = RunArrays(
+                    self._arrays_at(self.paths.run_dir(run_id)), name
+                )
         return arrays
 
     def _open_run(self, info: dict[str, Any]) -> Run:
@@ -1127,6 +1195,14 @@ class Store:
 
         return run_query(self, text, params, progress=progress)
 
+    def dask_array(self, text: str, **params: Any) -> Any:
+        """The tensors a query selects (``out``, or its one tensor column) as one Dask
+        array, rows first, nothing read: ``.compute()`` equals the query's ``stack()``
+        bitwise. For aggregations larger than memory; needs the ``scale`` extra."""
+        from tracelake.query.results import run_query
+
+        return run_query(self, text, params, lazy=True).to_dask()
+
     def compare(self, a: Any, b: Any, **options: Any) -> Comparison:
         """Compare two runs (names or :class:`Run` objects) or in-memory traces op by op:
         see :func:`tracelake.store.compare.compare` for the options (``on``, ``select``,
@@ -1179,7 +1255,8 @@ class Store:
             Progress("collecting runs", len(dead), "runs", progress) as bar,
         ):
             for run_id in dead:  # first: the catalog forgot them, so no later gc would
-                freed += remove_run_dir(self.paths, run_id)
+                trash = trash_run_dir(self.paths, run_id)
+                freed += 0 if trash is None else self._remove_dir(trash)
                 bar.advance()
         orphans = 0
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
@@ -1199,7 +1276,7 @@ class Store:
                     orphans += trash_staged(self.paths, staged)
             # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
-                freed += remove_tree(trash)
+                freed += self._remove_dir(trash)
         return {"runs": len(dead), "orphans": orphans, "bytes": freed}
 
     def verify(self, tensors: bool = True, progress: bool | None = None) -> VerifyReport:

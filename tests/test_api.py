@@ -23,6 +23,7 @@ def test_public_names_are_pinned() -> None:
             "InvalidRunNameError",
             "LabelError",
             "LazyTensor",
+            "MissingExtraError",
             "ModuleEntry",
             "NestedTraceError",
             "OpEntry",

@@ -38,6 +38,8 @@ original is the error's ``__cause__``), so that callers only ever need to catch 
     │   └── ChunkCorruptError      a stored chunk failed its checksum (names run and label)
     ├── RenderError                a picture could not be drawn (Graphviz's ``dot`` or
     │                              matplotlib missing, or ``dot`` failed)
+    ├── MissingExtraError (ImportError)   a feature's optional extra is not installed
+    │                              (``result.to_dask()`` without ``tracelake[scale]``)
     └── QueryError                 a query could not be parsed, compiled or run
         ├── QuerySyntaxError       not in the language (line, column, expected tokens, caret)
         ├── QueryCompileError      an unknown table, column, function or parameter, or a
@@ -68,6 +70,7 @@ __all__ = [
     "InvalidMetaError",
     "InvalidRunNameError",
     "LabelError",
+    "MissingExtraError",
     "NestedTraceError",
     "ObjectNotFoundError",
     "QueryCompileError",
@@ -235,6 +238,19 @@ class ChunkCorruptError(StoreError):
 class RenderError(TraceLakeError):
     """A picture (an op graph, a plot) could not be drawn: a tool it needs is missing
     (the message says how to install it) or the tool failed."""
+
+
+class MissingExtraError(TraceLakeError, ImportError):
+    """A feature needs an optional extra that is not installed; the message names the
+    extra and the ``pip install`` line that adds it."""
+
+    def __init__(self, feature: str, extra: str, missing: str):
+        self.extra = extra
+        super().__init__(
+            f"{feature} needs the `{extra}` extra ({missing} is not installed): "
+            f"pip install 'tracelake[{extra}]'",
+            name=missing,
+        )
 
 
 class TraceLakeWarning(UserWarning):
