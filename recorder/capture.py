@@ -155,10 +155,10 @@ def record_forward(
     try:
         recording.start(args, kwargs)
         output = uncompiled(model)(*args, **kwargs)  # (a wrapper would run it all the same)
+        recording.stop(output)
     except BaseException:
-        recording.abort()
+        recording.abort()  # (after a stop cut short by a Ctrl-C too: again is safe)
         raise
-    recording.stop(output)
     return recording.labeller, output
 
 

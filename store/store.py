@@ -368,22 +368,29 @@ class Recording:
         return self
 
     def _unhook(self) -> None:
-        """Remove the block's model hooks and eager stance (what ``__enter__`` installed)."""
+        """Remove the block's model hooks and eager stance (what ``__enter__`` installed)
+        and a forward left by a ``BaseException``. Each step is safe to redo: a call cut
+        short (a Ctrl-C inside torch's hook removal) is finished by the next."""
         while self._hooks:
-            self._hooks.pop().remove()
-        if self._eager is not None:
-            eager, self._eager = self._eager, None
-            eager.__exit__()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+            self._hooks[-1].remove()  # (torch's remove is idempotent)
+            self._hooks.pop()
         if self._auto is not None and self._owner == threading.get_ident():
             # a forward left by a BaseException (Ctrl-C): torch ran no always-called
             # hook for it, so its mode and hooks are still installed
             self._drop_stale()
-        self._unhook()
+        if self._eager is not None:
+            self._eager.__exit__()
+            self._eager = None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._unhook()
+        except BaseException:
+            try:
+                self._unhook()  # finish what the interrupt cut short
+            finally:
+                self._fail(exc)
+            raise
         if exc_type is None:
             try:
                 self._commit()
@@ -486,7 +493,11 @@ class Recording:
             self._depth -= 1
             if not self._depth:
                 self._owner = self._call_frame = None
-        recording.stop(output)
+        try:
+            recording.stop(output)
+        except BaseException:  # (a Ctrl-C half-way): nothing stays installed, no step
+            self._abandon(recording, stopped=True)
+            raise
         self._end(model, recording, table, emitter, args, kwargs)
         return output
 
@@ -561,10 +572,16 @@ class Recording:
     def _drop_stale(self) -> None:
         """Give up the step whose forward a ``BaseException`` (Ctrl-C) left: torch runs
         no always-called hook then, so its mode and hooks are still installed."""
-        auto, self._auto = self._auto, None
+        auto = self._auto
         self._owner, self._depth, self._call_frame = None, 0, None
         if auto is not None:
-            self._abandon(auto[0])
+            try:
+                self._abandon(auto[0])
+            except BaseException:
+                auto[0].release()  # cut short: at least nothing stays installed (redo is safe)
+                raise
+            finally:
+                self._auto = None
 
     def _returned(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if threading.get_ident() == self._owner:
@@ -598,13 +615,15 @@ class Recording:
         self._auto = None
         self._end(module, recording, table, emitter, args, kwargs)
 
-    def _abandon(self, recording: ForwardRecording) -> None:
+    def _abandon(self, recording: ForwardRecording, stopped: bool = False) -> None:
         """A forward pass that raised: stop recording it; it does not become a step and
-        the tensors it saved are left out of the run."""
+        the tensors it saved are left out of the run (``stopped``: its ``stop`` began
+        already, and was cut short)."""
         assert self._writer is not None
         try:
             recording.abort()  # first: whatever else fails, the mode and hooks are gone
-            recording.stop(None, failed=True)
+            if not stopped:
+                recording.stop(None, failed=True)
         finally:
             self._writer.settle()
             self._discarded.update(range(self._step_start, len(self._writer.slots)))
@@ -740,12 +759,14 @@ class Recording:
             self._release()
 
     def _release(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        try:
+            if self._progress is not None:
+                progress, self._progress = self._progress, None
+                progress.close()
+        finally:  # the lock goes whatever happened before
+            if self._lock is not None:
+                lock, self._lock = self._lock, None
+                lock.close()
 
 
 class Batch:
