@@ -211,10 +211,9 @@ def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
             con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
         except BaseException:
             # a failed (or interrupted) statement aborts the transaction, and so would
-            # the unregister: the first error is the one to report
-            import duckdb
-
-            with contextlib.suppress(duckdb.Error):
+            # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
+            # the first error is the one to report
+            with contextlib.suppress(Exception):
                 con.unregister("_incoming")
             raise
         con.unregister("_incoming")
