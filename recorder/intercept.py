@@ -27,7 +27,13 @@ from tracelake.errors import NestedTraceError
 
 from . import compiled, fastpath
 from .compiled import _hot
-from .names import INPLACE_DUNDERS, OPERATOR_FUNCS, func_name, operator_name
+from .names import (
+    INPLACE_DUNDERS,
+    OPERATOR_FUNCS,
+    func_name,
+    has_operator_calls,
+    operator_name,
+)
 from .record import ROW_DEFAULTS
 from .trees import leaves_of
 
@@ -218,25 +224,38 @@ class _BodyGlobals(dict):
         return self.real[key]
 
 
-#: func -> its body: a copy of the function whose dispatch checks say "no", or None
-#: where the function cannot be opened (it dispatched again from its body).
-_BODIES: dict[Any, Any] = {}
+#: func -> (its body: a copy of the function whose dispatch checks say "no", whether
+#: the body applies an operator torch reports under another name), or None where the
+#: function cannot be opened (it dispatched again from its body).
+_BODIES: dict[Any, tuple[Any, bool] | None] = {}
+
+
+def _opened(func: Any) -> tuple[Any, bool] | None:
+    if func in _BODIES:
+        return _BODIES[func]
+    scope = _BodyGlobals({name: _no_torch_function for name in _DISPATCH_CHECKS})
+    scope.real = func.__globals__
+    scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)
+    body = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    body.__kwdefaults__ = func.__kwdefaults__
+    codes = [func.__code__]
+    codes += [
+        cell.cell_contents.__code__
+        for cell in func.__closure__ or ()
+        if isinstance(cell.cell_contents, types.FunctionType)
+    ]
+    known = _BODIES[func] = (body, any(map(has_operator_calls, codes)))
+    return known
 
 
 def body_of(func: Any) -> Any:
     """The function ``func`` (a torch function written in Python) with its own torch
-    function dispatch skipped: the calls in its body still dispatch."""
-    body = _BODIES.get(func, False)
-    if body is False:
-        scope = _BodyGlobals({name: _no_torch_function for name in _DISPATCH_CHECKS})
-        scope.real = func.__globals__
-        scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)
-        body = types.FunctionType(
-            func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
-        )
-        body.__kwdefaults__ = func.__kwdefaults__
-        _BODIES[func] = body
-    return body
+    function dispatch skipped: the calls in its body still dispatch. None where it
+    cannot be opened."""
+    known = _opened(func)
+    return None if known is None else known[0]
 
 
 def _calls_kind(func: Any, name: str) -> Any:
@@ -319,7 +338,7 @@ class _Mode(TorchFunctionMode):
         #: the producer of a tensor (-1: none), where the receiver tells
         self._producer: Callable[[torch.Tensor], int] | None = getattr(events, "producer", None)
         #: the compiled path's state list, while bound: one more item sends every call
-        #: to Python (its length is checked before anything else)
+        #: to Python (its length is checked first)
         self._live: list[Any] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -386,22 +405,29 @@ class _Mode(TorchFunctionMode):
         writes = _writes(name) or kwargs.get("inplace") is True
         if writes:
             self._before_write(name, args, kwargs)
-        body = body_of(func)
+        known = _opened(func)
+        if known is None:  # cannot be opened (found so in another recording)
+            out = func(*args, **kwargs)
+            return self._record(name, func, args, kwargs, out, writes)
+        body, operators = known
         # TorchLens takes the call's parents as they were when it began (a body may
         # hand an argument back as a new op's output: broadcast_tensors)
         producer = self._producer
-        before = [(t, producer(t)) for t in flatten_tensors(args)] if producer else []
+        before = [(t, producer(t)) for t in args if isinstance(t, _Tensor)] if producer else []
         opened.append(func)
-        if self._live is not None:  # the compiled path hands every call to Python
-            self._live.append(None)
+        # an operator in the body is named from its instruction (_operator), which only
+        # Python reads: the compiled path then hands every call to Python
+        live = self._live if operators else None
+        if live is not None:
+            live.append(None)
         torch._C._push_on_torch_function_stack(self)
         try:
             out = body(*args, **kwargs)
         finally:
             torch._C._pop_torch_function_stack()
             opened.pop()
-            if self._live is not None:
-                self._live.pop()
+            if live is not None:
+                live.pop()
         tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out)
         if producer is None or all(producer(t) >= 0 for t in tensors):
             return out
