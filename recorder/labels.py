@@ -428,7 +428,12 @@ class Labeller:
         entry.op_range = (frame.start, end)
         producers = [self._producer(t) for t in tensors]
         entry.output_indices = tuple(producers)
-        self._emitter.on_module_exit(entry, output, tensors, producers)
+        # the emitter shares a producer's saved slot: only for that very tensor
+        same = [
+            p if p >= 0 and self._refs[p]() is t else -1
+            for p, t in zip(producers, tensors, strict=True)
+        ]
+        self._emitter.on_module_exit(entry, output, tensors, same)
 
     def _pass_through(self, module: torch.nn.Module, frame: _Frame, tensors: list) -> None:
         """A module that returns an input tensor unchanged (``nn.Identity``, a skipped
@@ -477,7 +482,9 @@ class Labeller:
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:
-            self._emit(index, tensor, parent if kind == "output" else -1)
+            # the same tensor as the parent's (not a tensor it wrote through a view)
+            same = kind == "output" and parent >= 0 and self._refs[parent]() is tensor
+            self._emit(index, tensor, parent if same else -1)
         return index
 
     def add_inputs(self, args: tuple, kwargs: dict) -> None:
