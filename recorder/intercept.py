@@ -676,7 +676,7 @@ class Interceptor:
         self._entered = True
         # torch's torch-function state (enabled, or disabled by a caller's
         # DisableTorchFunction) as the recording found it: close() puts it back
-        self._state = torch._C._get_torch_function_state()  # type: ignore[attr-defined]
+        self._state = torch._C._get_torch_function_state()
         SourceFinder.trim()
         try:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))
@@ -715,10 +715,9 @@ class Interceptor:
                 self._remove_hooks()
                 # a Ctrl-C inside a hook's DisableTorchFunction block, while torch had
                 # our mode stashed, can leave torch functions disabled for the thread
-                state = self._state
-                now = torch._C._get_torch_function_state()  # type: ignore[attr-defined]
-                if state is not None and now != state:
-                    torch._C._set_torch_function_state(state)  # type: ignore[attr-defined]
+                if self._state is not None:
+                    if torch._C._get_torch_function_state() != self._state:
+                        torch._C._set_torch_function_state(self._state)
 
     def _remove_hooks(self) -> None:
         while self._handles:
