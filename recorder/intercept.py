@@ -591,7 +591,6 @@ class Interceptor:
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._entered = False
-        self._state: Any = None  # torch's torch-function state at __enter__
         #: (module, fused function, keyword arguments) while a module call runs torch's
         #: fused fast path with the mode stepped aside; module types without one.
         self._fused: tuple[torch.nn.Module, str, dict] | None = None
@@ -674,9 +673,6 @@ class Interceptor:
             raise NestedTraceError("this interceptor is already in use")
         self.refuse_nesting()
         self._entered = True
-        # torch's torch-function state (enabled, or disabled by a caller's
-        # DisableTorchFunction) as the recording found it: close() puts it back
-        self._state = torch._C._get_torch_function_state()
         SourceFinder.trim()
         try:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))
@@ -713,11 +709,6 @@ class Interceptor:
                     self._mode.unbind()
             finally:
                 self._remove_hooks()
-                # a Ctrl-C inside a hook's DisableTorchFunction block, while torch had
-                # our mode stashed, can leave torch functions disabled for the thread
-                if self._state is not None:
-                    if torch._C._get_torch_function_state() != self._state:
-                        torch._C._set_torch_function_state(self._state)
 
     def _remove_hooks(self) -> None:
         while self._handles:

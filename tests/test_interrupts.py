@@ -28,7 +28,6 @@ PACKAGE = Path(tl.__file__).resolve().parent.parent  # the worktree: recorder/, 
 def _clean() -> None:
     """No mode on this thread's stack and no global module hook left behind."""
     assert _get_current_function_mode_stack() == []
-    assert torch._C._is_torch_function_enabled()  # (not left disabled for the thread)
     assert not nn_module._global_forward_pre_hooks
     assert not nn_module._global_forward_hooks
     assert not nn_module._global_forward_hooks_always_called
