@@ -133,11 +133,14 @@ class StorePaths:
 
     def run_dir_ids(self) -> list[int]:
         """The ids of the run directories on disk, sorted."""
+        return sorted(int(n) for n in self._run_entries() if n.isdigit())
+
+    def _run_entries(self) -> list[str]:
+        """The names under ``runs/``, sorted (none before the first run)."""
         try:
-            names = os.listdir(self.runs)
+            return sorted(os.listdir(self.runs))
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isdigit())
 
     def staging(self) -> Path:
         """A new directory name for a run of an open batch (``Store.batch``): it becomes
@@ -146,19 +149,11 @@ class StorePaths:
 
     def staging_dirs(self) -> list[Path]:
         """Directories of runs of batches, committed by none yet."""
-        try:
-            names = os.listdir(self.runs)
-        except FileNotFoundError:
-            return []
-        return [self.runs / n for n in sorted(names) if n.startswith(STAGING)]
+        return [self.runs / n for n in self._run_entries() if n.startswith(STAGING)]
 
     def trash_dirs(self) -> list[Path]:
         """Run directories a ``gc()`` began to remove and did not finish."""
-        try:
-            names = os.listdir(self.runs)
-        except FileNotFoundError:
-            return []
-        return [self.runs / n for n in sorted(names) if n.startswith(".trash-")]
+        return [self.runs / n for n in self._run_entries() if n.startswith(".trash-")]
 
     def tensors(self, run_id: int) -> Path:
         return self.run_dir(run_id) / "tensors"
