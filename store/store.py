@@ -829,6 +829,26 @@ class Batch:
         self._pending.append(run)
         return run
 
+    def _bind_pending(self) -> None:
+        """Point the runs ``record`` returned at their committed rows (one query)."""
+        if not self._pending:
+            return
+        marks = ", ".join("?" * len(self._pending))
+        cursor = self.store._query(
+            f"SELECT * FROM runs WHERE status = ? AND name IN ({marks})",
+            [COMPLETE, *(run.name for run in self._pending)],
+            (),
+        )
+        columns = [d[0] for d in cursor.description]
+        rows = {
+            r[columns.index("name")]: dict(zip(columns, r, strict=True)) for r in cursor.fetchall()
+        }
+        for run in self._pending:
+            info = rows.get(run.name)
+            if info is not None:
+                arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
+                run._bind(info, arrays, self.store._run_query(info["id"]))
+
     def add(self, run: StagedRun, lock: io.FileIO) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
         directory's writing lock, released after the commit)."""
@@ -848,11 +868,7 @@ class Batch:
                     run.summary["bytes"] = nbytes
             self.store._catalog.commit_batch(runs)
             self.names += [run.name for run in runs]
-            for pending in self._pending:
-                info = self.store._run_info("name = ? AND status = ?", [pending.name, COMPLETE])
-                if info is not None:
-                    arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
-                    pending._bind(info, arrays, self.store._run_query(info["id"]))
+            self._bind_pending()
         finally:
             for _, lock in staged:
                 lock.close()
