@@ -51,9 +51,11 @@ from tracelake.errors import (
     RunExistsError,
     StoreError,
     TraceLakeError,
+    TraceLakeWarning,
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
+from .duckfile import damage, drop_shadow, is_corrupt, restore_from_shadow, sync_shadow
 from .layout import (
     StorePaths,
     disk_full,
@@ -172,7 +174,8 @@ def _refuse_links(paths: StorePaths, reading: bool = False) -> None:
     tracelake write outside the store (``reading``: read, for a reader's catalog and
     log)."""
     wal = paths.catalog.with_name(paths.catalog.name + ".wal")
-    for path in (paths.catalog, wal) if reading else (paths.catalog, wal, paths.runs):
+    files = (paths.catalog, wal, paths.shadow)
+    for path in files if reading else (*files, paths.runs):
         if path.is_symlink():
             doing = "read the store" if reading else "write to the store"
             raise StoreError(
@@ -301,8 +304,7 @@ class CatalogWriter:
                 if not self.paths.catalog.exists():
                     self._has_schema = False
                 seen = _file_state(self.paths)
-                con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
-                _ENGINE.attached = True
+                con = self._attach(con, path)
                 try:
                     # Before any statement reads a table; skipped when the file is, by
                     # its stat, as this writer's own last transaction left it (listing
@@ -323,20 +325,67 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     self.changes.bump()
-                    for action in then or ():
-                        action()
-                    keep_reserve(self.paths)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
                 self._checked = _file_state(self.paths)
+                self._keep_shadow()
+                # What the change lets happen on disk happens only now that the shadow
+                # holds it: a catalog restored from the shadow never lacks a change
+                # whose consequences (a run's marker, a removed directory) are there.
+                for action in then or ():
+                    action()
+                keep_reserve(self.paths)
             except BaseException as exc:
                 # after a DuckDB failure or an interrupt (Ctrl-C) half-way through a
                 # statement, the engine may still hold the file: a new one, next time
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
                 raise
+
+    def _attach(self, con: duckdb.DuckDBPyConnection, path: str) -> duckdb.DuckDBPyConnection:
+        """Attach the catalog file; one that is damaged (by its headers, or by DuckDB's
+        word) is first restored from the shadow, with a warning, if there is one. The
+        connection to go on with (a new one after a restore)."""
+        damaged = damage(self.paths.catalog) if self.paths.shadow.exists() else None
+        if damaged is None:
+            try:
+                con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
+                _ENGINE.attached = True
+                return con
+            except duckdb.Error as exc:
+                if not (is_corrupt(exc) and self.paths.shadow.exists()):
+                    raise
+                damaged = str(exc)
+            _ENGINE.reset()  # (a DuckDB that failed once is not trusted again)
+            con = _ENGINE.connection()
+        kept = self.paths.catalog.with_name(
+            f"{self.paths.catalog.name}.unreadable-{_now():%Y%m%dT%H%M%S.%f}"
+        )
+        restore_from_shadow(self.paths.shadow, self.paths.catalog, kept)
+        fsync_dir(self.paths.root)
+        self._checked = None  # (a file not as this writer left it: checked anew)
+        warnings.warn(
+            f"the catalog {str(self.paths.catalog)!r} could not be read ({damaged}); it "
+            "was restored from catalog.shadow, the copy of it the last completed change "
+            "left (a change cut short by a killed process is all that is lost, and it "
+            f"never returned). The unreadable file is kept as {kept.name}",
+            TraceLakeWarning,
+            stacklevel=2,
+        )
+        con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
+        _ENGINE.attached = True
+        return con
+
+    def _keep_shadow(self) -> None:
+        """Bring the shadow up to the file the transaction left (see ``duckfile.py``).
+        Where that fails (a full disk) the shadow goes rather than stay behind: a stale
+        one would lose changes if it were ever restored."""
+        try:
+            sync_shadow(self.paths.catalog, self.paths.shadow)
+        except OSError:
+            drop_shadow(self.paths.shadow)
 
     def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
         rows = con.execute(
@@ -799,7 +848,16 @@ def read_source(
             "its .wal, if any); the store refuses writes until then"
         )
     _refuse_links(paths, reading=True)
-    src = duckdb.connect(str(paths.catalog), read_only=True, config=_SOURCE_CONFIG)
+    # A catalog left unreadable (a writer killed in DuckDB's checkpoint): until the next
+    # writer restores it, readers read the shadow, which is what it will be restored to.
+    shadow = paths.shadow.exists()
+    source = paths.shadow if shadow and damage(paths.catalog) else paths.catalog
+    try:
+        src = duckdb.connect(str(source), read_only=True, config=_SOURCE_CONFIG)
+    except duckdb.Error as exc:
+        if not (shadow and source == paths.catalog and is_corrupt(exc)):
+            raise
+        src = duckdb.connect(str(paths.shadow), read_only=True, config=_SOURCE_CONFIG)
     try:
         check_objects(src)
         yield src, present_columns(src)

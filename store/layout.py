@@ -7,6 +7,9 @@
       catalog.duckdb        the catalog (runs, ops, tensors, edges, modules)
       catalog.lock          flock: writers hold it exclusively for a moment, readers shared
       catalog.gen           bumped after every catalog change: readers re-sync when it moves
+      catalog.shadow        catalog.duckdb as the last completed change left it (duckfile.py):
+                            what a catalog a killed writer left unreadable is restored from
+      catalog.duckdb.unreadable-<time>  such an unreadable catalog, kept after the restore
       runs/<id>/            one directory per run, named by its numeric id, never by its name
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
@@ -119,6 +122,7 @@ class StorePaths:
         self.catalog = self.root / "catalog.duckdb"
         self.lock = self.root / "catalog.lock"
         self.gen = self.root / "catalog.gen"
+        self.shadow = self.root / "catalog.shadow"
         self.runs = self.root / "runs"
         self.reserve = self.root / "catalog.reserve"
 

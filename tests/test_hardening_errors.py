@@ -200,8 +200,11 @@ def test_a_garbled_generation_file(store: tl.Store, tmp_path: Path, garble: byte
 
 
 @pytest.mark.parametrize("keep", [0, 100, 3])  # empty, a stub header, a third of it
-def test_a_truncated_catalog_is_a_catalog_error(store: tl.Store, tmp_path: Path, keep: int) -> None:
+def test_a_truncated_catalog_without_its_shadow_is_a_catalog_error(
+    store: tl.Store, tmp_path: Path, keep: int
+) -> None:
     root = _copy(store, tmp_path)
+    (root / "catalog.shadow").unlink()  # (a store copied without it)
     catalog = root / "catalog.duckdb"
     size = catalog.stat().st_size
     with catalog.open("r+b") as f:
@@ -212,6 +215,33 @@ def test_a_truncated_catalog_is_a_catalog_error(store: tl.Store, tmp_path: Path,
     model, x = _model()
     with pytest.raises(tl.StoreError):
         reader.record(model, x, name="d")
+
+
+@pytest.mark.parametrize("damage", ["empty", "stub header", "first block"])
+def test_an_unreadable_catalog_is_restored_from_its_shadow(
+    store: tl.Store, tmp_path: Path, damage: str
+) -> None:
+    """What a writer SIGKILLed in DuckDB's checkpoint once left (the crash battery):
+    a metadata block whose checksum no longer matches. Only the change that was cut
+    short may be lost; here nothing was."""
+    root = _copy(store, tmp_path)
+    catalog = root / "catalog.duckdb"
+    with catalog.open("r+b") as f:
+        if damage == "first block":  # bytes inside the first block (DuckDB's metadata)
+            f.seek(3 * 4096 + 5000)
+            f.write(b"\x00killed\x00" * 8)
+        else:
+            f.truncate(0 if damage == "empty" else 100)
+    damaged = catalog.read_bytes()
+    # readers read the shadow until a writer restores the catalog
+    assert list(tl.open(root).runs()["name"]) == ["a", "b", "c"]
+    model, x = _model()
+    with pytest.warns(tl.TraceLakeWarning, match="restored from catalog.shadow"):
+        tl.open(root).record(model, x, name="d")
+    assert list(tl.open(root).runs()["name"]) == ["a", "b", "c", "d"]
+    # nothing is thrown away: the unreadable file is kept aside
+    (kept,) = (p for p in root.glob("catalog.duckdb.unreadable-*") if p.suffix != ".wal")
+    assert kept.read_bytes() == damaged
 
 
 # -- 14. query length, time and memory ------------------------------------------------

@@ -1,0 +1,182 @@
+"""The catalog's shadow: a copy of ``catalog.duckdb`` as the last completed change left it.
+
+Why: a writer SIGKILLed inside DuckDB's checkpoint once left the catalog unreadable
+(``Corrupt database file: computed checksum ... does not match stored checksum ... in
+block at location 12288``: DuckDB rewrites its metadata blocks in place, so a change
+cut short can spoil the block its last good state still reads). The crash battery
+(``benchmarks/crash_battery.py``) met it once in about 220 kills. The shadow makes such
+a kill cost only the change it interrupted, which never returned to its caller.
+
+How, with what this module knows of DuckDB's file (and nothing more): the file is
+:data:`HEADER_BYTES` of headers, then blocks of a size the database header states, each
+starting with the 8-byte checksum of its contents. After each transaction (under the
+exclusive catalog lock, the file detached) :func:`sync_shadow` copies the blocks whose
+checksum differs from the shadow's, then the headers last: the order DuckDB itself
+writes a checkpoint in, so a shadow cut short is still the older good state (its headers
+name only blocks it already had). So the cost of a change is the bytes it changed.
+
+What it does not cover: the shadow is not fsync'd (it guards against a killed process,
+whose writes the page cache keeps; DuckDB's own fsyncs cover the catalog against power
+loss), and a block DuckDB spoils without being killed is copied like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+#: The file's own header and DuckDB's two alternating database headers, 4 KiB each.
+HEADER_BYTES = 3 * 4096
+#: The file header's magic bytes, and where they are.
+_MAGIC, _MAGIC_AT = b"DUCK", 8
+#: Where a database header (at 4096 and 8192) keeps its checkpoint iteration and its
+#: block allocation size, counted after the header's own 8-byte checksum.
+_ITERATION_AT = 8
+_BLOCK_SIZE_AT = 8 + 4 * 8
+#: Each block starts with the checksum of the rest of it.
+_CHECKSUM_BYTES = 8
+
+#: DuckDB's words for a database file it cannot read (as opposed to one it cannot open
+#: for another reason: a lock, a permission, a full disk), which the shadow may replace.
+CORRUPT = re.compile(
+    r"Corrupt database file|Failed to load metadata pointer|No more data remaining in "
+    r"MetadataReader|block at location|not a valid DuckDB database file|Could not read "
+    r"enough bytes from file",
+    re.IGNORECASE,
+)
+
+
+def is_corrupt(exc: BaseException) -> bool:
+    """Whether a DuckDB error says the database file itself is damaged."""
+    return bool(CORRUPT.search(str(exc)))
+
+
+def _open(path: Path, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+def _write(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _newest(headers: bytes) -> int:
+    return max((4096, 8192), key=lambda at: _u64(headers, at + _ITERATION_AT))
+
+
+def block_size(headers: bytes) -> int | None:
+    """The block size the newer database header states, or None where ``headers`` are
+    not a DuckDB file's (too short, no magic, or a size that is not a power of two
+    from 4 KiB to 1 GiB)."""
+    if len(headers) < HEADER_BYTES or headers[_MAGIC_AT : _MAGIC_AT + 4] != _MAGIC:
+        return None
+    size = _u64(headers, _newest(headers) + _BLOCK_SIZE_AT)
+    if size < 4096 or size > 1 << 30 or size & (size - 1):
+        return None
+    return size
+
+
+def damage(path: Path) -> str | None:
+    """What makes the DuckDB file ``path`` unreadable, as far as its headers tell
+    (cheaply, before DuckDB is asked, which may take a file without headers for a new
+    database): None for a file with a DuckDB file's headers, or none at all. (A file
+    with fewer blocks than its header counts may be whole: DuckDB trims free blocks off
+    its end.)"""
+    try:
+        fd = _open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        headers = os.pread(fd, HEADER_BYTES, 0)
+        end = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if block_size(headers) is None:
+        return f"its headers are not a DuckDB database's ({end} bytes)"
+    return None
+
+
+def _u64(data: bytes, at: int) -> int:
+    return int.from_bytes(data[at : at + 8], "little")
+
+
+def sync_shadow(source: Path, shadow: Path) -> int:
+    """Bring ``shadow`` to ``source``'s bytes (see the module's docstring); the bytes
+    copied. Where there is nothing a shadow can hold, it is removed instead: a source
+    that is not a DuckDB file, or one whose log still holds changes (the shadow would
+    lack them)."""
+    if source.with_name(source.name + ".wal").exists():
+        drop_shadow(shadow)
+        return 0
+    src = _open(source, os.O_RDONLY)
+    try:
+        headers = os.pread(src, HEADER_BYTES, 0)
+        size = block_size(headers)
+        if size is None:
+            drop_shadow(shadow)
+            return 0
+        end = os.fstat(src).st_size
+        dst = _open(shadow, os.O_RDWR | os.O_CREAT)
+        try:
+            have = os.fstat(dst).st_size
+            copied = 0
+            for at in range(HEADER_BYTES, end, size):
+                head = os.pread(src, _CHECKSUM_BYTES, at)
+                if at + size <= have and os.pread(dst, _CHECKSUM_BYTES, at) == head:
+                    continue
+                block = os.pread(src, size, at)
+                # the checksum last: a copy cut short keeps the old one, so the next
+                # sync sees the block differ and copies it again
+                _write(dst, block[_CHECKSUM_BYTES:], at + _CHECKSUM_BYTES)
+                _write(dst, block[:_CHECKSUM_BYTES], at)
+                copied += len(block)
+            if have > end:
+                os.ftruncate(dst, end)
+            _write(dst, headers, 0)  # last: now the shadow names the new blocks
+            return copied + len(headers)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def drop_shadow(shadow: Path) -> None:
+    """Remove the shadow (it may be stale: a sync failed)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(shadow)
+
+
+def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
+    """Put the shadow's copy in ``target``'s place. The unreadable file stays at
+    ``keep_as`` (a second name; its log moves to ``keep_as``'s ``.wal``) for whoever
+    wants to look at it. Killed at any point, ``target`` is either still the unreadable
+    file (restored again next time) or the complete copy, which is on disk before it
+    takes the name."""
+    temp = target.with_name(target.name + ".restoring")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)
+    src = _open(shadow, os.O_RDONLY)
+    try:
+        dst = _open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            offset = 0
+            while chunk := os.pread(src, 1 << 20, offset):
+                _write(dst, chunk, offset)
+                offset += len(chunk)
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    with contextlib.suppress(OSError):  # (no second name where links are not allowed)
+        os.link(target, keep_as, follow_symlinks=False)
+    wal = target.with_name(target.name + ".wal")
+    # The log belongs to the unreadable file (it holds the change that was cut short):
+    # it goes before the copy takes the name, so the copy never meets it.
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(wal, keep_as.with_name(keep_as.name + ".wal"))
+    os.replace(temp, target)
