@@ -280,6 +280,17 @@ def _nn_functional() -> frozenset[Any]:
     )
 
 
+def _stack_depth() -> int:
+    """How many torch function modes this thread's stack holds."""
+    return int(torch._C._len_torch_function_stack())
+
+
+def _pop_to(depth: int) -> None:
+    """Pop this thread's torch function modes down to ``depth`` of them."""
+    while _stack_depth() > depth:
+        torch._C._pop_torch_function_stack()
+
+
 def _writes(name: str) -> bool:
     """Whether a function of this name writes into an argument, whatever its arguments:
     a trailing underscore (add_), an augmented assignment (iadd) and x[i] = v. ``out=`` and
@@ -414,20 +425,25 @@ class _Mode(TorchFunctionMode):
         # hand an argument back as a new op's output: broadcast_tensors)
         producer = self._producer
         before = [(t, producer(t)) for t in args if isinstance(t, _Tensor)] if producer else []
-        opened.append(func)
         # an operator in the body is named from its instruction (_operator), which only
         # Python reads: the compiled path then hands every call to Python
         live = self._live if operators else None
-        if live is not None:
-            live.append(None)
-        torch._C._push_on_torch_function_stack(self)
+        # What the finally undoes is measured here, not assumed: a Ctrl-C can land
+        # before the push, just after it (signals are checked when a call returns) or in
+        # the body (whose own modes then lose their exit); putting back the sizes found
+        # here is right whichever happened.
+        depth, running, size = _stack_depth(), len(opened), len(live or ())
         try:
+            opened.append(func)
+            if live is not None:
+                live.append(None)
+            torch._C._push_on_torch_function_stack(self)
             out = body(*args, **kwargs)
         finally:
-            torch._C._pop_torch_function_stack()
-            opened.pop()
+            _pop_to(depth)
+            del opened[running:]
             if live is not None:
-                live.pop()
+                del live[size:]
         tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out)
         if producer is None or all(producer(t) >= 0 for t in tensors):
             return out
@@ -605,31 +621,40 @@ class Interceptor:
                 "finish it before starting another (recordings cannot be nested)"
             )
 
+    # The hooks' ``with`` bodies are one call each: on Python 3.11 the first instruction
+    # of some lines (a ``try:``, a loop's head) lies outside the exception table, so an
+    # exception raised there (a trace function's Ctrl-C) would skip the ``with``'s exit
+    # and leave torch functions disabled for the thread (tests/test_interrupts.py
+    # checks that no recorder line is left so).
+
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
         if threading.get_ident() != self._thread or self._fused is not None:
             return  # another thread's call, or one inside a fused call (not recorded)
         with torch._C.DisableTorchFunction():
-            try:
-                self._events.on_module_enter(module, args)
-            except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
-            if type(module) in self._plain_types:
-                return
-            try:
-                self._maybe_fuse(module, args)
-            except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
+            self._entered_module(module, args, sys._getframe(1))
 
-    def _maybe_fuse(self, module: torch.nn.Module, args: tuple) -> None:
+    def _entered_module(self, module: torch.nn.Module, args: tuple, caller: Any) -> None:
+        try:
+            self._events.on_module_enter(module, args)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
+        if type(module) in self._plain_types:
+            return
+        try:
+            self._maybe_fuse(module, args, caller)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
+
+    def _maybe_fuse(self, module: torch.nn.Module, args: tuple, frame: Any) -> None:
         """Step the mode aside for a module call that takes torch's fused fast path in a
         plain forward (see :mod:`.fastpath`): the call then runs exactly as it would
-        unrecorded, and ``_post_hook`` records it as one op."""
+        unrecorded, and ``_post_hook`` records it as one op. ``frame``: the hook's
+        caller."""
         if not fastpath.has_rule(type(module)):
             self._plain_types.add(type(module))
             return
         # The call's keyword arguments: global pre-hooks are not given them, but the
         # frame of torch's Module._call_impl that calls the hook holds them.
-        frame = sys._getframe(2)
         kwargs = frame.f_locals.get("kwargs") if frame.f_code.co_name == "inner" else None
         if not isinstance(kwargs, dict):
             return
@@ -649,15 +674,24 @@ class Interceptor:
             self._fused = None
             self._mode.__enter__()
         with torch._C.DisableTorchFunction():
-            if fused is not None:
-                try:
-                    self._record_fused(module, fused[1], args, fused[2], output)
-                except Exception as exc:
-                    self._on_error(fused[1], exc)
+            self._left_module(module, args, output, fused)
+
+    def _left_module(
+        self,
+        module: torch.nn.Module,
+        args: tuple,
+        output: Any,
+        fused: tuple[torch.nn.Module, str, dict] | None,
+    ) -> None:
+        if fused is not None:
             try:
-                self._events.on_module_exit(module, output)
+                self._record_fused(module, fused[1], args, fused[2], output)
             except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
+                self._on_error(fused[1], exc)
+        try:
+            self._events.on_module_exit(module, output)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
 
     def _record_fused(
         self, module: torch.nn.Module, func: str, args: tuple, kwargs: dict, output: Any
@@ -697,11 +731,12 @@ class Interceptor:
         ``KeyboardInterrupt``, so whoever cleans up calls this)."""
         try:
             stack = _get_current_function_mode_stack()
-            if any(m is self._mode for m in stack):
+            ours = [k for k, mode in enumerate(stack) if mode is self._mode]
+            if ours:
                 # modes above ours were pushed inside the interrupted forward and lost
-                # their exit with it: they go too, or ours could not be reached
-                while torch._C._pop_torch_function_stack() is not self._mode:
-                    pass
+                # their exit with it (ours again too, by an opened function: _open):
+                # they go too, or ours could not be reached
+                _pop_to(ours[0])
             self._fused = None
         finally:
             try:
