@@ -126,6 +126,9 @@ class Labeller:
         # objects at one per entry (the weak reference).
         self._producers: dict[int, int] = {}
         self._refs: list[weakref.ref] = []
+        #: whether a tensor was written through a view of it (see _Alias)
+        self._aliases = False
+        self._identities: dict[type, bool] = {}
         # Shapes, one tuple per distinct shape shared by its rows: fewer objects for the
         # GC to look at, and less memory in long recordings.
         self._shapes: dict[torch.Size, tuple[int, ...]] = {}
@@ -177,10 +180,10 @@ class Labeller:
             return  # a view of a parameter or buffer
         self._producers.pop(id(base), None)
         self._params[id(base)] = _Alias(index, _ref(base))
+        self._aliases = True
 
-    def producer(self, tensor: torch.Tensor) -> int:
-        """The entry that produced ``tensor`` (-1: none)."""
-        return self._producer(tensor)
+    #: The entry that produced a tensor (-1: none); for the interceptor (one call, not two).
+    producer = _producer
 
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         """Entry ``index`` now stands for ``tensor`` (an intervention replaced the call's
@@ -415,8 +418,13 @@ class Labeller:
             return
         frame = self._stack[depth]
         tensors = flatten_tensors(output)
-        if tensors and depth == len(self._stack) - 1:
-            self._pass_through(module, frame, tensors)
+        producer = self._producer
+        producers = [producer(t) for t in tensors]
+        if producers and depth == len(self._stack) - 1:
+            inputs = frame.entry.input_indices
+            if self._is_identity(module) or any(p >= 0 and p in inputs for p in producers):
+                self._pass_through(module, frame, tensors)
+                producers = [producer(t) for t in tensors]
         del self._stack[depth:]
         live = self._live
         live[_STACK_KEY] = live[_STACK_KEY][:depth]
@@ -426,21 +434,31 @@ class Labeller:
             self._first_call[frame.path][1] = end
         entry = frame.entry
         entry.op_range = (frame.start, end)
-        producers = [self._producer(t) for t in tensors]
         entry.output_indices = tuple(producers)
-        # the emitter shares a producer's saved slot: only for that very tensor
-        same = [
-            p if p >= 0 and self._refs[p]() is t else -1
-            for p, t in zip(producers, tensors, strict=True)
-        ]
+        # the emitter shares a producer's saved slot: only for that very tensor (a
+        # producer found through an alias wrote into a view of it)
+        same = producers
+        if self._aliases:
+            same = [
+                p if p >= 0 and self._refs[p]() is t else -1
+                for p, t in zip(producers, tensors, strict=True)
+            ]
         self._emitter.on_module_exit(entry, output, tensors, same)
+
+    def _is_identity(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is an ``Identity`` (by its class name, as TorchLens tells)."""
+        cls = type(module)
+        known = self._identities.get(cls)
+        if known is None:
+            known = self._identities[cls] = cls.__name__.lower() == "identity"
+        return known
 
     def _pass_through(self, module: torch.nn.Module, frame: _Frame, tensors: list) -> None:
         """A module that returns an input tensor unchanged (``nn.Identity``, a skipped
         block) gets an ``identity`` op inside it, the output's producer, as TorchLens
         makes one; so does every output of an ``Identity`` module."""
         inputs = frame.entry.input_indices
-        identity = type(module).__name__.lower() == "identity"
+        identity = self._is_identity(module)
         for tensor in tensors:
             producer = self._producer(tensor)
             if identity or (producer >= 0 and producer in inputs):
