@@ -220,7 +220,7 @@ class ArgsRecorder:
         if index >= 0:
             return {"$op": index}
         name = self._params.get(id(value))
-        if name is not None:  # a parameter's name, or a buffer's as a 1-tuple
+        if name.__class__ is str or name.__class__ is tuple:  # a parameter's, a buffer's
             return {"$param": name if name.__class__ is str else name[0]}
         return {"$tensor": [list(value.shape), str(value.dtype).removeprefix("torch.")]}
 

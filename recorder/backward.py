@@ -145,15 +145,25 @@ class BackwardCapture:
         call = self.calls
 
         def pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            with self._lock:
-                fire = self.fires
-                self.fires += 1
-                for index, number in targets:
-                    grad = grad_outputs[number] if number < len(grad_outputs) else None
-                    if grad is not None:
-                        self.sink.keep(GradFire(call, fire, name, step, index), grad)
+            with self._lock:  # (one call: a loop's head here could skip the exit)
+                self._keep(call, name, step, targets, grad_outputs)
 
         return pre_hook
+
+    def _keep(
+        self,
+        call: int,
+        name: str,
+        step: int,
+        targets: list[tuple[int, int]],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        fire = self.fires
+        self.fires += 1
+        for index, number in targets:
+            grad = grad_outputs[number] if number < len(grad_outputs) else None
+            if grad is not None:
+                self.sink.keep(GradFire(call, fire, name, step, index), grad)
 
     def backward(self, loss: Any, gradient: Any = None, **options: Any) -> None:
         """``torch.autograd.backward(loss, gradient, **options)`` with the gradients of

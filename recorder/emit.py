@@ -44,10 +44,11 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
 
 def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A detached, contiguous copy that shares nothing with ``tensor``."""
-    with torch.no_grad():
-        try:
+    try:
+        with torch.no_grad():
             return tensor.detach().clone(memory_format=torch.contiguous_format)
-        except RuntimeError:  # layouts without memory formats (sparse, ...)
+    except RuntimeError:  # layouts without memory formats (sparse, ...)
+        with torch.no_grad():
             return tensor.detach().clone()
 
 

@@ -469,9 +469,11 @@ class OpEntry:
 
     @property
     def parents(self) -> tuple[str, ...]:
-        """The labels of the entries this one consumed."""
+        """The labels of the entries this one consumed, once per argument that took
+        one, in argument order (as TorchLens lists them: ``x * x`` has ``input_1``
+        twice)."""
         labels = self._table.labels
-        return tuple(dict.fromkeys(labels[p] for p in self._row[PARENTS]))
+        return tuple(labels[p] for p in self._row[PARENTS])
 
     @property
     def children(self) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ both are removed in ``finally`` even when the forward pass raises.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -26,7 +27,13 @@ from tracelake.errors import NestedTraceError
 
 from . import compiled, fastpath
 from .compiled import _hot
-from .names import INPLACE_DUNDERS, func_name
+from .names import (
+    INPLACE_DUNDERS,
+    OPERATOR_FUNCS,
+    func_name,
+    has_operator_calls,
+    operator_name,
+)
 from .record import ROW_DEFAULTS
 from .trees import leaves_of
 
@@ -36,10 +43,12 @@ __all__ = [
     "Interceptor",
     "SourceFinder",
     "Swaps",
+    "body_of",
     "flatten_tensors",
 ]
 
 _Tensor = torch.Tensor
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _NO_KWARGS: dict[str, Any] = {}
 #: SourceFinder's cache: the size at which the first sweep runs, and a hard bound.
 _SWEEP_MIN = 1024
@@ -186,6 +195,102 @@ class SourceFinder:
 BUFFER_WRITERS = frozenset({"batch_norm", "instance_norm"})
 
 
+#: Markers in ``_FUNCS`` (in place of "writes") for calls the compiled path hands to
+#: Python. ``_OPEN``: a torch function written in Python that calls other torch
+#: functions (``F.normalize``, ``Tensor.norm``, ``F.multi_head_attention_forward``).
+#: TorchLens records the calls inside it, and the call itself only where none of them
+#: made its output, so the mode runs its body with itself active (``_Mode._open``).
+#: ``_HIDDEN``: a ``torch._C._nn`` function that TorchLens does not wrap
+#: (``F.mse_loss`` calls ``torch._C._nn.mse_loss``): inside an opened body it is not
+#: recorded, and the opened function is recorded in its place.
+_OPEN = "open"
+_HIDDEN = "hidden"
+#: The dispatch checks at the head of torch's Python functions, answered "no" in an
+#: opened body's globals (the calls inside it still dispatch to the mode).
+_DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _no_torch_function(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+class _BodyGlobals(dict):
+    """An opened function's globals: its module's, but for the dispatch checks."""
+
+    __slots__ = ("real",)
+    real: dict[str, Any]
+
+    def __missing__(self, key: str) -> Any:
+        return self.real[key]
+
+
+#: func -> (its body: a copy of the function whose dispatch checks say "no", whether
+#: the body applies an operator torch reports under another name), or None where the
+#: function cannot be opened (it dispatched again from its body).
+_BODIES: dict[Any, tuple[Any, bool] | None] = {}
+
+
+def _opened(func: Any) -> tuple[Any, bool] | None:
+    if func in _BODIES:
+        return _BODIES[func]
+    scope = _BodyGlobals({name: _no_torch_function for name in _DISPATCH_CHECKS})
+    scope.real = func.__globals__
+    scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)
+    body = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    body.__kwdefaults__ = func.__kwdefaults__
+    codes = [func.__code__]
+    codes += [
+        cell.cell_contents.__code__
+        for cell in func.__closure__ or ()
+        if isinstance(cell.cell_contents, types.FunctionType)
+    ]
+    known = _BODIES[func] = (body, any(map(has_operator_calls, codes)))
+    return known
+
+
+def body_of(func: Any) -> Any:
+    """The function ``func`` (a torch function written in Python) with its own torch
+    function dispatch skipped: the calls in its body still dispatch. None where it
+    cannot be opened."""
+    known = _opened(func)
+    return None if known is None else known[0]
+
+
+def _calls_kind(func: Any, name: str) -> Any:
+    """What ``_FUNCS`` keeps beside a function's name: whether it writes in place, or a
+    marker (``None``: see BUFFER_WRITERS; ``_OPEN``, ``_HIDDEN``)."""
+    if name in BUFFER_WRITERS:
+        return None
+    if isinstance(func, types.FunctionType) and (func.__module__ or "").startswith("torch"):
+        return _OPEN if _BODIES.get(func, True) is not None else _writes(name)
+    if getattr(func, "__self__", None) is torch._C._nn and func not in _nn_functional():
+        return _HIDDEN
+    return _writes(name)
+
+
+@functools.cache
+def _nn_functional() -> frozenset[Any]:
+    """``torch.nn.functional``'s builtins (``F.linear`` is ``torch._C._nn.linear``)."""
+    return frozenset(
+        value
+        for value in vars(torch.nn.functional).values()
+        if isinstance(value, types.BuiltinFunctionType)
+    )
+
+
+def _stack_depth() -> int:
+    """How many torch function modes this thread's stack holds."""
+    return int(torch._C._len_torch_function_stack())
+
+
+def _pop_to(depth: int) -> None:
+    """Pop this thread's torch function modes down to ``depth`` of them."""
+    while _stack_depth() > depth:
+        torch._C._pop_torch_function_stack()
+
+
 def _writes(name: str) -> bool:
     """Whether a function of this name writes into an argument, whatever its arguments:
     a trailing underscore (add_), an augmented assignment (iadd) and x[i] = v. ``out=`` and
@@ -239,18 +344,34 @@ class _Mode(TorchFunctionMode):
         self._call_args = getattr(events, "call_args", None)
         _Mode._sweep_funcs_at = _trim_funcs(_Mode._sweep_funcs_at)
         self._funcs = _FUNCS
+        #: the opened functions running, innermost last (see _open)
+        self._opened: list[Any] = []
+        #: the producer of a tensor (-1: none), where the receiver tells
+        self._producer: Callable[[torch.Tensor], int] | None = getattr(events, "producer", None)
+        #: the compiled path's state list, while bound: one more item sends every call
+        #: to Python (its length is checked first)
+        self._live: list[Any] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Runs once per torch call of the user's forward pass: kept lean.
         known = self._funcs.get(func)
         if known is None:
             name = func_name(func)
-            known = (name, None if name in BUFFER_WRITERS else _writes(name))
+            known = (name, _calls_kind(func, name))
             if _cacheable(func):
                 self._funcs[func] = known
         name, writes = known
-        if writes is None:  # see BUFFER_WRITERS
-            writes = False
+        if writes.__class__ is not bool:
+            if writes is None:  # see BUFFER_WRITERS
+                writes = False
+            elif writes is _OPEN:
+                return self._open(func, name, args, kwargs or _NO_KWARGS)
+            else:  # _HIDDEN
+                if self._opened:
+                    return func(*args, **(kwargs or _NO_KWARGS))
+                writes = _writes(name)
+        if self._opened and name in OPERATOR_FUNCS:
+            name = self._operator(name)
         if kwargs:
             # One rule says what writes in place: the name (above), out=, and
             # inplace=True (F.relu(x, inplace=True)).
@@ -264,6 +385,11 @@ class _Mode(TorchFunctionMode):
             if writes:
                 self._before_write(name, args, kwargs)
             out = func(*args)
+        return self._record(name, func, args, kwargs, out, writes)
+
+    def _record(
+        self, name: str, func: Any, args: tuple, kwargs: dict, out: Any, writes: bool
+    ) -> Any:
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
             try:
                 if self._call_args is not None:
@@ -274,6 +400,74 @@ class _Mode(TorchFunctionMode):
                 self._on_error(name, exc)
             return out
         return self._record_outputs(name, func, args, kwargs, out, writes)
+
+    def _open(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run torch's Python function ``func`` with the mode active inside it, so that
+        the torch calls in its body are recorded (TorchLens's granularity); the call
+        itself is recorded only where none of them made its output."""
+        opened = self._opened
+        if opened and opened[-1] is func:
+            # the body dispatched again (a check the copy could not answer): run it
+            # plainly, as one op, from now on
+            _BODIES[func] = None
+            self._funcs.pop(func, None)
+            out = func(*args, **kwargs)
+            return self._record(name, func, args, kwargs, out, _writes(name))
+        writes = _writes(name) or kwargs.get("inplace") is True
+        if writes:
+            self._before_write(name, args, kwargs)
+        known = _opened(func)
+        if known is None:  # cannot be opened (found so in another recording)
+            out = func(*args, **kwargs)
+            return self._record(name, func, args, kwargs, out, writes)
+        body, operators = known
+        # TorchLens takes the call's parents as they were when it began (a body may
+        # hand an argument back as a new op's output: broadcast_tensors)
+        producer = self._producer
+        before = [(t, producer(t)) for t in args if isinstance(t, _Tensor)] if producer else []
+        # an operator in the body is named from its instruction (_operator), which only
+        # Python reads: the compiled path then hands every call to Python
+        live = self._live if operators else None
+        # What the finally undoes is measured here, not assumed: a Ctrl-C can land
+        # before the push, just after it (signals are checked when a call returns) or in
+        # the body (whose own modes then lose their exit); putting back the sizes found
+        # here is right whichever happened.
+        depth, running, size = _stack_depth(), len(opened), len(live or ())
+        try:
+            opened.append(func)
+            if live is not None:
+                live.append(None)
+            torch._C._push_on_torch_function_stack(self)
+            out = body(*args, **kwargs)
+        finally:
+            _pop_to(depth)
+            del opened[running:]
+            if live is not None:
+                del live[size:]
+        tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out)
+        if producer is None or all(producer(t) >= 0 for t in tensors):
+            return out
+        if self._opened and name in OPERATOR_FUNCS:
+            name = self._operator(name)
+        moved = [(t, was, producer(t)) for t, was in before if was >= 0 and producer(t) != was]
+        for t, was, _ in moved:
+            self._events.rebind(was, t)  # type: ignore[attr-defined]
+        try:
+            return self._record(name, func, args, kwargs, out, writes)
+        finally:
+            for t, was, now in moved:
+                if producer(t) == was:  # not the call's own output
+                    self._events.rebind(now, t)  # type: ignore[attr-defined]
+
+    def _operator(self, name: str) -> str:
+        """Inside an opened body: an operator's name from the instruction that called it
+        (``input / denom`` in ``F.normalize`` is ``truediv``)."""
+        frame: Any = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+            frame = frame.f_back
+        if frame is None:
+            return name
+        return operator_name(name, (frame.f_code, frame.f_lasti))
 
     def _record_outputs(
         self, name: str, func: Any, args: tuple, kwargs: dict, out: Any, writes: bool
@@ -329,6 +523,7 @@ if _hot is not None:
             state, producers, refs, params, rows, shapes, counts, codes, classify, emit = (
                 fused_state
             )
+            self._live = state
             super().bind(
                 state,
                 self._funcs,
@@ -426,31 +621,40 @@ class Interceptor:
                 "finish it before starting another (recordings cannot be nested)"
             )
 
+    # The hooks' ``with`` bodies are one call each: on Python 3.11 the first instruction
+    # of some lines (a ``try:``, a loop's head) lies outside the exception table, so an
+    # exception raised there (a trace function's Ctrl-C) would skip the ``with``'s exit
+    # and leave torch functions disabled for the thread (tests/test_interrupts.py
+    # checks that no recorder line is left so).
+
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
         if threading.get_ident() != self._thread or self._fused is not None:
             return  # another thread's call, or one inside a fused call (not recorded)
         with torch._C.DisableTorchFunction():
-            try:
-                self._events.on_module_enter(module, args)
-            except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
-            if type(module) in self._plain_types:
-                return
-            try:
-                self._maybe_fuse(module, args)
-            except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
+            self._entered_module(module, args, sys._getframe(1))
 
-    def _maybe_fuse(self, module: torch.nn.Module, args: tuple) -> None:
+    def _entered_module(self, module: torch.nn.Module, args: tuple, caller: Any) -> None:
+        try:
+            self._events.on_module_enter(module, args)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
+        if type(module) in self._plain_types:
+            return
+        try:
+            self._maybe_fuse(module, args, caller)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
+
+    def _maybe_fuse(self, module: torch.nn.Module, args: tuple, frame: Any) -> None:
         """Step the mode aside for a module call that takes torch's fused fast path in a
         plain forward (see :mod:`.fastpath`): the call then runs exactly as it would
-        unrecorded, and ``_post_hook`` records it as one op."""
+        unrecorded, and ``_post_hook`` records it as one op. ``frame``: the hook's
+        caller."""
         if not fastpath.has_rule(type(module)):
             self._plain_types.add(type(module))
             return
         # The call's keyword arguments: global pre-hooks are not given them, but the
         # frame of torch's Module._call_impl that calls the hook holds them.
-        frame = sys._getframe(2)
         kwargs = frame.f_locals.get("kwargs") if frame.f_code.co_name == "inner" else None
         if not isinstance(kwargs, dict):
             return
@@ -470,15 +674,24 @@ class Interceptor:
             self._fused = None
             self._mode.__enter__()
         with torch._C.DisableTorchFunction():
-            if fused is not None:
-                try:
-                    self._record_fused(module, fused[1], args, fused[2], output)
-                except Exception as exc:
-                    self._on_error(fused[1], exc)
+            self._left_module(module, args, output, fused)
+
+    def _left_module(
+        self,
+        module: torch.nn.Module,
+        args: tuple,
+        output: Any,
+        fused: tuple[torch.nn.Module, str, dict] | None,
+    ) -> None:
+        if fused is not None:
             try:
-                self._events.on_module_exit(module, output)
+                self._record_fused(module, fused[1], args, fused[2], output)
             except Exception as exc:
-                self._on_error(f"module {type(module).__name__}", exc)
+                self._on_error(fused[1], exc)
+        try:
+            self._events.on_module_exit(module, output)
+        except Exception as exc:
+            self._on_error(f"module {type(module).__name__}", exc)
 
     def _record_fused(
         self, module: torch.nn.Module, func: str, args: tuple, kwargs: dict, output: Any
@@ -518,11 +731,12 @@ class Interceptor:
         ``KeyboardInterrupt``, so whoever cleans up calls this)."""
         try:
             stack = _get_current_function_mode_stack()
-            if any(m is self._mode for m in stack):
+            ours = [k for k, mode in enumerate(stack) if mode is self._mode]
+            if ours:
                 # modes above ours were pushed inside the interrupted forward and lost
-                # their exit with it: they go too, or ours could not be reached
-                while torch._C._pop_torch_function_stack() is not self._mode:
-                    pass
+                # their exit with it (ours again too, by an opened function: _open):
+                # they go too, or ours could not be reached
+                _pop_to(ours[0])
             self._fused = None
         finally:
             try:

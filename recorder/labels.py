@@ -33,6 +33,7 @@ _Tensor = torch.Tensor
 _getframe = sys._getframe
 _ref = weakref.ref
 _NO_PARAMS: tuple[str, ...] = ()
+_NO_KWARGS: dict[str, Any] = {}
 _SCALARS = frozenset({int, float, bool, type(None), str})
 # Argument positions of a single parent, shared rather than a new tuple per op.
 _N_SINGLE = 16
@@ -41,6 +42,19 @@ _SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
 # reads and advances too: the stack top's root (a repeated module call, or None), the
 # module stack's key, and the number of layers so far.
 _ROOT, _STACK_KEY, _N_LAYERS = range(3)
+
+
+class _Alias:
+    """In ``Labeller._params``: a tensor written in place through a view of it
+    (``x.unsqueeze(0).fill_(0)``): its reads are children of the write, as in TorchLens.
+    Its id leaves ``_producers``, so the compiled path, finding a non-str value here,
+    hands its reads to Python."""
+
+    __slots__ = ("index", "ref")
+
+    def __init__(self, index: int, ref: weakref.ref):
+        self.index = index
+        self.ref = ref
 
 
 class Emitter(Protocol):
@@ -112,6 +126,9 @@ class Labeller:
         # objects at one per entry (the weak reference).
         self._producers: dict[int, int] = {}
         self._refs: list[weakref.ref] = []
+        #: whether a tensor was written through a view of it (see _Alias)
+        self._aliases = False
+        self._identities: dict[type, bool] = {}
         # Shapes, one tuple per distinct shape shared by its rows: fewer objects for the
         # GC to look at, and less memory in long recordings.
         self._shapes: dict[torch.Size, tuple[int, ...]] = {}
@@ -139,7 +156,34 @@ class Labeller:
         index = self._producers.get(id(tensor))
         if index is not None and self._refs[index]() is tensor:
             return index
+        known = self._params.get(id(tensor))
+        if known.__class__ is _Alias:
+            return self._aliased(tensor, known)
         return -1
+
+    def _aliased(self, tensor: torch.Tensor, alias: _Alias) -> int:
+        """The write through a view that last changed ``tensor`` (-1: the alias was
+        another tensor's, whose id this one reuses)."""
+        if alias.ref() is tensor:
+            return alias.index
+        del self._params[id(tensor)]
+        return -1
+
+    def _written_through_view(self, view: torch.Tensor, index: int) -> None:
+        """Entry ``index`` wrote into ``view``: the tensor it views now reads as its
+        child."""
+        base = view._base
+        if base is None:
+            return
+        known = self._params.get(id(base))
+        if known is not None and known.__class__ is not _Alias:
+            return  # a view of a parameter or buffer
+        self._producers.pop(id(base), None)
+        self._params[id(base)] = _Alias(index, _ref(base))
+        self._aliases = True
+
+    #: The entry that produced a tensor (-1: none); for the interceptor (one call, not two).
+    producer = _producer
 
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         """Entry ``index`` now stands for ``tensor`` (an intervention replaced the call's
@@ -164,12 +208,12 @@ class Labeller:
                     continue
                 producer = self._producer(tensor)
                 known = self._params.get(id(tensor)) if producer < 0 else None
-                if known is not None and known.__class__ is not str:
+                if known is not None and known.__class__ is tuple:
                     producer = self._boundary("buffer", tensor, -1)
                 if producer >= 0:
                     parents += (producer,)
                     where += (key,)
-                elif known is not None:
+                elif known.__class__ is str:
                     params = (*params, known)
         return parents, where, params
 
@@ -223,6 +267,11 @@ class Labeller:
                     continue
                 if known.__class__ is str:
                     params = (*params, known)
+                elif known.__class__ is _Alias:
+                    index = self._aliased(value, known)
+                    if index >= 0:
+                        parents += (index,)
+                        where = (*where, pos)
                 else:  # a buffer's first read
                     parents += (self._boundary("buffer", value, -1),)
                     where = (*where, pos)
@@ -304,6 +353,8 @@ class Labeller:
             if self._emit is not None:
                 self._emit(index, tensor, -1)
             i += 1  # a counter costs a third of enumerate here, per op
+        if inplace and i:
+            self._written_through_view(tensors[0], len(rows) - i)
         if name in BUFFER_WRITERS:
             # batch_norm may update the running statistics it reads: as TorchLens does,
             # each buffer it takes gets a new entry, a child of the call, which later
@@ -311,7 +362,7 @@ class Labeller:
             written = len(rows) - i
             for value in args:
                 known = self._params.get(id(value)) if isinstance(value, _Tensor) else None
-                if known is not None and known.__class__ is not str:
+                if known.__class__ is tuple:
                     self._boundary("buffer", value, written)
 
     def _repeat_of(self, root: _Frame, index: int, name: str, out_index: int) -> int:
@@ -366,6 +417,14 @@ class Labeller:
         else:
             return
         frame = self._stack[depth]
+        tensors = flatten_tensors(output)
+        producer = self._producer
+        producers = [producer(t) for t in tensors]
+        if producers and depth == len(self._stack) - 1:
+            inputs = frame.entry.input_indices
+            if self._is_identity(module) or any(p >= 0 and p in inputs for p in producers):
+                self._pass_through(module, frame, tensors)
+                producers = [producer(t) for t in tensors]
         del self._stack[depth:]
         live = self._live
         live[_STACK_KEY] = live[_STACK_KEY][:depth]
@@ -375,10 +434,35 @@ class Labeller:
             self._first_call[frame.path][1] = end
         entry = frame.entry
         entry.op_range = (frame.start, end)
-        tensors = flatten_tensors(output)
-        producers = [self._producer(t) for t in tensors]
         entry.output_indices = tuple(producers)
-        self._emitter.on_module_exit(entry, output, tensors, producers)
+        # the emitter shares a producer's saved slot: only for that very tensor (a
+        # producer found through an alias wrote into a view of it)
+        same = producers
+        if self._aliases:
+            same = [
+                p if p >= 0 and self._refs[p]() is t else -1
+                for p, t in zip(producers, tensors, strict=True)
+            ]
+        self._emitter.on_module_exit(entry, output, tensors, same)
+
+    def _is_identity(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is an ``Identity`` (by its class name, as TorchLens tells)."""
+        cls = type(module)
+        known = self._identities.get(cls)
+        if known is None:
+            known = self._identities[cls] = cls.__name__.lower() == "identity"
+        return known
+
+    def _pass_through(self, module: torch.nn.Module, frame: _Frame, tensors: list) -> None:
+        """A module that returns an input tensor unchanged (``nn.Identity``, a skipped
+        block) gets an ``identity`` op inside it, the output's producer, as TorchLens
+        makes one; so does every output of an ``Identity`` module."""
+        inputs = frame.entry.input_indices
+        identity = self._is_identity(module)
+        for tensor in tensors:
+            producer = self._producer(tensor)
+            if identity or (producer >= 0 and producer in inputs):
+                self.on_call("identity", (tensor,), _NO_KWARGS, (tensor,), False)
 
     # -- the model's inputs and outputs --------------------------------------------------
 
@@ -416,7 +500,9 @@ class Labeller:
         self._producers[id(tensor)] = index
         self._refs.append(_ref(tensor))
         if self._emit is not None:
-            self._emit(index, tensor, parent if kind == "output" else -1)
+            # the same tensor as the parent's (not a tensor it wrote through a view)
+            same = kind == "output" and parent >= 0 and self._refs[parent]() is tensor
+            self._emit(index, tensor, parent if same else -1)
         return index
 
     def add_inputs(self, args: tuple, kwargs: dict) -> None:

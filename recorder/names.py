@@ -18,6 +18,7 @@ __all__ = [
     "func_family",
     "func_name",
     "func_spellings",
+    "has_operator_calls",
     "operator_name",
     "spelling",
 ]
@@ -103,6 +104,17 @@ _OPERATOR_CALLS = {
     ("div_", 24): "idiv",
 }
 OPERATOR_FUNCS = frozenset(func for func, _ in _OPERATOR_CALLS)
+
+
+_OPERATOR_ARGS = frozenset(arg for _, arg in _OPERATOR_CALLS)
+
+
+def has_operator_calls(code: Any) -> bool:
+    """Whether ``code`` applies an operator that reaches the mode under another name
+    (``x / y`` as ``div``)."""
+    return any(
+        ins.opcode == _BINARY_OP and ins.arg in _OPERATOR_ARGS for ins in dis.get_instructions(code)
+    )
 
 
 def operator_name(func: str, site: Any) -> str:

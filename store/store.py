@@ -598,21 +598,22 @@ class Recording:
         returned, self._returned_ok = self._returned_ok, False
         if self._depth:
             return
-        self._owner = self._call_frame = None
-        if self._auto is None:
+        auto = self._auto
+        if auto is None:
+            self._owner = self._call_frame = None
             return
-        recording, table, emitter, args, kwargs = self._auto
+        # The step stays this thread's (_owner, _auto) until its recording is stopped or
+        # given up, so that a Ctrl-C on any line before leaves it for _unhook to drop.
+        recording, table, emitter, args, kwargs = auto
         if not returned:  # the forward raised (torch calls this hook all the same)
-            self._auto = None
-            self._abandon(recording)
+            self._drop_stale()
             return
         try:
             recording.stop(output)
         except BaseException:
-            self._auto = None
-            self._abandon(recording)
+            self._drop_stale()
             raise
-        self._auto = None
+        self._auto = self._owner = self._call_frame = None
         self._end(module, recording, table, emitter, args, kwargs)
 
     def _abandon(self, recording: ForwardRecording, stopped: bool = False) -> None:

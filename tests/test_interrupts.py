@@ -4,13 +4,15 @@ installed and no run stuck ``recording``."""
 
 from __future__ import annotations
 
+import ast
+import dis
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -25,9 +27,12 @@ import tracelake as tl
 PACKAGE = Path(tl.__file__).resolve().parent.parent  # the worktree: recorder/, store/, ...
 
 
-def _clean() -> None:
-    """No mode on this thread's stack and no global module hook left behind."""
-    assert _get_current_function_mode_stack() == []
+def _clean(where: object = None) -> None:
+    """No mode on this thread's stack, torch functions enabled (a ``DisableTorchFunction``
+    block left without its exit disables them for the thread: every later recording would
+    see no op) and no global module hook left behind. ``where``: what was interrupted."""
+    assert _get_current_function_mode_stack() == [], where
+    assert torch._C._is_torch_function_enabled(), where
     assert not nn_module._global_forward_pre_hooks
     assert not nn_module._global_forward_hooks
     assert not nn_module._global_forward_hooks_always_called
@@ -172,9 +177,10 @@ def test_tl_trace_in_two_threads_at_once_records_each_thread(tmp_path: Path) -> 
 
 
 @contextmanager
-def _interrupt_at(point: int) -> Iterator[list[int]]:
+def _interrupt_at(point: int, where: list[str] | None = None) -> Iterator[list[int]]:
     """Raise KeyboardInterrupt at the ``point``-th line tracelake's own code runs (lines
-    of the package only, in this thread); yields a one-item list: how many lines ran."""
+    of the package only, in this thread); yields a one-item list: how many lines ran.
+    ``where`` gets the line interrupted (``file:line function``)."""
     count = [0]
     prefix = str(PACKAGE) + os.sep
 
@@ -182,6 +188,10 @@ def _interrupt_at(point: int) -> Iterator[list[int]]:
         if event == "line":
             count[0] += 1
             if count[0] == point:
+                if where is not None:
+                    code = frame.f_code
+                    name = os.path.relpath(code.co_filename, PACKAGE)
+                    where.append(f"{name}:{frame.f_lineno} {code.co_name}")
                 raise KeyboardInterrupt
         return local
 
@@ -232,22 +242,23 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
     points = sorted({*range(1, total, max(1, total // 60)), 1, 2, 3, total - 1, total})
     interrupted = 0
     for point in points:
+        where: list[str] = []
         try:
-            with _interrupt_at(point):
+            with _interrupt_at(point, where):
                 how(store, model, x)
         except KeyboardInterrupt:
             interrupted += 1
-        _clean()
+        _clean(where)
         # no run left recording with a live writer, no lock file left open
-        assert "recording" not in set(store.runs(all=True)["status"])
+        assert "recording" not in set(store.runs(all=True)["status"]), where
         assert not [
             fd
             for fd in os.listdir("/proc/self/fd")
             if _is_lock(f"/proc/self/fd/{fd}", str(tmp_path))
-        ]
+        ], where
         # the next recording works at once, and records the same values
         how(store, model, x)
-        _clean()
+        _clean(where)
     assert interrupted >= len(points) * 0.9
     store.gc()
     fresh = tl.open(tmp_path / "s", create=False)
@@ -341,3 +352,119 @@ def test_real_sigint_at_random_moments_surfaces_as_keyboard_interrupt(tmp_path: 
         "failed",
         "interrupted",
     }
+
+
+# -- where no Ctrl-C may land unhandled ----------------------------------------------
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_INNER = (*_SCOPES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _protected_lines(scope: ast.AST) -> set[int]:
+    """Lines of ``scope``'s own code (not of functions or comprehensions inside it) that
+    lie in a ``with`` body or in a ``try`` body with a ``finally``."""
+    lines: set[int] = set()
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, _INNER):
+                continue
+            guarded = inside
+            if isinstance(child, ast.stmt) and guarded:
+                lines.add(child.lineno)
+            if isinstance(child, (ast.With, ast.AsyncWith)) or (
+                isinstance(child, ast.Try) and child.finalbody
+            ):
+                for stmt in child.body:
+                    lines.add(stmt.lineno)
+                    visit(stmt, True)
+                for rest in (getattr(child, "handlers", []), getattr(child, "orelse", [])):
+                    for stmt in rest:
+                        visit(stmt, inside)
+                for stmt in getattr(child, "finalbody", []):
+                    visit(stmt, inside)
+                if isinstance(child, (ast.With, ast.AsyncWith)):
+                    for item in child.items:
+                        visit(item, inside)
+            else:
+                visit(child, guarded)
+
+    visit(scope, False)
+    return lines
+
+
+def _unguarded(source: str, name: str) -> list[str]:
+    """Lines of ``source`` inside a ``with`` or ``try``/``finally`` whose first
+    instruction no exception handler covers: an exception raised as that line starts (a
+    trace function's, a debugger's) skips the exit or the ``finally``."""
+    tree = ast.parse(source)
+    scopes: dict[tuple[str, int], ast.AST] = {("<module>", 1): tree}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            scopes[(node.name, first)] = node
+
+    def codes(code: CodeType) -> Iterator[CodeType]:
+        yield code
+        for const in code.co_consts:
+            if isinstance(const, CodeType):
+                yield from codes(const)
+
+    found = []
+    for code in codes(compile(source, name, "exec")):
+        scope = scopes.get((code.co_name, code.co_firstlineno))
+        if scope is None:
+            continue  # a lambda or a comprehension: its exceptions leave through a call
+        guarded = _protected_lines(scope)
+        entries = dis.Bytecode(code).exception_entries
+        for offset, line in dis.findlinestarts(code):
+            if line in guarded and not any(e.start <= offset < e.end for e in entries):
+                found.append(f"{name}:{line} ({code.co_name})")
+    return found
+
+
+_ESCAPES = """
+def f(x):
+    with x:
+        try:
+            return x
+        finally:
+            pass
+"""
+
+
+def test_no_recorder_line_inside_a_with_or_finally_escapes_its_handler() -> None:
+    """The recorder runs inside the user's forward, where a Ctrl-C can come at any line:
+    a ``with torch._C.DisableTorchFunction()`` left without its exit disables torch
+    functions for the thread (every later recording sees no op). Python 3.11 leaves the
+    first instruction of some lines (a ``try:``, a loop's head) in such a body out of
+    the enclosing handler; the recorder has none of them."""
+    found = [
+        line
+        for path in sorted((PACKAGE / "recorder").glob("*.py"))
+        for line in _unguarded(path.read_text(), path.name)
+    ]
+    assert found == []
+    if sys.version_info[:2] == (3, 11):  # the check finds what it looks for
+        assert _unguarded(_ESCAPES, "escapes") == ["escapes:4 (f)"]
+        interrupted = []
+
+        def at_try(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == 4 and frame.f_code.co_name == "f":
+                raise KeyboardInterrupt
+            return at_try
+
+        scope: dict[str, Any] = {}
+        exec(compile(_ESCAPES, "escapes", "exec"), scope)
+        block = torch._C.DisableTorchFunction()
+        sys.settrace(lambda frame, event, arg: at_try if frame.f_code.co_name == "f" else None)
+        try:
+            scope["f"](block)
+        except KeyboardInterrupt:
+            interrupted.append(torch._C._is_torch_function_enabled())
+        finally:
+            sys.settrace(None)
+            if not torch._C._is_torch_function_enabled():
+                block.__exit__(None, None, None)  # what the skipped exit would have done
+        assert interrupted == [False]
+        assert torch._C._is_torch_function_enabled()
