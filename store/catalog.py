@@ -315,8 +315,8 @@ class CatalogWriter:
                         check_objects(con, _ATTACHED)
                     self._checked = None
                     con.execute(f"USE {_ATTACHED}")
-                    con.execute("BEGIN TRANSACTION")
-                    try:
+                    try:  # (BEGIN inside: a Ctrl-C right after it still rolls it back,
+                        con.execute("BEGIN TRANSACTION")  # or the DETACH below waits on it)
                         if not self._has_schema:  # once per writer and file, in the
                             create_schema(con)  # transaction: one commit, not one a table
                         yield con
