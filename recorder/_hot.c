@@ -31,6 +31,82 @@ static PyObject *str_shape, *str_dtype,
     *str_device, *str_is_cpu, *str_op, *str_out, *str_inplace;
 static PyObject *int_zero, *int_one, *int_minus_one, *empty_tuple;
 static PyObject *single_where[MAX_ITEMS]; /* (0,), (1,), ...: shared like labels._SINGLE */
+/* Row numbers and counters below SHARED_INTS are one object per value for the whole
+ * process (made on first use), and so are the one-parent tuples of them: no int or tuple
+ * is made per row for them, and the rows of a graph recorded again hold the very objects
+ * the earlier rows held, so OpTable.finish's comparison of the two is identity checks. */
+#define SHARED_INTS 65536
+static PyObject *shared_ints[SHARED_INTS], *shared_singles[SHARED_INTS];
+/* The device of CPU tensors: one object for every CPU row of every recording (the getter
+ * makes a new one per call). */
+static PyObject *cpu_device;
+
+/* The last addresses met as keys of the producers dict (id(tensor)), each with its int:
+ * the tensor an op returns is most often the next op's argument, and then the same int
+ * object is looked up that was stored (no int made, and the dict matches it by
+ * identity). An entry is only ever an address with the int of its value. */
+#define ID_SLOTS 256
+static struct {
+    const void *address;
+    PyObject *key;
+} id_keys[ID_SLOTS];
+
+/* id(obj) as an int. New reference. */
+static PyObject *id_key(PyObject *obj) {
+    size_t slot = ((uintptr_t)obj >> 4) % ID_SLOTS;
+    if (id_keys[slot].address == obj && id_keys[slot].key) {
+        Py_INCREF(id_keys[slot].key);
+        return id_keys[slot].key;
+    }
+    PyObject *key = PyLong_FromVoidPtr(obj);
+    if (!key) return NULL;
+    Py_INCREF(key);
+    Py_XSETREF(id_keys[slot].key, key);
+    id_keys[slot].address = obj;
+    return key;
+}
+
+/* The int ``v`` (shared below SHARED_INTS). New reference. */
+static PyObject *shared_int(Py_ssize_t v) {
+    if (v < 0 || v >= SHARED_INTS) return PyLong_FromSsize_t(v);
+    PyObject *o = shared_ints[v];
+    if (!o && !(o = shared_ints[v] = PyLong_FromSsize_t(v))) return NULL;
+    Py_INCREF(o);
+    return o;
+}
+
+/* ``count + 1`` (shared below SHARED_INTS). New reference. */
+static PyObject *next_int(PyObject *count) {
+    if (PyLong_CheckExact(count)) {
+        Py_ssize_t v = PyLong_AsSsize_t(count);
+        if (v >= 0 && v < PY_SSIZE_T_MAX) return shared_int(v + 1);
+        if (PyErr_Occurred()) PyErr_Clear();
+    }
+    return PyNumber_Add(count, int_one);
+}
+
+/* ``(v,)`` for the int ``item`` == v (shared below SHARED_INTS); NULL without an error
+ * set when ``item`` is no such int. New reference. */
+static PyObject *shared_single(PyObject *item) {
+    if (!PyLong_CheckExact(item)) return NULL;
+    Py_ssize_t v = PyLong_AsSsize_t(item);
+    if (v < 0 || v >= SHARED_INTS) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *t = shared_singles[v];
+    if (!t) {
+        PyObject *o = shared_int(v);
+        if (!o) return NULL;
+        t = PyTuple_Pack(1, o);
+        Py_DECREF(o);
+        if (!t) return NULL;
+        PyObject_GC_UnTrack(t); /* an int in it: nothing for the GC to follow */
+        shared_singles[v] = t;
+    }
+    Py_INCREF(t);
+    return t;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -53,7 +129,6 @@ typedef struct {
     /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
      * exactly that type (they are data descriptors: nothing on the instance hides them) */
     PyObject *get_shape, *get_dtype, *get_device, *get_is_cpu;
-    PyObject *cpu; /* the device of the first CPU tensor seen: shared by every CPU row */
     /* The last call sites met in user code: (code, bytecode offset) -> the shared site,
      * so a loop's calls skip the dictionaries. Strong references, dropped by unbind. */
     struct {
@@ -72,7 +147,7 @@ typedef struct {
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(row_defaults) X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(cpu) X(last_shape)
+            X(row_defaults) X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
 
 /* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
 #define EACH_REF(X)                                                                        \
@@ -303,7 +378,7 @@ static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
         return Py_SIZE(value) == 0; /* tensors inside lists: the Python path */
     if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type)) return 1;
     if (s->n_parents >= MAX_ITEMS || s->n_params >= MAX_ITEMS) return 0;
-    PyObject *key = PyLong_FromVoidPtr(value);
+    PyObject *key = id_key(value);
     if (!key) return -1;
     PyObject *index = PyDict_GetItemWithError(self->producers, key);
     if (index) {
@@ -401,7 +476,10 @@ static void settle(PyObject *t, int depth) {
     if (!PyObject_GC_IsTracked(t)) return;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
         PyObject *item = PyTuple_GET_ITEM(t, k);
-        if (!PyObject_IS_GC(item)) continue; /* str, int, dtype, device: never tracked */
+        PyTypeObject *type = Py_TYPE(item);
+        /* PyObject_IS_GC, inline (a call per field was most of this function's cost) */
+        if (!PyType_IS_GC(type) || (type->tp_is_gc && !type->tp_is_gc(item)))
+            continue; /* str, int, dtype, device: never tracked */
         if (!PyObject_GC_IsTracked(item)) continue;
         if (depth == 0 || !PyTuple_CheckExact(item)) return;
         settle(item, depth - 1);
@@ -411,6 +489,27 @@ static void settle(PyObject *t, int depth) {
 }
 
 static PyObject *shape_lookup(Fused *self, PyObject *size);
+
+/* Shape tuples, one object per value for the whole process (bounded: forgotten past
+ * SHARED_SHAPES), so that rows of a graph recorded again hold the very shapes the earlier
+ * rows held, as they do the row numbers (shared_int). */
+#define SHARED_SHAPES 4096
+static PyObject *shared_shapes; /* tuple -> itself */
+
+/* The process's tuple equal to ``shape`` (a new reference to a tuple of ints, stolen).
+ * New reference, NULL on error. */
+static PyObject *shared_shape(PyObject *shape) {
+    if (!shared_shapes && !(shared_shapes = PyDict_New())) goto fail;
+    if (PyDict_GET_SIZE(shared_shapes) >= SHARED_SHAPES) PyDict_Clear(shared_shapes);
+    PyObject *known = PyDict_SetDefault(shared_shapes, shape, shape);
+    if (!known) goto fail;
+    Py_INCREF(known);
+    Py_DECREF(shape);
+    return known;
+fail:
+    Py_DECREF(shape);
+    return NULL;
+}
 
 /* Shape as the shared tuple of its torch.Size. New reference. */
 static PyObject *shape_of(Fused *self, PyObject *size) {
@@ -441,9 +540,9 @@ static PyObject *shape_of(Fused *self, PyObject *size) {
 /* Shape from the shapes dict (made and remembered there if new). New reference. */
 static PyObject *shape_lookup(Fused *self, PyObject *size) {
     PyObject *shape = PyDict_GetItemWithError(self->shapes, size);
-    if (shape) {
+    if (shape) { /* (the Python path's rows put their own tuples there) */
         Py_INCREF(shape);
-        return shape;
+        return PyTuple_CheckExact(shape) ? shared_shape(shape) : shape;
     }
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
@@ -451,6 +550,7 @@ static PyObject *shape_lookup(Fused *self, PyObject *size) {
         return PySequence_Tuple(size);
     }
     shape = PySequence_Tuple(size);
+    if (shape) shape = shared_shape(shape);
     if (shape && PyDict_SetItem(self->shapes, size, shape) < 0) Py_CLEAR(shape);
     return shape;
 }
@@ -479,15 +579,15 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
         on_cpu = is_cpu == Py_True;
         Py_DECREF(is_cpu);
     }
-    if (on_cpu && self->cpu) {
-        device = self->cpu;
+    if (on_cpu && cpu_device) {
+        device = cpu_device;
         Py_INCREF(device);
     } else {
         device = tensor_attr(self, out, self->get_device, str_device);
         if (!device) goto done;
         if (on_cpu) {
             Py_INCREF(device);
-            self->cpu = device;
+            cpu_device = device;
         }
     }
     if (PyList_GET_SIZE(self->state) != 3) {
@@ -496,7 +596,8 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     }
     PyObject *stack_key = PyList_GET_ITEM(self->state, LIVE_STACK_KEY);
     PyObject *n_layers = PyList_GET_ITEM(self->state, LIVE_N_LAYERS);
-    parents = tuple_of(s->parents, s->n_parents);
+    parents = s->n_parents == 1 ? shared_single(s->parents[0]) : NULL;
+    if (!parents && !PyErr_Occurred()) parents = tuple_of(s->parents, s->n_parents);
     if (!parents) goto done;
     if (s->n_parents == 1 && s->single_pos >= 0 && s->single_pos < MAX_ITEMS) {
         where = single_where[s->single_pos];
@@ -507,13 +608,13 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     if (!where) goto done;
     params = tuple_of(s->params, s->n_params);
     if (!params) goto done;
-    index = PyLong_FromSsize_t(PyList_GET_SIZE(self->rows));
+    index = shared_int(PyList_GET_SIZE(self->rows));
     if (!index) goto done;
     PyObject *count = PyDict_GetItemWithError(self->counts, name);
     if (!count && PyErr_Occurred()) goto done;
-    n_func = count ? PyNumber_Add(count, int_one) : (Py_INCREF(int_one), int_one);
+    n_func = count ? next_int(count) : (Py_INCREF(int_one), int_one);
     if (!n_func) goto done;
-    n_layer = PyNumber_Add(n_layers, int_one);
+    n_layer = next_int(n_layers);
     if (!n_layer) goto done;
     row = PyTuple_New(ROW_WIDTH);
     if (!row) goto done;
@@ -542,7 +643,7 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
         PyTuple_SET_ITEM(row, k, value);
     }
     settle(row, 2);
-    key = PyLong_FromVoidPtr(out);
+    key = id_key(out);
     if (!key) goto done;
     ref = PyWeakref_NewRef(out, NULL);
     if (!ref) goto done;
@@ -790,6 +891,39 @@ fail:
     return NULL;
 }
 
+/* same_rows(a, b): ``a == b`` for two tuples of row tuples (OpTable.finish's question: is
+ * this graph one recorded before?), with each field's identity checked inline first: the
+ * rows of a graph recorded again hold the same objects (shared ints, shapes, sites), and
+ * tuple equality would make a call per field to find that out. */
+static PyObject *same_rows(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_CheckExact(a[0]) || !PyTuple_CheckExact(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "same_rows(a: tuple, b: tuple)");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(a[0]);
+    if (n != PyTuple_GET_SIZE(a[1])) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyTuple_GET_ITEM(a[0], i), *s = PyTuple_GET_ITEM(a[1], i);
+        if (r == s) continue;
+        if (!PyTuple_CheckExact(r) || !PyTuple_CheckExact(s)) {
+            int eq = PyObject_RichCompareBool(r, s, Py_EQ);
+            if (eq < 0) return NULL;
+            if (!eq) Py_RETURN_FALSE;
+            continue;
+        }
+        Py_ssize_t m = PyTuple_GET_SIZE(r);
+        if (m != PyTuple_GET_SIZE(s)) Py_RETURN_FALSE;
+        for (Py_ssize_t k = 0; k < m; k++) {
+            PyObject *u = PyTuple_GET_ITEM(r, k), *v = PyTuple_GET_ITEM(s, k);
+            if (u == v) continue;
+            int eq = PyObject_RichCompareBool(u, v, Py_EQ);
+            if (eq < 0) return NULL;
+            if (!eq) Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 /* ---- statistics: one fused pass over a float32 tensor (recorder/stats.py) ---------- */
 
 /* Lane j of LANES sums the elements i = j (mod LANES), in float64 (a float32 squared is exact in
@@ -958,6 +1092,8 @@ static PyMethodDef hot_functions[] = {
      "(recorder/stats.py)."},
     {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
      "labels(rows, passes): every entry's final label (OpTable.finish)."},
+    {"same_rows", (PyCFunction)(void (*)(void))same_rows, METH_FASTCALL,
+     "same_rows(a, b): a == b for two tuples of rows, identity checked inline first."},
     {NULL},
 };
 

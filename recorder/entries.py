@@ -11,11 +11,13 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from . import compiled
 from .loops import group_layers
 from .names import OPERATOR_FUNCS, operator_name, spelling
 from .record import Stats, position
@@ -185,9 +187,12 @@ class OpTable:
         rows = self.rows
         raw = tuple(rows)
         # A graph recorded before (the same model again) is labelled as then. Comparing
-        # rows is cheap: equal rows share their values (sites, shapes, names).
+        # rows is cheap: equal rows share their values (sites, shapes, names; in the
+        # compiled path row numbers too), which same_rows checks inline.
+        hot = compiled.hot()
+        same = operator.eq if hot is None else hot.same_rows
         for settled in _SETTLED:
-            if settled[0] == raw:
+            if same(settled[0], raw):
                 _SETTLED.remove(settled)
                 _SETTLED.append(settled)
                 _, final, labels, passes = settled

@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_zoo import BUILDERS
 from torch import nn
 
@@ -207,3 +209,40 @@ def test_recording_error_is_a_warning_in_both_paths(monkeypatch: pytest.MonkeyPa
             y = model(x)
         assert torch.equal(y, model(x))
         assert warnings_seen and all(w.endswith("emitter broke") for w in warnings_seen)
+
+
+_FIELD = st.one_of(
+    st.integers(-3, 300),
+    st.floats(allow_nan=True),
+    st.sampled_from(["add", "mul", ""]),
+    st.none(),
+    st.tuples(st.integers(0, 3), st.integers(0, 3)),
+)
+_ROWS = st.lists(
+    st.one_of(st.tuples(_FIELD, _FIELD, _FIELD), st.tuples(_FIELD), _FIELD), max_size=6
+)
+
+
+def _fresh(value: object) -> object:
+    """An equal value made of new objects."""
+    if isinstance(value, tuple):
+        return tuple([_fresh(v) for v in value])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value)(repr(value)) if isinstance(value, float) else int(str(value))
+    return value
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ROWS, _ROWS, st.booleans())
+def test_same_rows_is_tuple_equality(a: list, b: list, copy: bool) -> None:
+    """``_hot.same_rows`` (OpTable.finish's graph-seen-before check) answers exactly what
+    ``==`` on the two tuples answers: for equal rows rebuilt from new objects, rows that
+    differ in a field or a length, and NaN fields (equal to themselves by identity only)."""
+    hot = compiled.hot()
+    assert hot is not None
+    first = tuple(a)
+    # copy: the same rows rebuilt field by field (equal values, other objects; a NaN
+    # rebuilt is another NaN, unequal)
+    second = tuple(_fresh(r) for r in a) if copy else tuple(b)
+    assert hot.same_rows(first, second) == (first == second)
+    assert hot.same_rows(first, first)
