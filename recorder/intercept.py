@@ -746,8 +746,9 @@ class Interceptor:
                 self._remove_hooks()
 
     def _remove_hooks(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        while self._handles:  # removed, then forgotten: a removal cut short is redone
+            self._handles[-1].remove()  # by the next call (torch's remove is idempotent)
+            self._handles.pop()
         # a hook registered but not yet in _handles when an interrupt came
         for hooks in (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks):
             for key, hook in list(hooks.items()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import os
 import sys
 import threading
@@ -176,16 +177,65 @@ def test_tl_trace_in_two_threads_at_once_records_each_thread(tmp_path: Path) -> 
 # -- 11. Ctrl-C -----------------------------------------------------------------------
 
 
+@functools.cache
+def _no_signal_points(code: CodeType) -> frozenset[int]:
+    """Where a trace reports a line that no signal can interrupt, in ``code``: the first
+    instruction of a line in a ``with`` or ``try``/``finally`` body that no exception
+    handler covers (Python 3.11 leaves a ``try:``'s NOP, a loop's closing NOP out; see
+    :func:`_unguarded`), and a ``with``'s normal exit (the call of ``__exit__`` after
+    the body, reported as the ``with``'s line again). A trace function raising there
+    would skip the exit, but CPython delivers a signal only at calls and backward jumps,
+    never at these: so they are no Ctrl-C point."""
+    ops = {ins.offset: ins.opname for ins in dis.get_instructions(code)}
+    entries = dis.Bytecode(code).exception_entries
+    points = {
+        entry.end
+        for entry in entries
+        if ops.get(entry.target) == "PUSH_EXC_INFO"
+        and ops.get(entry.target + 2) == "WITH_EXCEPT_START"
+    }
+    scope = _scopes(code.co_filename).get((code.co_name, code.co_firstlineno))
+    if scope is not None:
+        guarded = _protected_lines(scope)
+        points.update(
+            offset
+            for offset, line in dis.findlinestarts(code)
+            if line in guarded and not any(e.start <= offset < e.end for e in entries)
+        )
+    return frozenset(points)
+
+
+@functools.cache
+def _scopes(filename: str) -> dict[tuple[str, int], ast.AST]:
+    """The functions and classes of a source file by (name, first line), as code objects
+    name them."""
+    try:
+        return _scopes_of(ast.parse(Path(filename).read_text()))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+
+
+def _scopes_of(tree: ast.Module) -> dict[tuple[str, int], ast.AST]:
+    scopes: dict[tuple[str, int], ast.AST] = {("<module>", 1): tree}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            scopes[(node.name, first)] = node
+    return scopes
+
+
 @contextmanager
 def _interrupt_at(point: int, where: list[str] | None = None) -> Iterator[list[int]]:
     """Raise KeyboardInterrupt at the ``point``-th line tracelake's own code runs (lines
-    of the package only, in this thread); yields a one-item list: how many lines ran.
-    ``where`` gets the line interrupted (``file:line function``)."""
+    of the package only, in this thread; not where no signal can come,
+    :func:`_no_signal_points`);
+    yields a one-item list: how many lines ran. ``where`` gets the line interrupted
+    (``file:line function``)."""
     count = [0]
     prefix = str(PACKAGE) + os.sep
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
+        if event == "line" and frame.f_lasti not in _no_signal_points(frame.f_code):
             count[0] += 1
             if count[0] == point:
                 if where is not None:
@@ -397,12 +447,7 @@ def _unguarded(source: str, name: str) -> list[str]:
     """Lines of ``source`` inside a ``with`` or ``try``/``finally`` whose first
     instruction no exception handler covers: an exception raised as that line starts (a
     trace function's, a debugger's) skips the exit or the ``finally``."""
-    tree = ast.parse(source)
-    scopes: dict[tuple[str, int], ast.AST] = {("<module>", 1): tree}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            scopes[(node.name, first)] = node
+    scopes = _scopes_of(ast.parse(source))
 
     def codes(code: CodeType) -> Iterator[CodeType]:
         yield code
