@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +60,7 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    _now,
 )
 from .layout import StorePaths
 from .schema import TABLES, create_schema, insert, present_columns, select_list
@@ -162,6 +163,7 @@ def open_lake(url: str, catalog: str, options: Mapping[str, Any]) -> duckdb.Duck
         con.execute("SET ducklake_retry_wait_ms = 20")
         con.execute("SET ducklake_retry_backoff = 1.2")
         con.execute("SET threads = 2")
+        con.execute("SET enable_progress_bar = false")
         data = url.rstrip("/") + "/catalog/"
         con.execute(f"ATTACH 'ducklake:postgres:{_libpq(catalog)}' AS {_LAKE} (DATA_PATH '{data}')")
         con.execute(f"USE {_LAKE}")
@@ -177,10 +179,6 @@ def _described(url: str, catalog: str) -> Any:
     parts = urlsplit(catalog)
     where = f"{parts.hostname}:{parts.port}{parts.path}"
     return SimpleNamespace(catalog=f"(the DuckLake of {url} in postgresql://{where})")
-
-
-def _now() -> datetime:
-    return datetime.now(UTC).replace(tzinfo=None)  # (the catalog's timestamps: UTC)
 
 
 #: The runs as the lake holds them, every status derived from the insert-only tables:
@@ -291,45 +289,59 @@ class LakeCatalog(CatalogWriter):
                     con.execute("ROLLBACK")
                 raise
 
-    def _lease(
-        self, run_id: int, name: str, state: str, error: str | None = None, info: Any = None
+    def _lease(self, run_id: int, name: str, state: str, error: str | None = None) -> None:
+        """Insert a lease row (a renewal, or the run's end: ``failed``)."""
+        with self.transaction() as con:
+            self._insert_lease(con, run_id, name, state, error)
+
+    @staticmethod
+    def _insert_lease(
+        con: duckdb.DuckDBPyConnection,
+        run_id: int,
+        name: str,
+        state: str,
+        error: str | None = None,
+        info: Any = None,
     ) -> None:
         now = _now()
-        with self.transaction() as con:
-            con.execute(
-                "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    run_id,
-                    name,
-                    state,
-                    now,
-                    now + timedelta(seconds=lease_seconds()),
-                    socket.gethostname(),
-                    os.getpid(),
-                    error,
-                    json.dumps(info) if info is not None else None,
-                ],
-            )
+        con.execute(
+            "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                run_id,
+                name,
+                state,
+                now,
+                now + timedelta(seconds=lease_seconds()),
+                socket.gethostname(),
+                os.getpid(),
+                error,
+                json.dumps(info) if info is not None else None,
+            ],
+        )
 
     def _complete(self, con: duckdb.DuckDBPyConnection, name: str) -> list[int]:
-        present = present_columns(con)
-        rows = con.execute(
-            f"SELECT id FROM ({runs_sql(present, False)}) WHERE name = ? AND status = ?",
-            [name, COMPLETE],
-        ).fetchall()
-        return [int(r[0]) for r in rows]
+        """The complete run named ``name`` (the newest commit of the name not deleted
+        nor collected; older ones are shadowed), as a list of none or one id."""
+        row = con.execute(
+            "SELECT id FROM runs WHERE name = ? AND id NOT IN (SELECT run_id FROM tombstones) "
+            "AND id NOT IN (SELECT run_id FROM collected) ORDER BY seq DESC LIMIT 1",
+            [name],
+        ).fetchone()
+        return [] if row is None else [int(row[0])]
 
     @guarded("cannot register the run in the catalog")
     def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, Any]:
-        """Register a run: a new random id, unused by any run or lease, and a lease
-        (renewed until the run commits or fails)."""
+        """Register a run: a new random id, unused by any run or lease, and its first
+        lease (renewed until the run commits or fails), in one transaction."""
         created = _now()
+        meta = {k: info.get(k) for k in ("model_class", "torch_version", "meta")}
         with self.transaction() as con:
-            present = present_columns(con)
             clash = self._complete(con, name)
             live = con.execute(
-                f"SELECT id FROM ({runs_sql(present, True)}) WHERE name = ? AND status = ?",
-                [name, RECORDING],
+                "SELECT run_id FROM leases WHERE name = ? AND run_id NOT IN "
+                "(SELECT id FROM runs) GROUP BY run_id "
+                "HAVING max(expires) > ? AND bool_and(state = ?)",
+                [name, created, RECORDING],
             ).fetchall()
             if (clash or live) and not overwrite:
                 what = COMPLETE if clash else RECORDING
@@ -346,8 +358,7 @@ class LakeCatalog(CatalogWriter):
                 ).fetchone()
                 if used is not None and not used[0]:
                     break
-        meta = {k: info.get(k) for k in ("model_class", "torch_version", "meta")}
-        self._lease(run_id, name, RECORDING, info=meta)
+            self._insert_lease(con, run_id, name, RECORDING, info=meta)
         self._reserved[run_id] = {**meta, "created": created}
         return run_id, Lease(self, run_id, name)
 
@@ -424,8 +435,8 @@ class LakeCatalog(CatalogWriter):
 
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
-        name = self._reserved.pop(run_id, {}).get("name", "")
-        self._lease(run_id, name, status, error)
+        self._reserved.pop(run_id, None)
+        self._lease(run_id, "", status, error)  # (the name: the first lease's)
 
     @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
@@ -595,10 +606,13 @@ class LakeStore(Store):
         self._batch = None
         self._arrays_lock = threading.Lock()
         self._remote = RemoteArrays(self.url, options)
+        for name in _EXTENSIONS:  # (the extra's missing: said at once)
+            _extension_file(name)
         if not create:
-            with self._catalog.transaction() as con:
-                if not present_columns(con).get("runs"):
-                    raise StoreError(f"no tracelake store at {url!r} in catalog {catalog!r}")
+            with self._catalog._lock:
+                if not present_columns(self._catalog.connection()).get("runs"):
+                    where = self._catalog.paths.catalog
+                    raise StoreError(f"no tracelake store in {where} (create=True makes one)")
 
     def _objects(self, run_id: int) -> Any:
         assert self._remote is not None

@@ -113,9 +113,8 @@ def test_a_clear_error_without_the_extra(servers: tuple[str, str]) -> None:
     if HAS_EXTRA:
         pytest.skip("the extra is installed here: the error cannot happen")
     dsn, endpoint = servers
-    store = tl.open(f"s3://{BUCKET}/none", catalog=dsn, storage_options=s3_options(endpoint))
     with pytest.raises(tl.MissingExtraError, match=r"tracelake\[ducklake\]"):
-        store.runs()
+        tl.open(f"s3://{BUCKET}/none", catalog=dsn, storage_options=s3_options(endpoint))
 
 
 @needs_lake
@@ -155,6 +154,14 @@ assert store.verify().ok, store.verify().problems
     with torch.no_grad():
         other.record(model, *_inputs(3), name="r3")
     assert len(store.query("select run from ops where func = 'relu'").df()) == 3
+
+
+@needs_lake
+def test_open_refuses_a_lake_without_a_store(lake: dict[str, object]) -> None:
+    with pytest.raises(tl.StoreError, match="no tracelake store"):
+        _open(lake, create=False)
+    assert list(_open(lake)) == []
+    assert list(_open(lake, create=False)) == []
 
 
 @needs_lake
@@ -240,9 +247,10 @@ WRITER = """
 import json, sys, time, torch, tracelake as tl
 url, catalog, options, who = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 runs, victim = int(sys.argv[5]), sys.argv[6] == "1"
+width = int(sys.argv[7]) if len(sys.argv) > 7 else 2100
 torch.set_num_threads(1)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 2100), torch.nn.Tanh())
+model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.Tanh())
 store = tl.open(url, catalog=catalog, storage_options=options, create=False)
 def x(k):
     return torch.randn(520, 64, generator=torch.Generator().manual_seed(k))
@@ -279,14 +287,20 @@ print("reader", queries, errors, flush=True)
 """
 
 
-def check_writers(url: str, catalog: str, options: dict, names: list[str]) -> None:
-    """Every run ``names`` lists is there, bitwise equal to a plain forward."""
+def check_writers(
+    url: str, catalog: str, options: dict, names: list[str], width: int = 2100
+) -> None:
+    """Every run ``names`` lists is there, bitwise equal to a plain forward (``width``:
+    the writers' model's)."""
     import torch
 
     store = tl.open(url, catalog=catalog, storage_options=options, create=False)
-    assert sorted(store) == sorted(names)
+    have = set(store)
+    assert have == set(names), (
+        f"missing {sorted(set(names) - have)}, extra {sorted(have - set(names))}"
+    )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 2100), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.Tanh())
     for name in names:
         who, k = name.rsplit("-", 1)
         x = torch.randn(
