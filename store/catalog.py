@@ -936,6 +936,18 @@ class CatalogMirror:
     def _token(self) -> str | None:
         return self.changes.token()
 
+    @contextmanager
+    def _source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+        """Where a refresh reads rows from, with the columns its tables have: the
+        catalog file, read-only, under the catalog lock held shared. (A catalog that
+        is not a local file, ``lake.py``'s, supplies its own.)"""
+        with locked(self.paths.lock, exclusive=False), read_source(self.paths) as source:
+            yield source
+
+    def _runs_sql(self, present: dict[str, set[str]]) -> str:
+        """The SELECT of the source's ``runs`` rows, every status."""
+        return f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
+
     @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
@@ -950,40 +962,35 @@ class CatalogMirror:
         wanted = self._complete if self._everything else self._complete.intersection(runs or ())
         if gen == self._gen and wanted <= self._loaded:
             return
-        with locked(self.paths.lock, exclusive=False):
+        with self._source() as (src, present):
             gen = self._token()
-            with read_source(self.paths) as (src, present):
-                # a meta that is not valid JSON (a crafted store's, or a lone surrogate
-                # an older tracelake wrote) reads as none, so that meta.* queries of
-                # the other runs still work
-                table = src.sql(
-                    "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
-                    f"FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs)"
-                ).to_arrow_table()
-                ids, names, statuses = (
-                    table.column(c).to_pylist() for c in ("id", "name", "status")
-                )
-                complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
-                run_ids = {
-                    name: i
-                    for i, name, st in zip(ids, names, statuses, strict=True)
-                    if st == COMPLETE
-                }
-                kept = self._loaded & complete
-                wanted = complete if self._everything else kept | complete.intersection(runs or ())
-                gone = sorted(self._loaded - complete)
-                new = sorted(wanted - kept)
-                incoming = {}
-                if new:
-                    marks = ", ".join("?" * len(new))
-                    for name in RUN_TABLES:
-                        if name not in present:  # a table declared since it was written
-                            continue
-                        columns = select_list(TABLES[name], present[name])
-                        incoming[name] = src.sql(
-                            f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
-                            params=new,
-                        ).to_arrow_table()
+            # a meta that is not valid JSON (a crafted store's, or a lone surrogate
+            # an older tracelake wrote) reads as none, so that meta.* queries of
+            # the other runs still work
+            table = src.sql(
+                "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
+                f"FROM ({self._runs_sql(present)})"
+            ).to_arrow_table()
+            ids, names, statuses = (table.column(c).to_pylist() for c in ("id", "name", "status"))
+            complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
+            run_ids = {
+                name: i for i, name, st in zip(ids, names, statuses, strict=True) if st == COMPLETE
+            }
+            kept = self._loaded & complete
+            wanted = complete if self._everything else kept | complete.intersection(runs or ())
+            gone = sorted(self._loaded - complete)
+            new = sorted(wanted - kept)
+            incoming = {}
+            if new:
+                marks = ", ".join("?" * len(new))
+                for name in RUN_TABLES:
+                    if name not in present:  # a table declared since it was written
+                        continue
+                    columns = select_list(TABLES[name], present[name])
+                    incoming[name] = src.sql(
+                        f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
+                        params=new,
+                    ).to_arrow_table()
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:

@@ -109,8 +109,15 @@ def open_store(
     there, and ``catalog`` names the directory that keeps the catalog, the locks and
     the run directories (``docs/architecture.md``, "Past one machine"); credentials
     from the environment or ``storage_options`` (obstore's keys: ``endpoint``,
-    ``region``, ``access_key_id``, ...). Needs the ``scale`` extra."""
-    if "://" in str(path):
+    ``region``, ``access_key_id``, ...). Needs the ``scale`` extra. ``catalog`` may
+    instead be a PostgreSQL URL (``postgresql://user@host:port/db``): the catalog is
+    then a DuckLake shared by writers on any number of hosts, its data files under
+    ``path/catalog/`` ("A shared catalog on DuckLake"; the ``ducklake`` extra)."""
+    if "://" in str(path) and catalog is not None and _is_catalog_url(catalog):
+        from .lake import LakeStore  # (DuckDB's extensions load only for such a store)
+
+        store: Store = LakeStore(str(path), str(catalog), storage_options, create)
+    elif "://" in str(path):
         if catalog is None:
             raise StoreError(
                 f"a store on object storage ({str(path)!r}) needs catalog=DIRECTORY: the "
@@ -126,6 +133,11 @@ def open_store(
         store = Store(path, create=create, storage_options=storage_options)
     _LAST[:] = [store]
     return store
+
+
+def _is_catalog_url(catalog: object) -> bool:
+    """Whether ``catalog`` names a DuckLake catalog's PostgreSQL database."""
+    return isinstance(catalog, str) and catalog.startswith(("postgresql://", "postgres://"))
 
 
 def last_opened() -> Store:
@@ -712,7 +724,7 @@ class Recording:
             self._steps = []
             return
         with _os_errors(f"cannot make run {self.name!r} durable"):
-            summary["bytes"] = durable_trees([self._dir])[0]  # durable before visible
+            summary["bytes"] = self.store._durable(self._dir)  # durable before visible
         self.info = self.store._catalog.commit(
             self.run_id, self.name, self._overwrite, merged, summary
         )
@@ -928,6 +940,10 @@ class Store:
             return self._remote.new_run(run_dir)
         backend = self._remote.of_run(run_dir)
         return run_dir / "tensors" if backend is None else backend
+
+    def _durable(self, run_dir: Path) -> int:
+        """Make a finished run's arrays durable; return their bytes."""
+        return durable_trees([run_dir])[0]
 
     def _remove_dir(self, path: Path) -> int:
         """Remove a run directory (and first the objects it names); return the bytes."""
@@ -1197,16 +1213,23 @@ class Store:
         columns = ["name", "status", "created", "steps", "op_count", "bytes", "model_class"]
         columns += ["torch_version", "meta"] + (["error"] if all else [])
         rows = []
-        # (from the catalog file: listing runs copies no run's rows into a mirror)
-        where = "status = ?" if not all else "status != ?"
-        for info in read_runs(self.paths, where, [COMPLETE if not all else COLLECTED]):
+        for info in self._listed(all):
             row = {c: info[c] for c in columns}
             row["ops"] = row.pop("op_count")
-            if row["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
-                row["status"] = INTERRUPTED
             row["meta"] = _loads_meta(row["meta"])
             rows.append(row)
         return rows
+
+    def _listed(self, all: bool) -> list[dict[str, Any]]:
+        """The ``runs`` rows :meth:`run_rows` lists (recording ones whose writer is gone
+        as interrupted), read from the catalog file: listing runs copies no run's rows
+        into a mirror."""
+        where = "status = ?" if not all else "status != ?"
+        infos = read_runs(self.paths, where, [COMPLETE if not all else COLLECTED])
+        for info in infos:
+            if info["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
+                info["status"] = INTERRUPTED
+        return infos
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and

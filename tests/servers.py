@@ -77,3 +77,97 @@ def make_bucket(endpoint: str, bucket: str) -> None:
 def s3_options(endpoint: str) -> dict[str, object]:
     """``storage_options`` for a store on the server at ``endpoint``."""
     return {**ACCESS, "endpoint": endpoint, "allow_http": True}
+
+
+def _postgres_bin(name: str) -> str:
+    """A PostgreSQL program: on PATH, else the newest of the OS packages' versions."""
+    import shutil
+
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    if not versions:
+        pytest.fail(f"PostgreSQL's {name} is missing: apt-get install postgresql (.ci/run does)")
+    return str(versions[-1])
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL server (``initdb`` into a new temporary directory,
+    ``pg_ctl start`` on a free port of the loopback, trust authentication); yields a
+    libpq URL of its ``postgres`` database. Stopped by its postmaster's PID (SIGINT: fast
+    shutdown; SIGKILL after 20 s), its directory removed. As root, the server runs as the
+    ``postgres`` user (PostgreSQL refuses root), in a directory that user owns."""
+    import shutil
+    import tempfile
+
+    as_user: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="tracelake-pg-"))
+    data = tmp / "pgdata"
+    sockets = tmp / "pgsock"
+    sockets.mkdir()
+    if os.geteuid() == 0:
+        import pwd
+
+        as_user = ["runuser", "-u", "postgres", "--"]
+        user = pwd.getpwnam("postgres")
+        for path in (tmp, sockets):
+            shutil.chown(path, user.pw_uid, user.pw_gid)
+    port = free_port()
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    init = subprocess.run(
+        [*as_user, _postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=False,
+        **quiet,
+    )
+    if init.returncode:
+        pytest.fail(f"initdb failed: {init.stderr.decode(errors='replace')[-2000:]}")
+    options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c max_connections=200"
+    start = subprocess.run(
+        [
+            *as_user,
+            _postgres_bin("pg_ctl"),
+            "-D",
+            str(data),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(tmp / "postgres.log"),
+            "start",
+        ],
+        check=False,
+        **quiet,
+    )
+    if start.returncode:
+        log = (tmp / "postgres.log").read_text(errors="replace")[-2000:]
+        pytest.fail(f"PostgreSQL did not start: {start.stderr.decode(errors='replace')} {log}")
+    pid = int((data / "postmaster.pid").read_text().split()[0])
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def new_database(dsn: str, name: str) -> str:
+    """Create database ``name`` on the server of ``dsn`` (``createdb``); its DSN."""
+    parts = dsn.rsplit("/", 1)[0]
+    host, port = parts.split("@", 1)[1].split(":")
+    done = subprocess.run(
+        [_postgres_bin("createdb"), "-h", host, "-p", port, "-U", "postgres", name],
+        check=False,
+        capture_output=True,
+    )
+    if done.returncode:
+        pytest.fail(f"createdb {name} failed: {done.stderr.decode(errors='replace')}")
+    return f"{parts}/{name}"

@@ -36,7 +36,8 @@ SHARED = {"tracelake.errors", "tracelake.progress", "tracelake._lazy"}
 PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
 
 #: The modules that may import DuckDB: its boundary and the catalog behind it.
-DUCKDB_MODULES = {"store/boundary.py", "store/catalog.py"}
+# (store/lake.py: the DuckLake catalog, the same job as catalog.py for a shared store)
+DUCKDB_MODULES = {"store/boundary.py", "store/catalog.py", "store/lake.py"}
 
 #: Deliberate lazy imports against the flow: (importing file, imported module).
 LAZY_BACK_EDGES = {
