@@ -80,7 +80,7 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
     }
 
 
-def growth(root: Path, runs: int, ops: int) -> dict[str, float]:
+def growth(root: Path, runs: int, ops: int, tensors: bool = True) -> dict[str, float]:
     commits: list[float] = []
     detaches: list[float] = []  # each transaction's DETACH
     commit, detach = catalog.CatalogWriter.commit, catalog._detach
@@ -103,6 +103,7 @@ def growth(root: Path, runs: int, ops: int) -> dict[str, float]:
     catalog._detach = timed_detach
     store = tl.open(root)
     model = Chain(ops)
+    options: dict[str, Any] = {} if tensors else {"save": tl.none(), "stats": "all"}
     walls: list[float] = []
     try:
         with torch.no_grad():
@@ -110,10 +111,15 @@ def growth(root: Path, runs: int, ops: int) -> dict[str, float]:
                 torch.manual_seed(i)
                 x = torch.randn(32, 32)
                 start = time.perf_counter()
-                store.record(model, x, name=f"run{i:05d}", meta={"i": i})
+                store.record(model, x, name=f"run{i:05d}", meta={"i": i}, **options)
                 walls.append(time.perf_counter() - start)
                 if (i + 1) % 1000 == 0:
-                    print(f"  {i + 1} runs", flush=True)
+                    print(
+                        f"  {i + 1} runs: the last hundred's commit median "
+                        f"{statistics.median(commits[-100:]) * 1e3:.2f} ms, record median "
+                        f"{statistics.median(walls[-100:]) * 1e3:.2f} ms",
+                        flush=True,
+                    )
     finally:
         catalog.CatalogWriter.commit = commit  # type: ignore[method-assign]
         catalog._detach = detach
@@ -141,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="where to build the stores (a temp dir)")
     parser.add_argument("--skip-growth", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true", help="only the growth part")
+    parser.add_argument(
+        "--no-tensors",
+        action="store_true",
+        help="growth runs keep statistics of every op but no tensor (save=tl.none(), "
+        'stats="all"): the same catalog rows without 3.5 MB of chunks a run',
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
@@ -159,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.skip_growth:
         return
-    g = growth(base / "growth", args.runs, args.ops)
-    print(f"growth: {args.runs} runs of {args.ops} ops, recorded one by one:")
+    g = growth(base / "growth", args.runs, args.ops, not args.no_tensors)
+    kept = "statistics only" if args.no_tensors else "every op saved"
+    print(f"growth: {args.runs} runs of {args.ops} ops ({kept}), recorded one by one:")
     for which in ("first", "last"):
         print(
             f"  {which} 100:{' ' * (6 - len(which))}record {g[f'{which}_record_ms']:7.2f} ms, "

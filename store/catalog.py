@@ -107,6 +107,15 @@ _FEW_ROWS = 64
 _PREPARED = 256
 #: The mirror's own in-memory database.
 _MIRROR_DB = "mirror"
+#: Up to this many runs are left out of a query on the catalog file by a list of ids;
+#: more, by a join.
+_LISTED = 256
+#: Past this many ops in the complete runs, a reader's queries over every run read the
+#: catalog file itself rather than copy every run's rows into its mirror first: the copy
+#: grows with the catalog (2-9 s and ~440 MiB a million ops, on 2 loaded cores), a scan of
+#: the file's columns far less, but each such query then opens the file (~250 ms at a
+#: million ops, where the mirror answers in 10-50 ms: ``benchmarks/big_catalog.py``).
+MIRROR_OPS = 1_000_000
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -788,20 +797,26 @@ _WATCHDOG = _Watchdog()
 
 @contextmanager
 def read_source(
-    paths: StorePaths,
+    paths: StorePaths, memory: str | None = None, check: bool = True
 ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
-    """The catalog file opened read-only, checked (:func:`check_objects`), with the
-    columns its tables have; the caller holds the catalog lock shared. ``CatalogError``
-    if the file was lost (it exists once anything committed)."""
+    """The catalog file opened read-only, checked (:func:`check_objects`; ``check=False``:
+    the caller checked it as it is now), with the columns its tables have; the caller
+    holds the catalog lock shared. ``CatalogError`` if the file was lost (it exists once
+    anything committed). ``memory``: the connection's ``memory_limit`` (its
+    configuration is locked once open)."""
     if not paths.catalog.exists():  # committed to once, so it was lost
         raise CatalogError(
             f"the catalog {str(paths.catalog)!r} is missing: restore it (and "
             "its .wal, if any); the store refuses writes until then"
         )
     _refuse_links(paths, reading=True)
-    src = duckdb.connect(str(paths.catalog), read_only=True, config=_SOURCE_CONFIG)
+    config = dict(_SOURCE_CONFIG)
+    if memory is not None:
+        config["memory_limit"] = memory
+    src = duckdb.connect(str(paths.catalog), read_only=True, config=config)
     try:
-        check_objects(src)
+        if check:
+            check_objects(src)
         yield src, present_columns(src)
     finally:
         src.close()
@@ -861,6 +876,11 @@ class CatalogMirror:
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
         self._complete: set[int] = set()  # the complete runs, as of the last refresh
         self._everything = False  # whether every complete run's rows are to be loaded
+        #: Whether queries over every run read the catalog file (the complete runs hold
+        #: more than MIRROR_OPS ops), as of the last refresh; runs named stay mirrored.
+        self._direct = False
+        #: The catalog file's stat when this mirror last checked it (check_objects).
+        self._checked: tuple[tuple[int, ...], ...] | None = None
         self.changes: ChangeToken = FileChangeToken(paths)
         #: The complete runs' ids by name, and names by id, as of the last refresh
         #: (queries filter ops by run id rather than join ``runs`` for a name).
@@ -879,18 +899,21 @@ class CatalogMirror:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
         ids; ``None``: of every complete run, from now on). A mirror loads a run's rows
         only once something asks for them, so that listing the runs of a large store, or
-        reading one of them, does not copy all the others first."""
-        if runs is None:
-            self._everything = True
+        reading one of them, does not copy all the others first. Past ``MIRROR_OPS``
+        ops, ``None`` copies none: such queries read the file (``direct``)."""
         gen = self._token()
         if gen is None:
             return
-        wanted = self._complete if self._everything else self._complete.intersection(runs or ())
-        if gen == self._gen and wanted <= self._loaded:
-            return
+        if gen == self._gen:
+            if runs is None and self._direct:
+                return
+            everything = runs is None or self._everything
+            wanted = self._complete if everything else self._complete.intersection(runs or ())
+            if wanted <= self._loaded:
+                return
         with locked(self.paths.lock, exclusive=False):
             gen = self._token()
-            with read_source(self.paths) as (src, present):
+            with self._source() as (src, present):
                 # a meta that is not valid JSON (a crafted store's, or a lone surrogate
                 # an older tracelake wrote) reads as none, so that meta.* queries of
                 # the other runs still work
@@ -902,13 +925,19 @@ class CatalogMirror:
                     table.column(c).to_pylist() for c in ("id", "name", "status")
                 )
                 complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
+                counts = table.column("op_count").to_pylist()
+                direct = (
+                    sum(n or 0 for n, i in zip(counts, ids, strict=True) if i in complete)
+                    > MIRROR_OPS
+                )
+                everything = not direct and (runs is None or self._everything)
                 run_ids = {
                     name: i
                     for i, name, st in zip(ids, names, statuses, strict=True)
                     if st == COMPLETE
                 }
                 kept = self._loaded & complete
-                wanted = complete if self._everything else kept | complete.intersection(runs or ())
+                wanted = complete if everything else kept | complete.intersection(runs or ())
                 gone = sorted(self._loaded - complete)
                 new = sorted(wanted - kept)
                 incoming = {}
@@ -946,6 +975,7 @@ class CatalogMirror:
         self.points.add(new)
         self._loaded = kept | set(new)
         self._complete = complete
+        self._direct, self._everything = direct, everything
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
         self._gen = gen
@@ -967,6 +997,12 @@ class CatalogMirror:
         ``CatalogError``."""
         self.refresh(runs)
         what = "the SQL could not run" if error is not CatalogError else "cannot read the catalog"
+        if runs is None and self._direct:  # the rows, read out before the lock goes
+            table = self._file_arrow(sql, params or [], error, limited=False)
+            with duckdb_errors(what, error):
+                con = duckdb.connect(":memory:", config=_SOURCE_CONFIG)
+                con.register("result", table)
+                return CatalogCursor(con.execute("SELECT * FROM result"), what, error)
         with duckdb_errors(what, error):
             return CatalogCursor(self._cursor().execute(sql, params or []), what, error)
 
@@ -978,9 +1014,20 @@ class CatalogMirror:
         if not self.is_select(sql):
             raise QueryError("store.sql runs exactly one read-only SELECT statement")
         self.refresh()
+        if self._direct:
+            with self._on_file() as src:
+                return self._read_only_df(src, sql, memory=False)
         with duckdb_errors("the SQL could not run", QueryError):
             cursor = self._cursor()
-        with self._limited(cursor), duckdb_errors("the SQL could not run", QueryError):
+        try:
+            return self._read_only_df(cursor, sql)
+        finally:
+            cursor.close()
+
+    def _read_only_df(
+        self, cursor: duckdb.DuckDBPyConnection, sql: str, memory: bool = True
+    ) -> Any:
+        with self._limited(cursor, memory), duckdb_errors("the SQL could not run", QueryError):
             try:
                 cursor.execute("BEGIN TRANSACTION READ ONLY")
                 try:
@@ -993,8 +1040,6 @@ class CatalogMirror:
                 raise QueryError(
                     f"store.sql is read-only and this statement writes: {exc}"
                 ) from exc
-            finally:
-                cursor.close()
 
     @staticmethod
     def is_select(sql: str) -> bool:
@@ -1005,13 +1050,16 @@ class CatalogMirror:
         return len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT
 
     @contextmanager
-    def _limited(self, cursor: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    def _limited(
+        self, cursor: duckdb.DuckDBPyConnection, memory_set: bool = True
+    ) -> Iterator[None]:
         """Run the block's statements (the user's: a query, ``store.sql``) on
         ``cursor`` under :data:`QUERY_LIMITS`: past the time limit the cursor is
         interrupted; that, or DuckDB running out of its memory limit, is a
-        ``QueryLimitError``."""
+        ``QueryLimitError``. ``memory_set``: set the mirror's memory limit (a
+        connection to the file had it set when opened)."""
         seconds, memory = QUERY_LIMITS.seconds, QUERY_LIMITS.memory
-        if memory != self._memory:  # (a setting of the whole in-memory database)
+        if memory_set and memory != self._memory:  # (a setting of the whole database)
             with duckdb_errors("cannot set the query memory limit", QueryError):
                 self.con.execute(
                     f"SET memory_limit = '{memory}'" if memory else "RESET memory_limit"
@@ -1060,10 +1108,12 @@ class CatalogMirror:
         params: list[Any] | None = None,
         refresh: bool = True,
         *,
+        runs: Collection[int] | None = None,
         error: type[TraceLakeError] = CatalogError,
     ) -> Any:
         """``sql``'s result as an Arrow table (``refresh=False``: on the rows as of the
-        last refresh, e.g. the ones ``run_ids`` describes). A failure of the statement is
+        last refresh, e.g. the ones ``run_ids`` describes). ``runs``: the only runs whose
+        rows ``sql`` reads, as for :meth:`query`. A failure of the statement is
         raised as ``error``; one of reading the catalog as ``CatalogError``.
 
         A query's SQL is the same text whatever values it binds, so each text is parsed
@@ -1071,7 +1121,9 @@ class CatalogMirror:
         as rows typed by that schema: DuckDB's Arrow export runs a statement of its own,
         which costs more than a few rows (for a point lookup, most of its time)."""
         if refresh:
-            self.refresh()
+            self.refresh(runs)
+        if runs is None and self._direct:
+            return self._file_arrow(sql, params or [], error, limited=error is not CatalogError)
         if error is CatalogError:  # tracelake's own statement
             with duckdb_errors("cannot read the catalog", error):
                 return self._arrow(sql, params or [])
@@ -1113,6 +1165,78 @@ class CatalogMirror:
         if head is None:
             return cursor.sql(statement, params=params).to_arrow_table()
         return head if rest is None else pa.concat_tables([head, rest])
+
+    @contextmanager
+    def _on_file(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The catalog file itself, for a query over every run of a catalog too large to
+        mirror: opened read-only (external access off) under the shared lock, which the
+        block holds (writers wait for it), with its run tables shadowed by views of the
+        rows of the complete runs the mirror knows, and ``runs`` as the file has it (a
+        run's rows commit with its status, so no partial run is ever there)."""
+        with (
+            duckdb_errors("cannot read the catalog"),
+            locked(self.paths.lock, exclusive=False),
+            self._source(QUERY_LIMITS.memory) as (src, present),
+        ):
+            row = src.execute("SELECT current_database()").fetchone()
+            assert row is not None
+            db = ident(str(row[0]))
+            # Rows belong to complete runs and to deleted ones (until gc() collects
+            # them): those of runs the mirror does not know as complete are left out.
+            unknown = [
+                int(r[0])
+                for r in src.execute(
+                    f"SELECT id FROM {db}.main.runs WHERE status IN (?, ?)", [COMPLETE, DELETED]
+                ).fetchall()
+                if r[0] not in self._complete
+            ]
+            where = ""
+            if len(unknown) > _LISTED:
+                src.execute(
+                    "CREATE TEMP TABLE tl_unknown AS SELECT unnest(?::INTEGER[]) AS id", [unknown]
+                )
+                where = " WHERE run_id NOT IN (SELECT id FROM tl_unknown)"
+            elif unknown:  # (ids, as integers: compared as literals, no join)
+                where = f" WHERE run_id NOT IN ({', '.join(map(str, unknown))})"
+            src.execute(
+                "CREATE TEMP VIEW runs AS SELECT * REPLACE (CASE WHEN json_valid(meta) THEN "
+                f"meta END AS meta) FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
+                f"FROM {db}.main.runs)"
+            )
+            for name in RUN_TABLES:
+                columns = select_list(TABLES[name], present.get(name, set()))
+                rows = (
+                    f"FROM {db}.main.{ident(name)}{where}"
+                    if name in present
+                    else "WHERE false"  # a table declared since the file was written
+                )
+                src.execute(f"CREATE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
+            yield src
+
+    @contextmanager
+    def _source(
+        self, memory: str | None = None
+    ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+        """:func:`read_source`, checking the file only if it changed since this mirror
+        last did (the caller holds the lock shared: nobody changes it meanwhile)."""
+        state = _file_state(self.paths)
+        with read_source(self.paths, memory, check=state is None or state != self._checked) as (
+            src,
+            present,
+        ):
+            self._checked = state
+            yield src, present
+
+    def _file_arrow(
+        self, sql: str, params: list[Any], error: type[TraceLakeError], limited: bool
+    ) -> Any:
+        """``sql``'s result on the catalog file (:meth:`_on_file`) as an Arrow table;
+        ``limited``: under :data:`QUERY_LIMITS` (the user's query)."""
+        what = "the query could not run" if error is not CatalogError else "cannot read the catalog"
+        with self._on_file() as src:
+            limits = self._limited(src, memory_set=False) if limited else contextlib.nullcontext()
+            with limits, duckdb_errors(what, error):
+                return src.sql(sql, params=params).to_arrow_table()
 
     @guarded("cannot read the catalog")
     def _op_rows(self, run_ids: list[int]) -> Any:
