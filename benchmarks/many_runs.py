@@ -28,6 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,46 +82,72 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
     }
 
 
-def growth(root: Path, runs: int, ops: int) -> dict[str, float]:
-    commits: list[float] = []
-    detaches: list[float] = []  # each transaction's DETACH
+@contextmanager
+def _timed() -> Iterator[dict[str, list[float]]]:
+    """Times every ``CatalogWriter.commit`` (wall time, and the calling thread's CPU time:
+    DuckDB runs the writers' statements on it) and every ``_detach`` while the block runs."""
+    times: dict[str, list[float]] = {"commit": [], "commit_cpu": [], "detach": []}
     commit, detach = catalog.CatalogWriter.commit, catalog._detach
 
     def timed_commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return commit(self, *args, **kwargs)  # type: ignore[arg-type]
         finally:
-            commits.append(time.perf_counter() - start)
+            times["commit"].append(time.perf_counter() - start)
+            times["commit_cpu"].append(time.thread_time() - cpu)
 
     def timed_detach(*args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
         try:
             detach(*args, **kwargs)
         finally:
-            detaches.append(time.perf_counter() - start)
+            times["detach"].append(time.perf_counter() - start)
 
     catalog.CatalogWriter.commit = timed_commit  # type: ignore[method-assign]
     catalog._detach = timed_detach
-    store = tl.open(root)
-    model = Chain(ops)
-    walls: list[float] = []
     try:
-        with torch.no_grad():
-            for i in range(runs):
-                torch.manual_seed(i)
-                x = torch.randn(32, 32)
-                start = time.perf_counter()
-                store.record(model, x, name=f"run{i:05d}", meta={"i": i})
-                walls.append(time.perf_counter() - start)
-                if (i + 1) % 1000 == 0:
-                    print(f"  {i + 1} runs", flush=True)
+        yield times
     finally:
         catalog.CatalogWriter.commit = commit  # type: ignore[method-assign]
         catalog._detach = detach
+
+
+def _options(tensors: bool) -> dict[str, Any]:
+    return {} if tensors else {"save": tl.none(), "stats": "all"}
+
+
+def growth(root: Path, runs: int, ops: int, tensors: bool = True) -> dict[str, float]:
+    with _timed() as times:
+        return _growth(root, runs, ops, tensors, times)
+
+
+def _growth(
+    root: Path, runs: int, ops: int, tensors: bool, times: dict[str, list[float]]
+) -> dict[str, float]:
+    commits, detaches = times["commit"], times["detach"]
+    store = tl.open(root)
+    model = Chain(ops)
+    options = _options(tensors)
+    walls: list[float] = []
+    with torch.no_grad():
+        for i in range(runs):
+            torch.manual_seed(i)
+            x = torch.randn(32, 32)
+            start = time.perf_counter()
+            store.record(model, x, name=f"run{i:05d}", meta={"i": i}, **options)
+            walls.append(time.perf_counter() - start)
+            if (i + 1) % 1000 == 0:
+                print(
+                    f"  {i + 1} runs: the last hundred's commit median "
+                    f"{statistics.median(commits[-100:]) * 1e3:.2f} ms, record median "
+                    f"{statistics.median(walls[-100:]) * 1e3:.2f} ms",
+                    flush=True,
+                )
     n = min(100, runs)
     ms = 1e3
     checkpoints = detaches[1::2]  # (reserve, commit) per run: the commit's DETACH
+    cpu = times["commit_cpu"]
     return {
         "first_checkpoint_ms": statistics.median(checkpoints[:n]) * ms,
         "last_checkpoint_ms": statistics.median(checkpoints[-n:]) * ms,
@@ -127,9 +155,41 @@ def growth(root: Path, runs: int, ops: int) -> dict[str, float]:
         "last_record_ms": statistics.median(walls[-n:]) * ms,
         "first_commit_ms": statistics.median(commits[:n]) * ms,
         "last_commit_ms": statistics.median(commits[-n:]) * ms,
+        "first_commit_cpu_ms": statistics.median(cpu[:n]) * ms,
+        "last_commit_cpu_ms": statistics.median(cpu[-n:]) * ms,
         "first_runs_per_s": n / sum(walls[:n]),
         "last_runs_per_s": n / sum(walls[-n:]),
     }
+
+
+def interleaved(
+    big: Path, small: Path, rounds: int, ops: int, tensors: bool
+) -> dict[str, dict[str, float]]:
+    """``rounds`` runs into each of two stores, alternately (so the machine's load falls
+    on both alike): ``big``, an existing store (the growth part's, 10,000 runs), and
+    ``small``, a new one. Medians of ``store.record`` and of its catalog commit (wall
+    and CPU time)."""
+    model, options = Chain(ops), _options(tensors)
+    stores = {"big": tl.open(big, create=False), "small": tl.open(small)}
+    found: dict[str, dict[str, list[float]]] = {k: {} for k in stores}
+    with torch.no_grad(), _timed() as times:
+        for i in range(rounds + 2):  # (the first two rounds warm up)
+            for which, store in stores.items():
+                x = torch.randn(32, 32)
+                before = len(times["commit"])
+                start = time.perf_counter()
+                store.record(model, x, name=f"interleaved-{os.getpid()}-{i}", **options)
+                wall = time.perf_counter() - start
+                if i < 2:
+                    continue
+                got = found[which]
+                got.setdefault("record", []).append(wall)
+                got.setdefault("commit", []).append(times["commit"][before])
+                got.setdefault("commit_cpu", []).append(times["commit_cpu"][before])
+    return {
+        which: {k: statistics.median(v) * 1e3 for k, v in got.items()}
+        for which, got in found.items()
+    } | {"runs": {"big": float(len(stores["big"])), "small": float(len(stores["small"]))}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,10 +201,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="where to build the stores (a temp dir)")
     parser.add_argument("--skip-growth", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true", help="only the growth part")
+    parser.add_argument(
+        "--no-tensors",
+        action="store_true",
+        help="growth runs keep statistics of every op but no tensor (save=tl.none(), "
+        'stats="all"): the same catalog rows without 3.5 MB of chunks a run',
+    )
+    parser.add_argument(
+        "--against",
+        default=None,
+        help="only this: --rounds runs into the existing store at AGAINST (an earlier "
+        "growth store: DIR/growth) and into a new store, alternately",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     print(f"load {os.getloadavg()[0]:.2f} at the start")
+    if args.against:
+        r = interleaved(
+            Path(args.against), base / "small", args.rounds, args.ops, not args.no_tensors
+        )
+        print(f"{args.rounds} interleaved rounds, one run of {args.ops} ops into each store:")
+        for which in ("small", "big"):
+            m = r[which]
+            print(
+                f"  {int(r['runs'][which]):>6} runs in the store: record {m['record']:7.2f} ms, "
+                f"commit {m['commit']:6.2f} ms (CPU {m['commit_cpu']:6.2f} ms) (medians)"
+            )
+        ratio = r["big"]["commit"] / r["small"]["commit"]
+        cpu = r["big"]["commit_cpu"] / r["small"]["commit_cpu"]
+        print(f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x)")
+        print(f"load {os.getloadavg()[0]:.2f} at the end")
+        return
     if not args.skip_tiny:
         t = tiny(base / "tiny", args.rounds, args.batch)
         print(f"tiny run (nn.Linear(8, 8)), {args.rounds} interleaved rounds:")
@@ -159,13 +247,15 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.skip_growth:
         return
-    g = growth(base / "growth", args.runs, args.ops)
-    print(f"growth: {args.runs} runs of {args.ops} ops, recorded one by one:")
+    g = growth(base / "growth", args.runs, args.ops, not args.no_tensors)
+    kept = "statistics only" if args.no_tensors else "every op saved"
+    print(f"growth: {args.runs} runs of {args.ops} ops ({kept}), recorded one by one:")
     for which in ("first", "last"):
         print(
             f"  {which} 100:{' ' * (6 - len(which))}record {g[f'{which}_record_ms']:7.2f} ms, "
             f"commit {g[f'{which}_commit_ms']:6.2f} ms "
-            f"(its DETACH {g[f'{which}_checkpoint_ms']:6.2f} ms) "
+            f"(CPU {g[f'{which}_commit_cpu_ms']:6.2f} ms, its DETACH "
+            f"{g[f'{which}_checkpoint_ms']:6.2f} ms) "
             f"(medians), {g[f'{which}_runs_per_s']:6.1f} runs/s"
         )
     print(f"  last/first commit: {g['last_commit_ms'] / g['first_commit_ms']:.2f}x")

@@ -483,7 +483,9 @@ def run_query(
     table = None if compiled.point is None else _looked_up(mirror, compiled, compiled.point)
     if table is None:
         try:
-            table = mirror.arrow(compiled.sql, compiled.params, refresh=False, error=QueryError)
+            table = mirror.arrow(
+                compiled.sql, compiled.params, False, runs=compiled.runs, error=QueryError
+            )
         except QueryError as exc:  # the message, not the generated SQL it points into
             raise QueryError(str(exc).split("\n\nLINE ")[0]) from exc.__cause__
     if compiled.aliases and compiled.aliases != compiled.columns:

@@ -25,6 +25,7 @@ starts clean.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import io
@@ -109,6 +110,15 @@ _FEW_ROWS = 64
 _PREPARED = 256
 #: The mirror's own in-memory database.
 _MIRROR_DB = "mirror"
+#: Up to this many runs are left out of a query on the catalog file by a list of ids;
+#: more, by a join.
+_LISTED = 256
+#: Past this many ops in the complete runs, a reader's queries over every run read the
+#: catalog file itself rather than copy every run's rows into its mirror first: the copy
+#: grows with the catalog (2-9 s and ~440 MiB a million ops, on 2 loaded cores), a scan of
+#: the file's columns far less, but each such query then opens the file (~250 ms at a
+#: million ops, where the mirror answers in 10-50 ms: ``benchmarks/big_catalog.py``).
+MIRROR_OPS = 1_000_000
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -244,6 +254,16 @@ def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
     _ENGINE.attached = False
 
 
+def _dir_state(path: Path) -> tuple[int, ...]:
+    """A directory's identity and change stamps, and its link count (which moves with
+    every subdirectory made or removed, even within one tick of the clock)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ()
+    return (st.st_ino, st.st_dev, st.st_nlink, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
     """The catalog file's and its log's identity and change stamps (None if the file is
     missing): equal values mean nobody wrote either since."""
@@ -271,6 +291,13 @@ class CatalogWriter:
         #: The catalog file's and its log's stat as this writer's last transaction left
         #: them (checked then, and changed by nobody else while they stay so).
         self._checked: tuple[tuple[int, ...], ...] | None = None
+        #: Whether the running transaction found the file as this writer's last one left
+        #: it (no other writer committed since).
+        self._unchanged = False
+        #: The run directory ids on disk, with ``runs/``'s stat, as this writer's last
+        #: registration left them: listing ``runs/`` for each run costs in proportion to
+        #: the runs (~10-100 ms at 10,000).
+        self._listing: tuple[tuple[int, ...], list[int]] | None = None
         #: How readers learn that a transaction committed.
         self.changes: ChangeToken = FileChangeToken(paths)
 
@@ -313,7 +340,8 @@ class CatalogWriter:
                     # its stat, as this writer's own last transaction left it, or new
                     # (listing DuckDB's functions for macros costs more than a small
                     # commit: ~35 ms, a sixth of a GPT-2 run recorded into a new store).
-                    if not made and (seen is None or seen != self._checked):
+                    self._unchanged = seen is not None and seen == self._checked
+                    if not made and not self._unchanged:
                         check_objects(con, _ATTACHED)
                     self._checked = None
                     con.execute(f"USE {_ATTACHED}")
@@ -414,7 +442,7 @@ class CatalogWriter:
                         f"the store already has a run named {name!r} ({clash[0][1]}); choose "
                         "another name, or pass overwrite=True to replace it"
                     )
-                on_disk = self._check_disk(con)
+                on_disk = self._check_disk(con, cached=True)
                 created = _now()
                 row = con.execute(
                     "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
@@ -437,12 +465,16 @@ class CatalogWriter:
                 assert row is not None  # one row inserted, always
                 run_id = int(row[0])
                 run_dir = self.paths.run_dir(run_id)
+                listed, self._listing = self._listing, None
                 try:  # a directory already there is never reused (nor removed): its data
                     run_dir.mkdir(parents=True)  # may be a run the catalog lost
                 except OSError as exc:
                     raise StoreError(
                         f"cannot create the run directory {str(run_dir)!r}: {exc}"
                     ) from exc
+                if listed is not None:  # the listing, with the new directory (the highest)
+                    listed[1].append(run_id)
+                    self._listing = (_dir_state(self.paths.runs), listed[1])
                 held = try_lock(self.paths.writing_lock(run_id))
                 if held is None:
                     raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
@@ -457,16 +489,27 @@ class CatalogWriter:
         assert held is not None
         return run_id, held
 
-    def _check_disk(self, con: duckdb.DuckDBPyConnection) -> int:
+    def _check_disk(self, con: duckdb.DuckDBPyConnection, cached: bool = False) -> int:
         """The highest run directory id on disk, after making sure the catalog knows
         every marked run directory above its own highest id (``StoreError`` if not: the
-        catalog was replaced by an older copy, and writing would hide or reuse runs)."""
-        ids = self.paths.run_dir_ids()
+        catalog was replaced by an older copy, and writing would hide or reuse runs).
+        ``cached``: the ids as this writer's last registration left them, if neither the
+        catalog nor ``runs/`` changed since (only a writer, under the exclusive lock,
+        makes a run id's directory; one that died before committing still moved
+        ``runs/``'s link count); the listing is kept for the next one."""
+        state = _dir_state(self.paths.runs)
+        listing = self._listing
+        if cached and self._unchanged and listing is not None and listing[0] == state:
+            ids = listing[1]
+        else:
+            ids = self.paths.run_dir_ids()
+        self._listing = (state, ids) if cached else None
         if not ids:
             return 0
         row = con.execute("SELECT coalesce(max(id), 0) FROM runs").fetchone()
         top = int(row[0]) if row else 0
-        lost = [i for i in ids if i > top and self.paths.run_marker(i).exists()]
+        above = ids[bisect.bisect_right(ids, top) :]  # (sorted)
+        lost = [i for i in above if self.paths.run_marker(i).exists()]
         if lost:
             shown = ", ".join(self.paths.run_dir(i).name for i in lost[:5])
             raise StoreError(
@@ -841,29 +884,35 @@ _WATCHDOG = _Watchdog()
 
 @contextmanager
 def read_source(
-    paths: StorePaths,
+    paths: StorePaths, memory: str | None = None, check: bool = True
 ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
-    """The catalog file opened read-only, checked (:func:`check_objects`), with the
-    columns its tables have; the caller holds the catalog lock shared. ``CatalogError``
-    if the file was lost (it exists once anything committed)."""
+    """The catalog file opened read-only, checked (:func:`check_objects`; ``check=False``:
+    the caller checked it as it is now), with the columns its tables have; the caller
+    holds the catalog lock shared. ``CatalogError`` if the file was lost (it exists once
+    anything committed). ``memory``: the connection's ``memory_limit`` (its
+    configuration is locked once open)."""
     if not paths.catalog.exists():  # committed to once, so it was lost
         raise CatalogError(
             f"the catalog {str(paths.catalog)!r} is missing: restore it (and "
             "its .wal, if any); the store refuses writes until then"
         )
     _refuse_links(paths, reading=True)
+    config = dict(_SOURCE_CONFIG)
+    if memory is not None:
+        config["memory_limit"] = memory
     # A catalog left unreadable (a writer killed in DuckDB's checkpoint): until the next
     # writer restores it, readers read the shadow, which is what it will be restored to.
     shadow = paths.shadow.exists()
     source = paths.shadow if shadow and damage(paths.catalog) else paths.catalog
     try:
-        src = duckdb.connect(str(source), read_only=True, config=_SOURCE_CONFIG)
+        src = duckdb.connect(str(source), read_only=True, config=config)
     except duckdb.Error as exc:
         if not (shadow and source == paths.catalog and is_corrupt(exc)):
             raise
-        src = duckdb.connect(str(paths.shadow), read_only=True, config=_SOURCE_CONFIG)
+        src = duckdb.connect(str(paths.shadow), read_only=True, config=config)
     try:
-        check_objects(src)
+        if check:
+            check_objects(src)
         yield src, present_columns(src)
     finally:
         src.close()
@@ -901,6 +950,10 @@ class CatalogMirror:
     Every method is behind the DuckDB boundary (:func:`duckdb_errors`); a refresh that
     failed changed nothing, and the next one tries again."""
 
+    #: Whether queries over every run may read the catalog file itself (past
+    #: ``MIRROR_OPS``): a catalog that is a local DuckDB file. (``lake.py``'s is not.)
+    reads_file = True
+
     @guarded("cannot start the in-memory mirror of the catalog")
     def __init__(self, paths: StorePaths):
         self.paths = paths
@@ -923,6 +976,11 @@ class CatalogMirror:
         self._loaded: set[int] = set()  # runs whose rows are in the mirror
         self._complete: set[int] = set()  # the complete runs, as of the last refresh
         self._everything = False  # whether every complete run's rows are to be loaded
+        #: Whether queries over every run read the catalog file (the complete runs hold
+        #: more than MIRROR_OPS ops), as of the last refresh; runs named stay mirrored.
+        self._direct = False
+        #: The catalog file's stat when this mirror last checked it (check_objects).
+        self._checked: tuple[tuple[int, ...], ...] | None = None
         self.changes: ChangeToken = FileChangeToken(paths)
         #: The complete runs' ids by name, and names by id, as of the last refresh
         #: (queries filter ops by run id rather than join ``runs`` for a name).
@@ -937,11 +995,11 @@ class CatalogMirror:
         return self.changes.token()
 
     @contextmanager
-    def _source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+    def _refresh_source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
         """Where a refresh reads rows from, with the columns its tables have: the
         catalog file, read-only, under the catalog lock held shared. (A catalog that
         is not a local file, ``lake.py``'s, supplies its own.)"""
-        with locked(self.paths.lock, exclusive=False), read_source(self.paths) as source:
+        with locked(self.paths.lock, exclusive=False), self._source() as source:
             yield source
 
     def _runs_sql(self, present: dict[str, set[str]]) -> str:
@@ -953,16 +1011,19 @@ class CatalogMirror:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
         ids; ``None``: of every complete run, from now on). A mirror loads a run's rows
         only once something asks for them, so that listing the runs of a large store, or
-        reading one of them, does not copy all the others first."""
-        if runs is None:
-            self._everything = True
+        reading one of them, does not copy all the others first. Past ``MIRROR_OPS``
+        ops, ``None`` copies none: such queries read the file (``direct``)."""
         gen = self._token()
         if gen is None:
             return
-        wanted = self._complete if self._everything else self._complete.intersection(runs or ())
-        if gen == self._gen and wanted <= self._loaded:
-            return
-        with self._source() as (src, present):
+        if gen == self._gen:
+            if runs is None and self._direct:
+                return
+            everything = runs is None or self._everything
+            wanted = self._complete if everything else self._complete.intersection(runs or ())
+            if wanted <= self._loaded:
+                return
+        with self._refresh_source() as (src, present):
             gen = self._token()
             # a meta that is not valid JSON (a crafted store's, or a lone surrogate
             # an older tracelake wrote) reads as none, so that meta.* queries of
@@ -973,11 +1034,16 @@ class CatalogMirror:
             ).to_arrow_table()
             ids, names, statuses = (table.column(c).to_pylist() for c in ("id", "name", "status"))
             complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
+            counts = table.column("op_count").to_pylist()
+            direct = self.reads_file and (
+                sum(n or 0 for n, i in zip(counts, ids, strict=True) if i in complete) > MIRROR_OPS
+            )
+            everything = not direct and (runs is None or self._everything)
             run_ids = {
                 name: i for i, name, st in zip(ids, names, statuses, strict=True) if st == COMPLETE
             }
             kept = self._loaded & complete
-            wanted = complete if self._everything else kept | complete.intersection(runs or ())
+            wanted = complete if everything else kept | complete.intersection(runs or ())
             gone = sorted(self._loaded - complete)
             new = sorted(wanted - kept)
             incoming = {}
@@ -1015,6 +1081,7 @@ class CatalogMirror:
         self.points.add(new)
         self._loaded = kept | set(new)
         self._complete = complete
+        self._direct, self._everything = direct, everything
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
         self._gen = gen
@@ -1036,6 +1103,12 @@ class CatalogMirror:
         ``CatalogError``."""
         self.refresh(runs)
         what = "the SQL could not run" if error is not CatalogError else "cannot read the catalog"
+        if runs is None and self._direct:  # the rows, read out before the lock goes
+            table = self._file_arrow(sql, params or [], error, limited=False)
+            with duckdb_errors(what, error):
+                con = duckdb.connect(":memory:", config=_SOURCE_CONFIG)
+                con.register("result", table)
+                return CatalogCursor(con.execute("SELECT * FROM result"), what, error)
         with duckdb_errors(what, error):
             return CatalogCursor(self._cursor().execute(sql, params or []), what, error)
 
@@ -1047,9 +1120,20 @@ class CatalogMirror:
         if not self.is_select(sql):
             raise QueryError("store.sql runs exactly one read-only SELECT statement")
         self.refresh()
+        if self._direct:
+            with self._on_file() as src:
+                return self._read_only_df(src, sql, memory=False)
         with duckdb_errors("the SQL could not run", QueryError):
             cursor = self._cursor()
-        with self._limited(cursor), duckdb_errors("the SQL could not run", QueryError):
+        try:
+            return self._read_only_df(cursor, sql)
+        finally:
+            cursor.close()
+
+    def _read_only_df(
+        self, cursor: duckdb.DuckDBPyConnection, sql: str, memory: bool = True
+    ) -> Any:
+        with self._limited(cursor, memory), duckdb_errors("the SQL could not run", QueryError):
             try:
                 cursor.execute("BEGIN TRANSACTION READ ONLY")
                 try:
@@ -1062,8 +1146,6 @@ class CatalogMirror:
                 raise QueryError(
                     f"store.sql is read-only and this statement writes: {exc}"
                 ) from exc
-            finally:
-                cursor.close()
 
     @staticmethod
     def is_select(sql: str) -> bool:
@@ -1074,13 +1156,16 @@ class CatalogMirror:
         return len(statements) == 1 and statements[0].type == duckdb.StatementType.SELECT
 
     @contextmanager
-    def _limited(self, cursor: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    def _limited(
+        self, cursor: duckdb.DuckDBPyConnection, memory_set: bool = True
+    ) -> Iterator[None]:
         """Run the block's statements (the user's: a query, ``store.sql``) on
         ``cursor`` under :data:`QUERY_LIMITS`: past the time limit the cursor is
         interrupted; that, or DuckDB running out of its memory limit, is a
-        ``QueryLimitError``."""
+        ``QueryLimitError``. ``memory_set``: set the mirror's memory limit (a
+        connection to the file had it set when opened)."""
         seconds, memory = QUERY_LIMITS.seconds, QUERY_LIMITS.memory
-        if memory != self._memory:  # (a setting of the whole in-memory database)
+        if memory_set and memory != self._memory:  # (a setting of the whole database)
             with duckdb_errors("cannot set the query memory limit", QueryError):
                 self.con.execute(
                     f"SET memory_limit = '{memory}'" if memory else "RESET memory_limit"
@@ -1129,10 +1214,12 @@ class CatalogMirror:
         params: list[Any] | None = None,
         refresh: bool = True,
         *,
+        runs: Collection[int] | None = None,
         error: type[TraceLakeError] = CatalogError,
     ) -> Any:
         """``sql``'s result as an Arrow table (``refresh=False``: on the rows as of the
-        last refresh, e.g. the ones ``run_ids`` describes). A failure of the statement is
+        last refresh, e.g. the ones ``run_ids`` describes). ``runs``: the only runs whose
+        rows ``sql`` reads, as for :meth:`query`. A failure of the statement is
         raised as ``error``; one of reading the catalog as ``CatalogError``.
 
         A query's SQL is the same text whatever values it binds, so each text is parsed
@@ -1140,7 +1227,9 @@ class CatalogMirror:
         as rows typed by that schema: DuckDB's Arrow export runs a statement of its own,
         which costs more than a few rows (for a point lookup, most of its time)."""
         if refresh:
-            self.refresh()
+            self.refresh(runs)
+        if runs is None and self._direct:
+            return self._file_arrow(sql, params or [], error, limited=error is not CatalogError)
         if error is CatalogError:  # tracelake's own statement
             with duckdb_errors("cannot read the catalog", error):
                 return self._arrow(sql, params or [])
@@ -1182,6 +1271,78 @@ class CatalogMirror:
         if head is None:
             return cursor.sql(statement, params=params).to_arrow_table()
         return head if rest is None else pa.concat_tables([head, rest])
+
+    @contextmanager
+    def _on_file(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The catalog file itself, for a query over every run of a catalog too large to
+        mirror: opened read-only (external access off) under the shared lock, which the
+        block holds (writers wait for it), with its run tables shadowed by views of the
+        rows of the complete runs the mirror knows, and ``runs`` as the file has it (a
+        run's rows commit with its status, so no partial run is ever there)."""
+        with (
+            duckdb_errors("cannot read the catalog"),
+            locked(self.paths.lock, exclusive=False),
+            self._source(QUERY_LIMITS.memory) as (src, present),
+        ):
+            row = src.execute("SELECT current_database()").fetchone()
+            assert row is not None
+            db = ident(str(row[0]))
+            # Rows belong to complete runs and to deleted ones (until gc() collects
+            # them): those of runs the mirror does not know as complete are left out.
+            unknown = [
+                int(r[0])
+                for r in src.execute(
+                    f"SELECT id FROM {db}.main.runs WHERE status IN (?, ?)", [COMPLETE, DELETED]
+                ).fetchall()
+                if r[0] not in self._complete
+            ]
+            where = ""
+            if len(unknown) > _LISTED:
+                src.execute(
+                    "CREATE TEMP TABLE tl_unknown AS SELECT unnest(?::INTEGER[]) AS id", [unknown]
+                )
+                where = " WHERE run_id NOT IN (SELECT id FROM tl_unknown)"
+            elif unknown:  # (ids, as integers: compared as literals, no join)
+                where = f" WHERE run_id NOT IN ({', '.join(map(str, unknown))})"
+            src.execute(
+                "CREATE TEMP VIEW runs AS SELECT * REPLACE (CASE WHEN json_valid(meta) THEN "
+                f"meta END AS meta) FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
+                f"FROM {db}.main.runs)"
+            )
+            for name in RUN_TABLES:
+                columns = select_list(TABLES[name], present.get(name, set()))
+                rows = (
+                    f"FROM {db}.main.{ident(name)}{where}"
+                    if name in present
+                    else "WHERE false"  # a table declared since the file was written
+                )
+                src.execute(f"CREATE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
+            yield src
+
+    @contextmanager
+    def _source(
+        self, memory: str | None = None
+    ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+        """:func:`read_source`, checking the file only if it changed since this mirror
+        last did (the caller holds the lock shared: nobody changes it meanwhile)."""
+        state = _file_state(self.paths)
+        with read_source(self.paths, memory, check=state is None or state != self._checked) as (
+            src,
+            present,
+        ):
+            self._checked = state
+            yield src, present
+
+    def _file_arrow(
+        self, sql: str, params: list[Any], error: type[TraceLakeError], limited: bool
+    ) -> Any:
+        """``sql``'s result on the catalog file (:meth:`_on_file`) as an Arrow table;
+        ``limited``: under :data:`QUERY_LIMITS` (the user's query)."""
+        what = "the query could not run" if error is not CatalogError else "cannot read the catalog"
+        with self._on_file() as src:
+            limits = self._limited(src, memory_set=False) if limited else contextlib.nullcontext()
+            with limits, duckdb_errors(what, error):
+                return src.sql(sql, params=params).to_arrow_table()
 
     @guarded("cannot read the catalog")
     def _op_rows(self, run_ids: list[int]) -> Any:

@@ -608,7 +608,7 @@ def _stats_comparison(store: Any, a: Any, bs: list[Any], on: str) -> StatsCompar
     # a name no complete run has: store[name] raises RunNotFoundError with suggestions
     ids = [known[n] if n in known else store[n].id for n in names]
     catalog.refresh(ids)  # these runs' rows only
-    table = catalog.arrow(_stats_sql(on), [ids[1:], ids[0]], refresh=False)
+    table = catalog.arrow(_stats_sql(on), [ids[1:], ids[0]], refresh=False, runs=ids)
     return StatsComparison(names[0], names[1:], table, on)
 
 

@@ -549,8 +549,10 @@ class LakeMirror(CatalogMirror):
             ensure_schema(self._lake)
         return self._lake
 
+    reads_file = False  # (no local file: every query reads the mirror)
+
     @contextlib.contextmanager
-    def _source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
+    def _refresh_source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
         with self._lake_lock:
             con = self.lake()
             con.execute("BEGIN TRANSACTION")  # one snapshot for the token and the rows

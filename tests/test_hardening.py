@@ -107,6 +107,24 @@ def test_run_ids_are_never_reused_and_unmarked_orphans_are_collected(tmp_path: P
     assert _dirs(root) == ["00000001", "00000006"]
 
 
+def test_a_writer_sees_run_directories_made_since_its_last_run(tmp_path: Path) -> None:
+    # A writer keeps its listing of runs/ between registrations while nothing moved.
+    root = tmp_path / "s"
+    store, model, x = _store_with_runs(root, ["a"])
+    assert store.record(model, x, name="b").id == 2
+    staged = root / "runs" / ".batch-elsewhere"
+    staged.mkdir()
+    assert store.record(model, x, name="c").id == 3
+    # a batch's directory renamed to its id and the batch killed before its commit:
+    # runs/ keeps its link count, and the catalog its contents
+    os.rename(staged, root / "runs" / "00000004")
+    assert store.record(model, x, name="d").id == 5
+    (root / "runs" / "00000006").mkdir()  # a registration killed before its commit
+    assert store.record(model, x, name="e").id == 7
+    assert _dirs(root) == [f"0000000{i}" for i in range(1, 8)]
+    assert store.gc()["orphans"] == 2
+
+
 def test_a_read_checks_its_directory_belongs_to_its_run(tmp_path: Path) -> None:
     _, model, x = _store_with_runs(tmp_path / "one", ["a"])
     two = tl.open(tmp_path / "two")

@@ -122,3 +122,105 @@ def test_listing_runs_and_reading_one_copy_only_that_run(root: Path) -> None:
     assert _loaded(store) == {"r2"}
     assert store.verify().ok
     assert _loaded(store) == set(NAMES)  # verify reads each run's rows
+
+
+# -- past MIRROR_OPS: queries over every run read the catalog file -----------------------
+
+
+@pytest.fixture()
+def large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every catalog counts as too large to mirror whole."""
+    from tracelake.store import catalog
+
+    monkeypatch.setattr(catalog, "MIRROR_OPS", 0)
+
+
+EVERY_RUN = [
+    "select run, label, absmax from ops where func = 'relu' and absmax > 0.1 "
+    "order by absmax desc limit 5",
+    "select run, count(*) as n, avg(l2) as l2 from ops group by run order by run",
+    "select run, label, out from ops where label = 'relu_1_2' order by run",
+    "select run, mean(out) from ops where func = 'linear' and meta.k >= 2 order by run, idx",
+    "select run, label from modules order by run, label",
+    "select a.run, b.run as other, a.label from ops a join ops b using (key) "
+    "where a.label = 'output_1' and a.run < b.run order by a.run, other",
+]
+
+
+@pytest.mark.parametrize("text", EVERY_RUN)
+def test_a_large_catalog_answers_from_the_file_as_the_mirror_would(
+    root: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = _rows(tl.open(root, create=False).query(text))
+    from tracelake.store import catalog
+
+    monkeypatch.setattr(catalog, "MIRROR_OPS", 0)
+    store = tl.open(root, create=False)
+    got = _rows(store.query(text))
+    assert _loaded(store) == set()  # nothing copied
+    assert got == want and got
+    assert _rows(store.query(text)) == want  # hot, the same
+    # a query that names its run still reads the mirror (and the op index)
+    one = "select out from ops where run = 'r2' and label = 'relu_1_2'"
+    first, second = store.query(one).tensors()[0], store.query(one).tensors()[0]
+    model, (x,) = mlp()
+    assert torch.equal(first, torch.relu(model[0](x * 3))) and torch.equal(first, second)
+    assert _loaded(store) == {"r2"}
+
+
+def test_a_large_catalog_never_shows_deleted_partial_or_unknown_runs(
+    root: Path, large: None
+) -> None:
+    store = tl.open(root, create=False)
+    per_run = "select run, count(*) as n from ops group by run order by run"
+    n = _rows(store.query(per_run))[0]["n"]
+    assert _rows(store.query(per_run)) == [{"run": name, "n": n} for name in NAMES]
+    other = tl.open(root, create=False)
+    model, (x,) = mlp()
+    with torch.no_grad(), other.recording("partial") as rec:  # registered, not committed
+        rec.record(model, x)
+        assert [r["run"] for r in store.query(per_run)] == NAMES
+        assert int(store.sql("select count(*) from ops").iloc[0, 0]) == 4 * n
+    other.delete("r1")  # its rows stay in the file until gc()
+    with torch.no_grad():
+        other.record(model, x * 9, name="r2", overwrite=True)  # the old r2's rows stay too
+    names = ["partial", "r0", "r2", "r3"]
+    assert _rows(store.query(per_run)) == [{"run": name, "n": n} for name in names]
+    out = store.query("select run, out from ops where label = 'output_1' order by run")
+    assert [r["run"] for r in out] == names
+    assert torch.equal(out.tensors()[2], model(x * 9))  # the new r2
+    assert int(store.sql("select count(*) from ops").iloc[0, 0]) == 4 * n
+    assert sorted(store.sql("select distinct run_id from ops")["run_id"]) == sorted(
+        store.catalog.run_ids[name] for name in names
+    )
+    other.gc()
+    assert _rows(store.query(per_run)) == [{"run": name, "n": n} for name in names]
+    assert _loaded(store) == set()
+    assert store.verify().ok
+
+
+def test_a_large_catalogs_raw_sql_stays_read_only_and_limited(root: Path, large: None) -> None:
+    store = tl.open(root, create=False)
+    for table in ("ops", "catalog.main.ops"):  # (the file's own table, by its full name)
+        with pytest.raises(tl.QueryError, match=r"read-only|base table"):
+            store.sql(f"with gone as (delete from {table} returning *) select count(*) from gone")
+    with pytest.raises(tl.QueryError):
+        store.sql("select * from read_csv('/etc/passwd')")  # no file outside the catalog
+    before = tl.set_query_limits(seconds=0.5)
+    try:
+        with pytest.raises(tl.QueryLimitError, match="time limit"):
+            store.sql("select count(*) from ops, range(1000000000000)")
+        tl.set_query_limits(seconds=None, memory="64MB")  # (set as the file is opened)
+        with pytest.raises(tl.QueryLimitError, match="out of memory"):
+            store.sql("select list(range) from ops, range(100000000)")
+    finally:
+        tl.set_query_limits(seconds=before.seconds, memory=before.memory)
+    # the file was let go: a writer commits, and the reader sees it
+    with torch.no_grad():
+        tl.open(root, create=False).record(*_mlp_args(), name="after")
+    assert "after" in [r["run"] for r in store.query("select distinct run from ops")]
+
+
+def _mlp_args() -> tuple:
+    model, (x,) = mlp()
+    return model, x
