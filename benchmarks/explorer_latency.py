@@ -17,7 +17,9 @@ the mirror, or read op by op for a comparison). The target is <= 300 ms a page.
 Pages: the runs list (first 200 of 1,000 runs, with meta and provenance), the runs
 list filtered on meta, a run's op table (first 200 of its 1,000 ops), the same
 filtered (``func = 'relu' and absmax > 1``), its op graph (1,000 nodes), an op with its
-tensor (heatmap, histogram), and two runs compared op by op with their first divergence.
+tensor (heatmap, histogram), and two runs compared op by op with their first divergence;
+and, in every round (warm-up rounds included: each is a first request), two runs no page
+showed before compared, a new pair each round, at a random place in the round.
 """
 
 from __future__ import annotations
@@ -78,17 +80,25 @@ def main(argv: list[str] | None = None) -> None:
         "op detail with tensor (heatmap, histogram)": q("/op", run=a, label=op),
         f"compare two {args.ops:,}-op runs, first divergence": q("/compare", a=a, b=b),
     }
-    samples: dict[str, list[float]] = {name: [] for name in pages}
+    # Each round also compares two runs that no page has shown before (a pair of its
+    # own, from runs kept out of the pages above): what a user's first comparison costs.
+    fresh_name = f"compare two {args.ops:,}-op runs not viewed before (each round)"
+    unseen = [n for n in names if n not in (a, b)]
+    rng.shuffle(unseen)
+    samples: dict[str, list[float]] = {name: [] for name in [*pages, fresh_name]}
     first: dict[str, float] = {}
     started = time.perf_counter()
     with running(tl.open(args.dir, create=False)) as base:  # a new Store: nothing cached
         start_s = time.perf_counter() - started
         for round_ in range(args.repeats + 2):
-            for name, path in pages.items():
+            order = list(pages.items())
+            fresh = q("/compare", a=unseen[2 * round_], b=unseen[2 * round_ + 1])
+            order.insert(rng.randrange(len(order) + 1), (fresh_name, fresh))
+            for name, path in order:
                 ms = server_ms(base + path)
                 if round_ == 0:
                     first[name] = ms
-                elif round_ >= 2:
+                elif round_ >= 2 or name == fresh_name:
                     samples[name].append(ms)
     print(
         f"store: {len(names)} runs x {args.ops} ops, load {os.getloadavg()[0]:.2f}; "

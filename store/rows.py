@@ -504,12 +504,18 @@ def load_step(
         f"SELECT {_SELECT_LOAD} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx",
         [run_id, step],
     ).fetchall()
-    parents: dict[int, list[tuple[int, str]]] = {}
+    # each child's parents and their arguments, as the row takes them
+    parents: dict[int, tuple[list[int], list[int | str]]] = {}
     for parent, child, arg in query(
         "SELECT parent, child, arg FROM edges WHERE run_id = ? AND step = ? ORDER BY child, edge",
         [run_id, step],
     ).fetchall():
-        parents.setdefault(child, []).append((parent, arg))
+        got = parents.get(child)
+        if got is None:
+            got = parents[child] = ([], [])
+        got[0].append(parent)
+        got[1].append(_arg(arg))
+    orphan: tuple[list[int], list[int | str]] = ([], [])
     rows: list[tuple[Any, ...]] = []
     labels: list[str] = []
     keys: list[str | None] = []
@@ -522,15 +528,15 @@ def load_step(
     at = _AT
     for op in ops:
         idx = op[at["idx"]]
-        edge = parents.get(idx, ())
+        edge = parents.get(idx, orphan)
         dtype, device = op[at["dtype"]], op[at["device"]]
         dt = dtypes.get(dtype) or dtypes.setdefault(dtype, parse_dtype(dtype))
         dev = devices.get(device) or devices.setdefault(device, torch.device(device))
         rows.append(
             make_row(
-                modules=tuple((m["path"], m["pass"]) for m in op[at["modules"]]),
-                parents=tuple(p for p, _ in edge),
-                parent_args=tuple(_arg(a) for _, a in edge),
+                modules=tuple([(m["path"], m["pass"]) for m in op[at["modules"]]]),
+                parents=tuple(edge[0]),
+                parent_args=tuple(edge[1]),
                 site=None,
                 shape=tuple(op[at["shape"]]),
                 dtype=dt,
