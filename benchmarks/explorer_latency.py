@@ -7,8 +7,8 @@ default ``/tmp/tl-query-bench``, and reused). The explorer is served from a thre
 (``tracelake.explorer.running``) and each page is fetched over HTTP; what is measured
 is the server's own time for the page (its ``Server-Timing`` header: the views'
 queries plus rendering; and the server process's CPU time meanwhile, which a busy
-machine stretches less than the wall time), median and 90th percentile over ``--repeats`` rounds, pages
-interleaved within each round, after two warm-up rounds; and the first request of each
+machine stretches less than the wall time), median and 90th percentile over
+``--repeats`` rounds, pages interleaved within each round, after two warm-up rounds; and the first request of each
 page, from a new ``Store``, and how long the server took to start: it answers each kind
 of page once on the most recent run before it listens (``Explorer.warm``: torch and
 the query room imported, the catalog mirror loaded, templates compiled), so a first
