@@ -2,18 +2,19 @@
 
 Run: ``python benchmarks/explorer_latency.py [--runs 1000] [--ops 1000] [--dir DIR]
 [--repeats 20] [--markdown]``. The store is the one ``benchmarks/query_latency.py``
-builds (1,000 runs of a 1,000-op chain, every op saved; built once in ``--dir``,
-default ``/tmp/tl-query-bench``, and reused). The explorer is served from a thread
-(``tracelake.explorer.running``) and each page is fetched over HTTP; what is measured
-is the server's own time for the page (its ``Server-Timing`` header: the views'
-queries plus rendering; and the server process's CPU time meanwhile, which a busy
-machine stretches less than the wall time), median and 90th percentile over
-``--repeats`` rounds, pages interleaved within each round, after two warm-up rounds; and the first request of each
-page, from a new ``Store``, and how long the server took to start: it answers each kind
-of page once on the most recent run before it listens (``Explorer.warm``: torch and
-the query room imported, the catalog mirror loaded, templates compiled), so a first
-request pays only for what is new to it (a run not read before: its rows copied into
-the mirror, or read op by op for a comparison). The target is <= 300 ms a page.
+builds (1,000 runs of a 1,000-op chain, every op saved; built once in ``--dir``, default
+``/tmp/tl-query-bench``, and reused). The explorer is served from a thread
+(``tracelake.explorer.running``) and each page is fetched over HTTP; what is measured is
+the server's own time for the page (its ``Server-Timing`` header: the views' queries
+plus rendering; and the server process's CPU time meanwhile, which a busy machine
+stretches less than the wall time), median and 90th percentile over ``--repeats``
+rounds, pages interleaved within each round, after two warm-up rounds; and the first
+request of each page, from a new ``Store``, and how long the server took to start: it
+answers each kind of page once on the most recent run before it listens
+(``Explorer.warm``: torch and the query room imported, the catalog mirror loaded,
+templates compiled), so a first request pays only for what is new to it (a run not read
+before: its rows copied into the mirror, or read op by op for a comparison). The target
+is <= 300 ms a page.
 
 Pages: the runs list (first 200 of 1,000 runs, with meta and provenance), the runs
 list filtered on meta, a run's op table (first 200 of its 1,000 ops), the same
