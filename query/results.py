@@ -155,6 +155,16 @@ class Result:
                     sizes[row] += int(value.nbytes) if is_tensor(value) else 0
         return sizes
 
+    def arrow_slice(self, column: str, start: int, stop: int) -> pa.Array | None:
+        """Rows ``start`` to ``stop`` of ``column`` as the Arrow array the result holds
+        them in (a catalog column's, typed as :meth:`scalar_types` says); None for a
+        column of tensors or computed values, which are Python objects here."""
+        if column in self._values or column in self._deferred or column not in self.columns:
+            return None
+        if column in self._tensor_columns or column in self._computed:
+            return None
+        return self._table.column(column).slice(start, stop - start).combine_chunks()
+
     def read_rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
         """Rows ``start`` to ``stop`` (one dict each), their tensors read now and not
         kept by the result: iterating a large result in slices holds one slice."""

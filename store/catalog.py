@@ -1060,8 +1060,9 @@ class CatalogMirror:
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:
-            con.execute("DELETE FROM runs")
-            insert(con, "runs", table)
+            if table is not None:
+                con.execute("DELETE FROM runs")
+                insert(con, "runs", table)
             for name in RUN_TABLES:
                 if gone:
                     con.execute(

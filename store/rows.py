@@ -12,6 +12,7 @@ import gc
 import itertools
 import json
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,13 +39,12 @@ from tracelake.recorder.entries import (
 from tracelake.recorder.record import (
     EDGES,
     OPS,
+    ROW_FIELDS,
     ROW_WIDTH,
     STAT_FIELDS,
     TRANSFORMED,
     Stats,
-    make_row,
     position,
-    row_param,
 )
 from tracelake.recorder.record import (
     MODULES as MODULES_TABLE,
@@ -490,7 +490,32 @@ _LOAD_COLUMNS = (
     *STAT_FIELDS,
 )
 _AT = {name: k for k, name in enumerate(_LOAD_COLUMNS)}
-_PLAIN_AT = tuple((row_param(name), _AT[name]) for name in PLAIN_ROW_COLUMNS)
+#: The row fields ``load_step`` makes from the columns, in the order it appends them to
+#: an ``ops`` row of ``_LOAD_COLUMNS``.
+_MADE = ("modules", "parents", "parent_args", "site", "shape", "dtype", "device", "params")
+
+
+def _row_picker() -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The op row, field by field in ``record.ROW_FIELDS`` order, from an ``ops`` row of
+    ``_LOAD_COLUMNS`` + the ``_MADE`` fields + every field's default: one ``itemgetter``
+    (``make_row`` by keyword matched each of its ~40 names per op, most of a stored
+    run's loading time)."""
+    made, defaults = len(_LOAD_COLUMNS), len(_LOAD_COLUMNS) + len(_MADE)
+    picks = []
+    for k, name in enumerate(ROW_FIELDS):
+        if name in _MADE:
+            picks.append(made + _MADE.index(name))
+        elif name in PLAIN_ROW_COLUMNS:
+            picks.append(_AT[name])
+        elif OPS.field(name).has_default:
+            picks.append(defaults + k)
+        else:  # (a new required field needs a column or a line in _MADE)
+            raise TypeError(f"load_step makes no value for the op row's field {name!r}")
+    return operator.itemgetter(*picks)
+
+
+_ROW_OF = _row_picker()
+_DEFAULTS = tuple(OPS.field(name).default for name in ROW_FIELDS)
 _STATS_AT = slice(_AT[STAT_FIELDS[0]], _AT[STAT_FIELDS[-1]] + 1)
 _SELECT_LOAD = ", ".join(ident(name) for name in _LOAD_COLUMNS)
 
@@ -504,12 +529,18 @@ def load_step(
         f"SELECT {_SELECT_LOAD} FROM ops WHERE run_id = ? AND step = ? ORDER BY idx",
         [run_id, step],
     ).fetchall()
-    parents: dict[int, list[tuple[int, str]]] = {}
+    # each child's parents and their arguments, as the row takes them
+    parents: dict[int, tuple[list[int], list[int | str]]] = {}
     for parent, child, arg in query(
         "SELECT parent, child, arg FROM edges WHERE run_id = ? AND step = ? ORDER BY child, edge",
         [run_id, step],
     ).fetchall():
-        parents.setdefault(child, []).append((parent, arg))
+        got = parents.get(child)
+        if got is None:
+            got = parents[child] = ([], [])
+        got[0].append(parent)
+        got[1].append(_arg(arg))
+    orphan: tuple[list[int], list[int | str]] = ([], [])
     rows: list[tuple[Any, ...]] = []
     labels: list[str] = []
     keys: list[str | None] = []
@@ -522,23 +553,21 @@ def load_step(
     at = _AT
     for op in ops:
         idx = op[at["idx"]]
-        edge = parents.get(idx, ())
+        edge = parents.get(idx, orphan)
         dtype, device = op[at["dtype"]], op[at["device"]]
         dt = dtypes.get(dtype) or dtypes.setdefault(dtype, parse_dtype(dtype))
         dev = devices.get(device) or devices.setdefault(device, torch.device(device))
-        rows.append(
-            make_row(
-                modules=tuple((m["path"], m["pass"]) for m in op[at["modules"]]),
-                parents=tuple(p for p, _ in edge),
-                parent_args=tuple(_arg(a) for _, a in edge),
-                site=None,
-                shape=tuple(op[at["shape"]]),
-                dtype=dt,
-                device=dev,
-                params=tuple(op[at["params"]]),
-                **{param: op[k] for param, k in _PLAIN_AT},
-            )
+        made = (  # in _MADE's order
+            tuple([(m["path"], m["pass"]) for m in op[at["modules"]]]),
+            tuple(edge[0]),
+            tuple(edge[1]),
+            None,
+            tuple(op[at["shape"]]),
+            dt,
+            dev,
+            tuple(op[at["params"]]),
         )
+        rows.append(_ROW_OF(op + made + _DEFAULTS))
         labels.append(op[at["label"]])
         keys.append(op[at["key"]])
         sfile = op[at["source_file"]]

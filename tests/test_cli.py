@@ -263,6 +263,61 @@ def test_parquet_and_arrow_exports_keep_dtype_shape_and_every_bit(
     assert len(shapes) > 1
 
 
+class _Gated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return h, h > 0.1
+
+
+def test_exported_tensor_columns_keep_unsaved_rows_null_and_bool_tensors(tmp_path: Path) -> None:
+    """A column of one shape with rows whose op saved nothing (null rows among tensors,
+    batched together), and a column of bool tensors (bits in Arrow): both come back
+    exactly from Parquet and Arrow IPC, and DuckDB reads the Parquet file."""
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "s.tl"
+    torch.manual_seed(3)
+    with torch.no_grad():
+        tl.open(root).record(_Gated(), torch.randn(4, 8), name="sel", save=tl.func("relu", "gt"))
+    stored = _stored(root, "sel")
+    queries = {
+        "gaps": "select label, out from ops where run = 'sel' and func in ('relu', 'linear')",
+        "bits": "select label, out from ops where run = 'sel' and func = 'gt'",
+    }
+    for name, text in queries.items():
+        for fmt in ("parquet", "arrow"):
+            out = tmp_path / f"{name}.{fmt}"
+            done = run("query", str(root), text, "--format", fmt, "-o", str(out))
+            assert done.returncode == 0, done.stderr
+            table = pq.read_table(out) if fmt == "parquet" else pa.ipc.open_file(out).read_all()
+            column = table.column("out").combine_chunks()
+            assert isinstance(column.type, pa.FixedShapeTensorType)
+            assert list(column.type.shape) == [4, 8]
+            labels = table.column("label").to_pylist()
+            assert len(labels) == (4 if name == "gaps" else 1)
+            for i, label in enumerate(labels):
+                if label not in stored:  # a linear op: nothing saved
+                    assert column.storage.is_null()[i].as_py()
+                    continue
+                assert not column.storage.is_null()[i].as_py()
+                values = column.storage[i].values.to_numpy(zero_copy_only=False)
+                expected = stored[label].reshape(-1).numpy()
+                if name == "bits":
+                    assert column.type.value_type == pa.bool_()
+                    assert (values == expected).all()
+                else:
+                    assert (values.view("int32") == expected.view("int32")).all()
+            assert sum(label in stored for label in labels) == (2 if name == "gaps" else 1)
+        got = duckdb.connect().execute(f"select out from '{tmp_path / name}.parquet'").fetchall()
+        assert sum(row[0] is None for row in got) == (2 if name == "gaps" else 0)
+
+
 def test_json_export_is_valid_json_and_csv_floats_round_trip(
     store_path: Path, tmp_path: Path
 ) -> None:

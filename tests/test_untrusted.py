@@ -131,6 +131,26 @@ def test_planted_catalog_objects_are_refused(
     _unchanged(secret, before)
 
 
+def test_objects_planted_while_a_reader_is_open_are_refused(tmp_path: Path) -> None:
+    """A reader checks the catalog file whenever it changed since its last read: one that
+    loaded a run, then finds a macro planted, refuses the next run's rows (and the first
+    run's too); it skips the check only for the very file it checked."""
+    root = tmp_path / "s"
+    model, x = _store(root)
+    tl.open(root).record(model, x, name="b")
+    reader = tl.open(root)
+    assert len(reader.query("select label from ops where run = 'a'")) > 0
+    labels_b = [r["label"] for r in reader.query("select label from ops where run = 'b'")]
+    assert labels_b == [
+        r["label"] for r in tl.open(root).query("select label from ops where run = 'b'")
+    ]
+    tl.open(root).record(model, x, name="c")
+    _tamper(root, "CREATE MACRO greatest(a, b) AS a")
+    for text in ("select label from ops where run = 'c'", "select label from ops where run = 'a'"):
+        with pytest.raises(tl.StoreError, match="tracelake never creates"):
+            reader.query(text)
+
+
 def test_readers_catalog_connection_has_no_file_access(tmp_path: Path) -> None:
     """Even a base table with a default reading a file is copied as plain values: the
     reader's connection to the catalog file cannot read files or load extensions."""
