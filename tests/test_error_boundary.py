@@ -233,12 +233,14 @@ def test_cli_exits_with_a_message_not_a_traceback(
 
 @pytest.fixture
 def damaged(tmp_path: Path) -> Path:
-    """A store whose catalog file is garbage (overwritten after its first run)."""
+    """A store whose catalog file is garbage (overwritten after its first run), without
+    the shadow a writer would restore it from (test_hardening_errors.py has that case)."""
     model, inputs = BUILDERS["mlp"]()
     root = tmp_path / "s"
     tl.open(root).record(model, *inputs, name="a")
     catalog_file = root / "catalog.duckdb"
     catalog_file.write_bytes(b"not a duckdb file" * 1000)
+    (root / "catalog.shadow").unlink()
     with contextlib.suppress(FileNotFoundError):
         (root / "catalog.duckdb.wal").unlink()
     (root / "catalog.gen").write_text("moved")
