@@ -171,3 +171,28 @@ def new_database(dsn: str, name: str) -> str:
     if done.returncode:
         pytest.fail(f"createdb {name} failed: {done.stderr.decode(errors='replace')}")
     return f"{parts}/{name}"
+
+
+def kill_one_writer(
+    reader: subprocess.Popen, victim: subprocess.Popen, writers: list[subprocess.Popen], stop: Path
+) -> None:
+    """The concurrent-writers scenario the store suites share: SIGKILL ``victim`` once it
+    printed ``ready``, wait for ``writers`` to succeed, then tell the reader to stop
+    (``stop`` touched) and check its last line (``reader <queries> <errors>``): it
+    queried and saw no error. Whatever is still running at the end is killed."""
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        for proc in writers:
+            assert proc.wait(timeout=600) == 0
+    finally:
+        stop.touch()
+        for proc in [*writers, victim]:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out, _ = reader.communicate(timeout=120)
+    summary = out.strip().splitlines()[-1].split()
+    assert summary[0] == "reader" and int(summary[1]) > 0, out
+    assert int(summary[2]) == 0, out  # no error seen by the reader

@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hook_capture import assert_bitwise
-from servers import make_bucket, moto_server, new_database, postgres_server, s3_options
+from servers import (
+    kill_one_writer,
+    make_bucket,
+    moto_server,
+    new_database,
+    postgres_server,
+    s3_options,
+)
 
 import tracelake as tl
 
@@ -332,22 +339,7 @@ def test_concurrent_writers_one_killed(lake: dict[str, object], tmp_path: Path) 
     reader = start(READER, url, catalog, options, str(stop), out=True)
     victim = start(WRITER, url, catalog, options, "v", "0", "1", out=True)
     writers = [start(WRITER, url, catalog, options, f"w{i}", "3", "0") for i in range(3)]
-    try:
-        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        for proc in writers:
-            assert proc.wait(timeout=600) == 0
-    finally:
-        stop.touch()
-        for proc in [*writers, victim]:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out, _ = reader.communicate(timeout=120)
-    summary = out.strip().splitlines()[-1].split()
-    assert summary[0] == "reader" and int(summary[1]) > 0, out
-    assert int(summary[2]) == 0, out
+    kill_one_writer(reader, victim, writers, stop)
     names = [f"w{i}-{k}" for i in range(3) for k in range(3)]
     check_writers(url, catalog, json.loads(options), names)
     store = _open(lake)

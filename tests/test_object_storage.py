@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 from hook_capture import assert_bitwise
-from servers import make_bucket, moto_server, s3_options
+from servers import kill_one_writer, make_bucket, moto_server, s3_options
 from test_storage import ByteStoreTests, _read, _tensors, _write_run
 
 import tracelake as tl
@@ -305,8 +305,6 @@ def test_concurrent_writers_one_killed(s3: str, tmp_path: Path) -> None:
     a fifth writer SIGKILLed mid-run. The reader sees no partial or killed run and no
     error; every run is bitwise intact; gc() collects the killed run's objects."""
     import json
-    import os
-    import signal
     import subprocess
     import sys
 
@@ -327,22 +325,7 @@ def test_concurrent_writers_one_killed(s3: str, tmp_path: Path) -> None:
         subprocess.Popen([py, "-c", _WRITER, str(catalog), options, f"w{i}", "3", "0"])
         for i in range(4)
     ]
-    try:
-        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        for proc in writers:
-            assert proc.wait(timeout=600) == 0
-    finally:
-        stop.touch()
-        for proc in [*writers, victim]:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out, _ = reader.communicate(timeout=120)
-    summary = out.strip().splitlines()[-1].split()
-    assert summary[0] == "reader" and int(summary[1]) > 0, out
-    assert int(summary[2]) == 0, out  # no error seen by the reader
+    kill_one_writer(reader, victim, writers, stop)
 
     store = tl.open(catalog, create=False, storage_options=s3_options(s3))
     names = sorted(store)
