@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -580,6 +581,24 @@ class _InterveningMode(_Mode):
         return out
 
 
+#: The interceptors entered and not yet closed in this process.
+_ENTERED: weakref.WeakSet[Interceptor] = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    """A process forked while a recording runs (a ``DataLoader``'s workers inside the
+    forward, ``multiprocessing``) starts with the forking thread's mode stack and the
+    global module hooks, but without the threads that write the recording: its torch
+    calls must not reach the recording, whose writer would wait for them for ever. Each
+    interceptor steps aside in the child as if its recording had ended there; the parent's
+    recording goes on unaffected."""
+    for interceptor in list(_ENTERED):
+        interceptor.close()
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
 class Interceptor:
     """Context manager: push the mode and register global module hooks for one thread.
 
@@ -709,6 +728,7 @@ class Interceptor:
         self._entered = True
         SourceFinder.trim()
         try:
+            _ENTERED.add(self)
             self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_hook))
             self._handles.append(
                 nn_module.register_module_forward_hook(self._post_hook, always_call=True)
@@ -744,6 +764,7 @@ class Interceptor:
                     self._mode.unbind()
             finally:
                 self._remove_hooks()
+                _ENTERED.discard(self)
 
     def _remove_hooks(self) -> None:
         while self._handles:  # removed, then forgotten: a removal cut short is redone

@@ -48,7 +48,7 @@ class Unsynced:
         self.sync = sync
         self._fds: deque[int] = deque()
         self._busy = 0  # being made durable now
-        self._error: OSError | None = None
+        self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._background = background
         self._thread: threading.Thread | None = None
@@ -86,7 +86,7 @@ class Unsynced:
                 self._busy += 1
             try:
                 _durable(fd)
-            except OSError as exc:
+            except BaseException as exc:  # any: a thread that ended would leave add() waiting
                 with self._cond:
                     self._error = self._error or exc
             finally:

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -218,6 +219,25 @@ def _on_stack(frame: FrameType | None) -> bool:
     return here is not None
 
 
+#: Recordings whose block is open in this process.
+_OPEN: weakref.WeakSet[Recording] = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    """A process forked inside a recording's block (``os.fork``, ``multiprocessing``)
+    holds a copy of the block, but neither the threads that write the run nor the right
+    to end it: the parent commits or gives it up. In the child the block's model hooks
+    go (its forward calls are no steps; the recorder's mode steps aside too, see
+    ``recorder.intercept``) and the block's end raises without touching the store."""
+    for recording in list(_OPEN):
+        recording._forked = True
+        while recording._hooks:
+            recording._hooks.pop().remove()
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
 class Recording:
     """One run being recorded: any number of forward passes, each a step (0, 1, ...).
 
@@ -306,6 +326,7 @@ class Recording:
         self._info: dict[str, Any] = {}
         self._created = datetime.min
         self.model_class = type(model).__name__ if model is not None else None
+        self._forked = False  # this is a forked child's copy of the block (_forked_child)
 
     # -- the block --------------------------------------------------------------------------
 
@@ -326,6 +347,7 @@ class Recording:
         # Everything from here is undone if anything fails or a Ctrl-C comes: no block
         # runs then, so no __exit__ will.
         try:
+            _OPEN.add(self)
             if batch is None:
                 self.run_id, self._lock = self.store._catalog.reserve(
                     self.name, self._overwrite, info
@@ -395,6 +417,10 @@ class Recording:
             self._eager = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._forked:
+            if exc_type is None:
+                self._refuse_forked()
+            return
         try:
             self._unhook()
         except BaseException:
@@ -421,6 +447,8 @@ class Recording:
 
         if self._writer is None:
             raise StoreError("record steps inside the `with store.recording(...)` block")
+        if self._forked:
+            self._refuse_forked()
         self._writer.step = len(self._steps)
         self._step_start = len(self._writer.slots)
         table = OpTable()
@@ -499,12 +527,15 @@ class Recording:
 
             output = uncompiled(model)(*args, **kwargs)  # (the wrapper would run it too)
         except BaseException:
-            self._abandon(recording)
+            if not self._forked:
+                self._abandon(recording)
             raise
         finally:
             self._depth -= 1
             if not self._depth:
                 self._owner = self._call_frame = None
+        if self._forked:  # the forward forked this process: its copy of the step ends here
+            self._refuse_forked()
         try:
             recording.stop(output)
         except BaseException:  # (a Ctrl-C half-way): nothing stays installed, no step
@@ -771,7 +802,16 @@ class Recording:
         finally:
             self._release()
 
+    def _refuse_forked(self) -> None:
+        raise StoreError(
+            f"the recording of run {self.name!r} was forked into this process "
+            f"({os.getpid()}): a forked process records no steps of it and neither "
+            "commits nor gives it up (the process that began it does); record in the "
+            "child with a recording of its own"
+        )
+
     def _release(self) -> None:
+        _OPEN.discard(self)
         try:
             if self._progress is not None:
                 progress, self._progress = self._progress, None
