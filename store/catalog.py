@@ -56,7 +56,14 @@ from tracelake.errors import (
 )
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
-from .duckfile import damage, drop_shadow, is_corrupt, restore_from_shadow, sync_shadow
+from .duckfile import (
+    damage,
+    drop_shadow,
+    is_corrupt,
+    restore_from_shadow,
+    sync_shadow,
+    wal_of,
+)
 from .layout import (
     StorePaths,
     disk_full,
@@ -183,7 +190,7 @@ def _refuse_links(paths: StorePaths, reading: bool = False) -> None:
     is a symbolic link: DuckDB and ``mkdir`` follow links, so a planted one would make
     tracelake write outside the store (``reading``: read, for a reader's catalog and
     log)."""
-    wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+    wal = wal_of(paths.catalog)
     files = (paths.catalog, wal, paths.shadow)
     for path in files if reading else (*files, paths.runs):
         if path.is_symlink():
@@ -268,7 +275,7 @@ def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
     """The catalog file's and its log's identity and change stamps (None if the file is
     missing): equal values mean nobody wrote either since."""
     states: list[tuple[int, ...]] = []
-    for path in (paths.catalog, paths.catalog.with_name(paths.catalog.name + ".wal")):
+    for path in (paths.catalog, wal_of(paths.catalog)):
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -333,7 +340,7 @@ class CatalogWriter:
                 seen = _file_state(self.paths)
                 # no file and no log: the ATTACH below makes an empty catalog (under the
                 # lock), which holds nothing to check
-                made = seen is None and not os.path.lexists(f"{self.paths.catalog}.wal")
+                made = seen is None and not os.path.lexists(wal_of(self.paths.catalog))
                 con = self._attach(con, path)
                 try:
                     # Before any statement reads a table; skipped when the file is, by
@@ -758,7 +765,7 @@ class FileChangeToken:
     still noticed."""
 
     def __init__(self, paths: StorePaths):
-        wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+        wal = wal_of(paths.catalog)
         self._gen = paths.gen
         self._watched = (str(paths.gen), str(paths.catalog), str(wal))
 

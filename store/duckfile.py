@@ -48,6 +48,11 @@ CORRUPT = re.compile(
 )
 
 
+def wal_of(path: Path) -> Path:
+    """The write-ahead log DuckDB keeps beside the database file ``path``."""
+    return path.with_name(path.name + ".wal")
+
+
 def is_corrupt(exc: BaseException) -> bool:
     """Whether a DuckDB error says the database file itself is damaged."""
     return bool(CORRUPT.search(str(exc)))
@@ -109,7 +114,7 @@ def sync_shadow(source: Path, shadow: Path) -> int:
     copied. Where there is nothing a shadow can hold, it is removed instead: a source
     that is not a DuckDB file, or one whose log still holds changes (the shadow would
     lack them)."""
-    if source.with_name(source.name + ".wal").exists():
+    if wal_of(source).exists():
         drop_shadow(shadow)
         return 0
     src = _open(source, os.O_RDONLY)
@@ -174,9 +179,9 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
         os.close(src)
     with contextlib.suppress(OSError):  # (no second name where links are not allowed)
         os.link(target, keep_as, follow_symlinks=False)
-    wal = target.with_name(target.name + ".wal")
+    wal = wal_of(target)
     # The log belongs to the unreadable file (it holds the change that was cut short):
     # it goes before the copy takes the name, so the copy never meets it.
     with contextlib.suppress(FileNotFoundError):
-        os.replace(wal, keep_as.with_name(keep_as.name + ".wal"))
+        os.replace(wal, wal_of(keep_as))
     os.replace(temp, target)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracelake.errors import ChunkCorruptError
 
+from .duckfile import wal_of
 from .layout import StorePaths
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def verify_files(paths: StorePaths, report: VerifyReport) -> None:
     """The store's own files: a catalog without its change marker, run directories
     without a catalog, and symbolic links where tracelake keeps files (it makes none,
     and never follows one)."""
-    wal = paths.catalog.with_name(paths.catalog.name + ".wal")
+    wal = wal_of(paths.catalog)
     own = [paths.marker, paths.catalog, wal, paths.gen, paths.lock, paths.reserve, paths.runs]
     if not paths.runs.is_symlink():
         for run_id in paths.run_dir_ids():
