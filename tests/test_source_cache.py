@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import inspect
 import os
 import weakref
 from pathlib import Path
@@ -113,3 +114,23 @@ def test_internal_roots_do_not_import_the_facade() -> None:
     assert set(files) == want and str(facade / "demo.py") not in files
     here = str(Path(intercept.__file__).parent) + os.sep
     assert here in roots
+
+
+def test_call_site_lines_are_those_co_lines_gives() -> None:
+    # the recorder reads a call site's line from a per-function table by bisection;
+    # differential against the plain scan of co_lines, at every offset of many functions
+    from tracelake.recorder.entries import _line_at
+
+    def scan(code: Any, offset: int) -> int:
+        return next(
+            (line for s, e, line in code.co_lines() if s <= offset < e and line is not None),
+            code.co_firstlineno,
+        )
+
+    functions = (*vars(torch.nn.functional).values(), *vars(torch.nn.Module).values())
+    codes = [f.__code__ for f in functions if inspect.isfunction(f)][:300]
+    codes.append(test_call_site_lines_are_those_co_lines_gives.__code__)
+    assert len(codes) > 100
+    for code in codes:
+        for offset in range(0, len(code.co_code) + 4, 2):
+            assert _line_at(code, offset) == scan(code, offset), (code, offset)
