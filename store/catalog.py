@@ -1332,6 +1332,16 @@ class CatalogMirror:
             yield src
 
     @contextmanager
+    def on_file(self) -> Iterator[Callable[..., CatalogCursor]]:
+        """SQL (``query(sql, params)``) on the catalog file itself while the block runs,
+        the shared lock held (:meth:`_on_file`): a few runs' rows read once without
+        copying them into the mirror (the explorer's first comparison of two runs)."""
+        with self._on_file() as src:
+            yield lambda sql, params=None: CatalogCursor(
+                src.execute(sql, params or []), "cannot read the catalog", CatalogError
+            )
+
+    @contextmanager
     def _source(
         self, memory: str | None = None
     ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
