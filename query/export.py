@@ -148,6 +148,19 @@ class _TensorColumn:
     def field(self) -> pa.Field:
         return pa.field(self.name, self.type, metadata=self.metadata)
 
+    def _check(self, values: list[Any]) -> None:
+        for v in values:
+            if v is not None and list(v.shape) != self.shape:  # (the catalog said uniform)
+                raise QueryError(
+                    f"column {self.name!r}: a tensor of shape {list(v.shape)} among {self.shape}"
+                )
+
+    def flats(self, values: list[Any]) -> Iterator[Any]:
+        """A fixed-shape column's rows as flat numpy values (None: a null row), each
+        made when asked for (no copy of a contiguous tensor)."""
+        self._check(values)
+        return (None if v is None else _flat(v) for v in values)
+
     def array(self, values: list[Any]) -> pa.Array:
         if self.type == pa.null():
             return pa.nulls(len(values))
@@ -167,11 +180,7 @@ class _TensorColumn:
             )
         import numpy as np
 
-        for v in values:
-            if v is not None and list(v.shape) != self.shape:  # (the catalog said uniform)
-                raise QueryError(
-                    f"column {self.name!r}: a tensor of shape {list(v.shape)} among {self.shape}"
-                )
+        self._check(values)
         present = np.array([v is not None for v in values], dtype=bool)
         if len(values) == 1 and values[0] is not None:
             flat = _flat(values[0])  # (a large tensor is a batch of its own: no copy)
@@ -208,6 +217,7 @@ def _write_arrow(
 ) -> None:
     import pyarrow.parquet as pq
 
+    from .parquet import PagedParquetWriter
     from .results import is_tensor
 
     tensor_names = set(result.tensor_columns)
@@ -238,17 +248,38 @@ def _write_arrow(
                 # second copy of the column. Scalar columns keep both.
                 plain = [f.name for f in fields if f.name not in columns]
                 codecs = {f.name: "snappy" if f.name in plain else "none" for f in fields}
-                writer = (
-                    pq.ParquetWriter(
+                # Fixed-shape tensors go page by page (pyarrow would build a row's
+                # page whole: ~235 MiB for a 64 MiB tensor; see query/parquet.py).
+                paged = [n for n, c in columns.items() if c.fixed and c.size]
+                if fmt == "arrow":
+                    writer = pa.ipc.new_file(path, schema)
+                elif paged:
+                    options = {"use_dictionary": plain, "data_page_version": "2.0"}
+                    writer = PagedParquetWriter(
+                        path, schema, paged, compression="snappy", **options
+                    )
+                else:
+                    writer = pq.ParquetWriter(
                         path,
                         schema,
                         use_dictionary=plain,
                         compression=codecs,
                         data_page_version="2.0",
                     )
-                    if fmt == "parquet"
-                    else pa.ipc.new_file(path, schema)
-                )
+            if isinstance(writer, PagedParquetWriter):
+                others = [
+                    columns[f.name].array([row[f.name] for row in rows])
+                    if f.name in columns
+                    else _scalars(result, f, at, rows)
+                    for f in writer.others
+                ]
+                tensors = {n: columns[n].flats([row[n] for row in rows]) for n in writer.paged}
+                batch = pa.record_batch(others, schema=writer.others)
+                writer.write_group(len(rows), batch, tensors)
+                at += len(rows)
+                del rows, others, tensors, batch
+                pa.default_memory_pool().release_unused()
+                continue
             arrays = [
                 columns[f.name].array([row[f.name] for row in rows])
                 if f.name in columns

@@ -1032,23 +1032,34 @@ class CatalogMirror:
                 return
         with self._refresh_source() as (src, present):
             gen = self._token()
-            # a meta that is not valid JSON (a crafted store's, or a lone surrogate
-            # an older tracelake wrote) reads as none, so that meta.* queries of
-            # the other runs still work
-            table = src.sql(
-                "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
-                f"FROM ({self._runs_sql(present)})"
-            ).to_arrow_table()
-            ids, names, statuses = (table.column(c).to_pylist() for c in ("id", "name", "status"))
-            complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
-            counts = table.column("op_count").to_pylist()
-            direct = self.reads_file and (
-                sum(n or 0 for n, i in zip(counts, ids, strict=True) if i in complete) > MIRROR_OPS
-            )
+            table = None
+            if gen == self._gen:
+                # The catalog as last read, only more runs' rows wanted (a run opened
+                # for the first time): the mirror's runs table is the file's already.
+                complete, direct, run_ids = self._complete, self._direct, self.run_ids
+            else:
+                # a meta that is not valid JSON (a crafted store's, or a lone surrogate
+                # an older tracelake wrote) reads as none, so that meta.* queries of
+                # the other runs still work
+                table = src.sql(
+                    "SELECT * REPLACE (CASE WHEN json_valid(meta) THEN meta END AS meta) "
+                    f"FROM ({self._runs_sql(present)})"
+                ).to_arrow_table()
+                ids, names, statuses = (
+                    table.column(c).to_pylist() for c in ("id", "name", "status")
+                )
+                complete = {i for i, st in zip(ids, statuses, strict=True) if st == COMPLETE}
+                counts = table.column("op_count").to_pylist()
+                direct = self.reads_file and (
+                    sum(n or 0 for n, i in zip(counts, ids, strict=True) if i in complete)
+                    > MIRROR_OPS
+                )
+                run_ids = {
+                    name: i
+                    for i, name, st in zip(ids, names, statuses, strict=True)
+                    if st == COMPLETE
+                }
             everything = not direct and (runs is None or self._everything)
-            run_ids = {
-                name: i for i, name, st in zip(ids, names, statuses, strict=True) if st == COMPLETE
-            }
             kept = self._loaded & complete
             wanted = complete if everything else kept | complete.intersection(runs or ())
             gone = sorted(self._loaded - complete)
@@ -1326,6 +1337,16 @@ class CatalogMirror:
                 )
                 src.execute(f"CREATE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
             yield src
+
+    @contextmanager
+    def on_file(self) -> Iterator[Callable[..., CatalogCursor]]:
+        """SQL (``query(sql, params)``) on the catalog file itself while the block runs,
+        the shared lock held (:meth:`_on_file`): a few runs' rows read once without
+        copying them into the mirror (the explorer's first comparison of two runs)."""
+        with self._on_file() as src:
+            yield lambda sql, params=None: CatalogCursor(
+                src.execute(sql, params or []), "cannot read the catalog", CatalogError
+            )
 
     @contextmanager
     def _source(

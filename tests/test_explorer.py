@@ -464,3 +464,30 @@ def test_serve_refuses_a_missing_store(tmp_path: Path) -> None:
     )
     assert done.returncode == 1 and "tracelake serve:" in done.stderr
     assert not missing.exists()
+
+
+def test_a_first_comparison_reads_its_runs_from_the_catalog_file(store_path: Path) -> None:
+    """Two runs no page read before are compared from the catalog file's rows, not
+    copied into the reader's mirror first; the page says what ``store.compare`` says,
+    and the runs, kept for later pages, then read through the mirror."""
+    from tracelake.explorer import Explorer
+
+    store = tl.open(store_path, create=False)
+    explorer = Explorer(store)
+    page = explorer.compare("base", "tweaked")
+    assert store.catalog._loaded == set()  # no run's rows copied into the mirror
+    want = tl.open(store_path, create=False).compare("base", "tweaked")
+    assert page.values["summary"] == want.summary()
+    first = want.first_divergence()
+    assert first is not None and page.values["first"]["key"] == first["key"]
+    assert page.values["first"]["max_abs_diff"] == first["max_abs_diff"]
+    assert page.values["total"] == len(want)
+    # the same runs again: kept, nothing read; a multi-step run's second step
+    again = explorer.compare("base", "tweaked")
+    assert again.values["summary"] == page.values["summary"]
+    run = explorer._runs[store.catalog.run_ids["base"]]
+    assert [op.label for op in run.step(0)] == [op.label for op in store["base"].step(0)]
+    steps = explorer.compare("steps", "steps")
+    assert steps.values["summary"] == store.compare("steps", "steps").summary()
+    # a later page of a compared run reads through the mirror as any other
+    assert explorer.op("tweaked", 0, first["label_b"], "").values["op"]["label"] == first["label_b"]

@@ -124,6 +124,34 @@ def test_listing_runs_and_reading_one_copy_only_that_run(root: Path) -> None:
     assert _loaded(store) == set(NAMES)  # verify reads each run's rows
 
 
+def test_loading_another_run_of_an_unchanged_catalog_keeps_its_runs_table(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run read for the first time while the catalog did not change copies that run's
+    rows only: the runs table is not read again (the explorer's first comparison of two
+    runs); after a writer's change it is."""
+    from tracelake.store.catalog import CatalogMirror
+
+    reads: list[str] = []
+    runs_sql = CatalogMirror._runs_sql
+    monkeypatch.setattr(
+        CatalogMirror,
+        "_runs_sql",
+        lambda self, present: reads.append("runs") or runs_sql(self, present),
+    )
+    store = tl.open(root, create=False)
+    assert [r["n"] for r in store.query("select count(*) as n from ops where run = 'r0'")]
+    assert reads == ["runs"] and _loaded(store) == {"r0"}
+    pair = store.compare("r1", "r2", tensors=False)
+    assert len(pair) > 0 and _loaded(store) == {"r0", "r1", "r2"}
+    assert reads == ["runs"]  # two more runs' rows, the same runs table
+    model, (x,) = mlp()
+    with torch.no_grad():
+        tl.open(root, create=False).record(model, x, name="new", meta={"k": 9})
+    got = store.query("select run from runs where meta.k = 9")
+    assert [r["run"] for r in got] == ["new"] and reads == ["runs", "runs"]
+
+
 # -- past MIRROR_OPS: queries over every run read the catalog file -----------------------
 
 
