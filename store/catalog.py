@@ -953,6 +953,8 @@ class CatalogMirror:
     #: Whether queries over every run may read the catalog file itself (past
     #: ``MIRROR_OPS``): a catalog that is a local DuckDB file. (``lake.py``'s is not.)
     reads_file = True
+    #: Whether ``store.sql`` does too (else it copies every complete run's rows).
+    sql_on_file = True
 
     @guarded("cannot start the in-memory mirror of the catalog")
     def __init__(self, paths: StorePaths):
@@ -1006,6 +1008,10 @@ class CatalogMirror:
         """The SELECT of the source's ``runs`` rows, every status."""
         return f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
 
+    def _runs_where(self, run_ids: list[int]) -> tuple[str, list[Any]]:
+        """The condition (and its parameters) that picks these runs' rows in the source."""
+        return f"run_id IN ({', '.join('?' * len(run_ids))})", run_ids
+
     @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:
         """Catch up with the catalog: the ``runs`` table, and the rows of ``runs`` (run
@@ -1048,14 +1054,13 @@ class CatalogMirror:
             new = sorted(wanted - kept)
             incoming = {}
             if new:
-                marks = ", ".join("?" * len(new))
+                where, params = self._runs_where(new)
                 for name in RUN_TABLES:
                     if name not in present:  # a table declared since it was written
                         continue
                     columns = select_list(TABLES[name], present[name])
                     incoming[name] = src.sql(
-                        f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
-                        params=new,
+                        f"SELECT {columns} FROM {ident(name)} WHERE {where}", params=params
                     ).to_arrow_table()
         con = self.con
         con.execute("BEGIN TRANSACTION")
@@ -1121,7 +1126,9 @@ class CatalogMirror:
         if not self.is_select(sql):
             raise QueryError("store.sql runs exactly one read-only SELECT statement")
         self.refresh()
-        if self._direct:
+        if self._direct and not self.sql_on_file:
+            self.refresh(self._complete)
+        if self._direct and self.sql_on_file:
             with self._on_file() as src:
                 return self._read_only_df(src, sql, memory=False)
         with duckdb_errors("the SQL could not run", QueryError):
@@ -1310,14 +1317,7 @@ class CatalogMirror:
                 f"meta END AS meta) FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
                 f"FROM {db}.main.runs)"
             )
-            for name in RUN_TABLES:
-                columns = select_list(TABLES[name], present.get(name, set()))
-                rows = (
-                    f"FROM {db}.main.{ident(name)}{where}"
-                    if name in present
-                    else "WHERE false"  # a table declared since the file was written
-                )
-                src.execute(f"CREATE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
+            run_table_views(src, present, f"{db}.main.", where)
             yield src
 
     @contextmanager
@@ -1376,6 +1376,22 @@ class CatalogMirror:
     @guarded("cannot close the mirror of the catalog")
     def close(self) -> None:
         self.con.close()
+
+
+def run_table_views(
+    con: duckdb.DuckDBPyConnection, present: dict[str, set[str]], source: str, where: str
+) -> None:
+    """Temporary views named like the run tables, over the rows of the tables of
+    ``source`` (``db.main.``) that ``where`` (`` WHERE ...`` or empty) keeps, with every
+    column the catalog declares (one the source lacks: its default)."""
+    for name in RUN_TABLES:
+        columns = select_list(TABLES[name], present.get(name, set()))
+        rows = (
+            f"FROM {source}{ident(name)}{where}"
+            if name in present
+            else "WHERE false"  # a table declared since the source was written
+        )
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
 
 
 def _attach_compressed(con: duckdb.DuckDBPyConnection) -> bool:
