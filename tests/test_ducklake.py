@@ -324,7 +324,7 @@ def test_concurrent_writers_one_killed(lake: dict[str, object], tmp_path: Path) 
     """Three writer processes and one reader on one lake; a fourth writer SIGKILLed
     mid-run. The reader sees no partial or killed run and no error; every run is
     bitwise intact; once the lease expired, gc() collects the killed run's objects.
-    (benchmarks/lake_writers.py runs the issue's 8 writers x 25 runs + 2 readers.)"""
+    (benchmarks/lake.py writers runs the issue's 8 writers x 25 runs + 2 readers.)"""
     url, catalog = str(lake["url"]), str(lake["catalog"])
     options = json.dumps(lake["options"])
     _open(lake).runs()
