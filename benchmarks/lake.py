@@ -4,8 +4,8 @@ on free ports (tests/servers.py), on this machine.
 
 Run in the ducklake venv (DuckDB 1.5.5 and the extension wheels; .ci/run makes one):
 ``.venv-ducklake/bin/python benchmarks/lake.py [writers] [throughput] [queries]
-[--writers 8] [--runs 25] [--readers 2] [--lease 20] [--query-runs 10]
-[--query-ops 100000]``.
+[--writers 8] [--runs 25] [--readers 2] [--lease 20] [--query-runs 2]
+[--query-ops 50000] [--query-sizes 4,25]``.
 
 * ``writers``: ``--writers`` processes each record ``--runs`` runs (Linear(64, ``--width``
   256) + Tanh on a 520 x 64 input: two 0.5 MB activations a run) into one store, while
@@ -17,10 +17,15 @@ Run in the ducklake venv (DuckDB 1.5.5 and the extension wheels; .ci/run makes o
 * ``throughput``: the same runs recorded by one process into a local store (fsync'd)
   and into the lake, interleaved rounds: MB/s each and the ratio (the issue's bar: the
   lake at least 0.4x the local store).
-* ``queries``: ``--query-runs`` runs of ``--query-ops`` ops each (statistics only:
-  ``stats="all", save=tl.none()``) in the lake; a new reader's first query (its
-  mirror copies the rows), then warm: a point lookup (``run = :r and label = :l``) and
-  a predicate over every op (targets: 30 ms and 100 ms).
+* ``queries``: ``--query-runs`` runs of the query benchmark's chain (``--query-ops``
+  50,000: 43,752 ops each, statistics only: ``stats="all", save=tl.none()``) recorded
+  into the lake, which then grows to each of ``--query-sizes`` runs by copies of their
+  rows committed as new runs (:func:`copy_runs`: the writer's own catalog
+  transactions, no recording, so a million ops take seconds). At each size a new
+  reader in a process of its own: its first query (open, then the predicate over every
+  op), its RSS, then warm medians: a point lookup (``run = :r and label = :l``) and the
+  predicate (targets: 30 ms and 100 ms over 1M ops). Past ``MIRROR_OPS`` ops the reader
+  copies no rows: queries over every run read the lake's Parquet files.
 """
 
 from __future__ import annotations
@@ -146,10 +151,90 @@ def throughput(dsn: str, endpoint: str, args: argparse.Namespace) -> dict[str, A
     }
 
 
+def copy_runs(store: Any, sources: list[str], copies: int, first: int = 0) -> None:
+    """The bulk path to a large lake: ``copies`` more runs, each one a copy of a recorded
+    run's rows (round robin over ``sources``) committed under a new name (numbered from
+    ``first``) by the writer's own two catalog transactions (register with a lease,
+    commit), without recording."""
+    from tracelake.store.catalog import _with_run_id
+    from tracelake.store.schema import RUN_TABLES, present_columns
+
+    lake = store._catalog
+    infos = {row["name"]: row for row in lake.rows("status = 'complete'", [])}
+    with lake.transaction() as con:
+        present = present_columns(con)
+        rows = {
+            name: {
+                table: con.sql(
+                    f"SELECT * FROM {table} WHERE run_id = {int(infos[name]['id'])}"
+                ).to_arrow_table()
+                for table in RUN_TABLES
+                if table in present
+            }
+            for name in sources
+        }
+    for k in range(copies):
+        source = sources[k % len(sources)]
+        info, name = infos[source], f"{source}-copy{first + k}"
+        run_id, lease = lake.reserve(name, False, {"model_class": info["model_class"]})
+        try:
+            tables = {t: _with_run_id(data, run_id) for t, data in rows[source].items()}
+            lake.commit(run_id, name, False, tables, dict(info))
+        finally:
+            lease.close()
+
+
+#: A new reader, in a process of its own: its first query over every op (the predicate),
+#: then warm medians of a point lookup and of the predicate, and its peak RSS.
+NEW_READER = """
+import json, random, sys, time
+import tracelake as tl
+url, catalog, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+PREDICATE = (
+    "select run, label, absmax from ops where func = 'relu' and absmax > 2.5 "
+    "order by absmax desc limit 10"
+)
+began = time.perf_counter()
+reader = tl.open(url, catalog=catalog, storage_options=options, create=False)
+reader.query(PREDICATE).df()
+first = time.perf_counter() - began
+def peak_mib():  # (this process's own: ru_maxrss would count the parent's at fork)
+    status = open("/proc/self/status").read().split("VmHWM:")[1]
+    return int(status.split()[0]) / 1024
+
+rss_first = peak_mib()
+direct = reader.catalog._direct
+total = int(reader.query("select count(*) as n from ops").df()["n"][0])
+labels = reader.query("select label from ops where run = 'q0'").df()["label"].tolist()
+rng = random.Random(0)
+names = list(reader)
+recorded = [name for name in names if "-copy" not in name]  # (warm: their rows are read)
+
+sys.path.insert(0, sys.argv[4])
+from query_latency import timed  # (median and 90th percentile, seconds)
+
+point = timed(lambda: reader.query(
+    "select absmax from ops where run = :r and label = :l", r=rng.choice(recorded),
+    l=rng.choice(labels)).df(), 30)[0] * 1e3
+predicate = timed(lambda: reader.query(PREDICATE).df(), 30)[0] * 1e3
+print(json.dumps({
+    "runs": len(names), "ops": total, "reads the lake itself": direct,
+    "new reader's first query s (open + predicate)": round(first, 2),
+    "new reader's RSS after it MiB": round(rss_first),
+    "point lookup ms (warm, median)": round(point, 2),
+    "predicate over all ops ms (warm, median)": round(predicate, 2),
+    "peak RSS MiB": round(peak_mib()),
+}))
+"""
+
+
 def queries(dsn: str, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The lake grown to each of ``--query-sizes`` runs (``--query-runs`` recorded, the
+    rest copies of them: :func:`copy_runs`), a new reader measured at each size."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
     from query_latency import Chain
 
     torch.set_num_threads(1)
@@ -157,47 +242,27 @@ def queries(dsn: str, endpoint: str, args: argparse.Namespace) -> dict[str, Any]
     store = tl.open(url, catalog=catalog, storage_options=options)
     model = Chain(args.query_ops)
     began = time.perf_counter()
+    recorded = [f"q{k}" for k in range(args.query_runs)]
     with torch.no_grad():
-        for k in range(args.query_runs):
-            store.record(model, torch.randn(32, 32), name=f"q{k}", stats="all", save=tl.none())
-    built = time.perf_counter() - began
-    reader = tl.open(url, catalog=catalog, storage_options=options, create=False)
-    predicate = (
-        "select run, label, absmax from ops where func = 'relu' and absmax > 2.5 "
-        "order by absmax desc limit 10"
-    )
-    began = time.perf_counter()
-    total = reader.query("select count(*) as n from ops").df()["n"][0]
-    first = time.perf_counter() - began
-    labels = reader.query("select label from ops where run = 'q0'").df()["label"].tolist()
-
-    def timed(fn: Any, repeats: int = 30) -> float:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - began)
-        return statistics.median(samples) * 1e3
-
-    import random
-
-    rng = random.Random(0)
-    point = timed(
-        lambda: reader.query(
-            "select absmax from ops where run = :r and label = :l",
-            r=f"q{rng.randrange(args.query_runs)}",
-            l=rng.choice(labels),
-        ).df()
-    )
-    pred = timed(lambda: reader.query(predicate).df())
-    return {
-        "ops": int(total),
-        "build s": round(built, 1),
-        "new reader's first query s": round(first, 2),
-        "point lookup ms (warm, median)": round(point, 2),
-        "predicate over all ops ms (warm, median)": round(pred, 2),
-    }
+        for name in recorded:
+            store.record(model, torch.randn(32, 32), name=name, stats="all", save=tl.none())
+    built, have = time.perf_counter() - began, len(recorded)
+    curve = []
+    for size in sorted(args.query_sizes or [have]):
+        began = time.perf_counter()
+        copy_runs(store, recorded, max(0, size - have), first=have)
+        built, have = built + time.perf_counter() - began, max(size, have)
+        reader = subprocess.run(
+            [sys.executable, "-c", NEW_READER, url, catalog, json.dumps(options), here],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        point = json.loads(reader.stdout.strip().splitlines()[-1])
+        point["build s (cumulative)"] = round(built, 1)
+        print(json.dumps({"queries, a new reader": point}), flush=True)
+        curve.append(point)
+    return {"sizes": len(curve)}
 
 
 def main() -> None:
@@ -209,8 +274,15 @@ def main() -> None:
     parser.add_argument("--lease", type=float, default=20.0)
     parser.add_argument("--width", type=int, default=256, help="the writers' Linear width")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--query-runs", type=int, default=10)
-    parser.add_argument("--query-ops", type=int, default=100_000)
+    parser.add_argument("--query-runs", type=int, default=2, help="runs recorded")
+    parser.add_argument("--query-ops", type=int, default=50_000, help="a recorded run's ops")
+    parser.add_argument(
+        "--query-sizes",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[4, 25],
+        help="runs in the lake at each measurement (comma-separated; beyond the recorded "
+        "runs, copies of them)",
+    )
     args = parser.parse_args()
     os.environ["TRACELAKE_LEASE_SECONDS"] = str(args.lease)
     with postgres_server() as dsn, moto_server() as endpoint:

@@ -960,6 +960,8 @@ class CatalogMirror:
     #: Whether queries over every run may read the catalog file itself (past
     #: ``MIRROR_OPS``): a catalog that is a local DuckDB file. (``lake.py``'s is not.)
     reads_file = True
+    #: Whether ``store.sql`` does too (else it copies every complete run's rows).
+    sql_on_file = True
 
     @guarded("cannot start the in-memory mirror of the catalog")
     def __init__(self, paths: StorePaths):
@@ -1012,6 +1014,10 @@ class CatalogMirror:
     def _runs_sql(self, present: dict[str, set[str]]) -> str:
         """The SELECT of the source's ``runs`` rows, every status."""
         return f"SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs"
+
+    def _runs_where(self, run_ids: list[int]) -> tuple[str, list[Any]]:
+        """The condition (and its parameters) that picks these runs' rows in the source."""
+        return f"run_id IN ({', '.join('?' * len(run_ids))})", run_ids
 
     @guarded("cannot read the catalog")
     def refresh(self, runs: Collection[int] | None = None) -> None:
@@ -1066,14 +1072,13 @@ class CatalogMirror:
             new = sorted(wanted - kept)
             incoming = {}
             if new:
-                marks = ", ".join("?" * len(new))
+                where, params = self._runs_where(new)
                 for name in RUN_TABLES:
                     if name not in present:  # a table declared since it was written
                         continue
                     columns = select_list(TABLES[name], present[name])
                     incoming[name] = src.sql(
-                        f"SELECT {columns} FROM {ident(name)} WHERE run_id IN ({marks})",
-                        params=new,
+                        f"SELECT {columns} FROM {ident(name)} WHERE {where}", params=params
                     ).to_arrow_table()
         con = self.con
         con.execute("BEGIN TRANSACTION")
@@ -1139,7 +1144,9 @@ class CatalogMirror:
         if not self.is_select(sql):
             raise QueryError("store.sql runs exactly one read-only SELECT statement")
         self.refresh()
-        if self._direct:
+        if self._direct and not self.sql_on_file:
+            self.refresh(self._complete)
+        if self._direct and self.sql_on_file:
             with self._on_file() as src:
                 return self._read_only_df(src, sql, memory=False)
         with duckdb_errors("the SQL could not run", QueryError):
@@ -1328,14 +1335,7 @@ class CatalogMirror:
                 f"meta END AS meta) FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
                 f"FROM {db}.main.runs)"
             )
-            for name in RUN_TABLES:
-                columns = select_list(TABLES[name], present.get(name, set()))
-                rows = (
-                    f"FROM {db}.main.{ident(name)}{where}"
-                    if name in present
-                    else "WHERE false"  # a table declared since the file was written
-                )
-                src.execute(f"CREATE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
+            run_table_views(src, present, f"{db}.main.", where)
             yield src
 
     @contextmanager
@@ -1404,6 +1404,22 @@ class CatalogMirror:
     @guarded("cannot close the mirror of the catalog")
     def close(self) -> None:
         self.con.close()
+
+
+def run_table_views(
+    con: duckdb.DuckDBPyConnection, present: dict[str, set[str]], source: str, where: str
+) -> None:
+    """Temporary views named like the run tables, over the rows of the tables of
+    ``source`` (``db.main.``) that ``where`` (`` WHERE ...`` or empty) keeps, with every
+    column the catalog declares (one the source lacks: its default)."""
+    for name in RUN_TABLES:
+        columns = select_list(TABLES[name], present.get(name, set()))
+        rows = (
+            f"FROM {source}{ident(name)}{where}"
+            if name in present
+            else "WHERE false"  # a table declared since the source was written
+        )
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} {rows}")
 
 
 def _attach_compressed(con: duckdb.DuckDBPyConnection) -> bool:

@@ -62,7 +62,7 @@ from .layout import (
     try_lock,
     validate_name,
 )
-from .verify import Problem, VerifyReport, verify_files, verify_run
+from .verify import Problem, VerifyReport, tensor_rows, verify_files, verify_run
 
 if TYPE_CHECKING:
     import pandas
@@ -1393,11 +1393,12 @@ class Store:
             return report
         cursor = self._query("SELECT * FROM runs WHERE status = ? ORDER BY id", [COMPLETE], ())
         names = [d[0] for d in cursor.description]
-        rows = cursor.fetchall()
-        with Progress("verifying", len(rows), "runs", progress) as bar:
-            for values in rows:
+        infos = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+        # each batch of runs' tensor rows in one statement (never a copy run by run)
+        pairs = tensor_rows(self._query, infos) if tensors else ((i, []) for i in infos)
+        with Progress("verifying", len(infos), "runs", progress) as bar:
+            for info, tensor_list in pairs:
                 bar.advance()
-                info = dict(zip(names, values, strict=True))
                 try:
                     check_run_marker(self.paths, info["id"], info["name"], info.get("created"))
                     if not self.paths.run_dir(info["id"]).is_dir():
@@ -1410,7 +1411,7 @@ class Store:
                     report.runs += 1
                     report.problems.append(Problem(info["name"], "-", str(exc)))
                     continue
-                verify_run(run, self._run_query(info["id"]), report)
+                verify_run(run, tensor_list, report)
         return report
 
     def close(self) -> None:

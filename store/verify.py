@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ from .layout import StorePaths
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["Problem", "VerifyReport", "verify_files", "verify_run"]
+__all__ = ["Problem", "VerifyReport", "tensor_rows", "verify_files", "verify_run"]
 
 
 @dataclass(frozen=True)
@@ -99,19 +99,47 @@ def verify_files(paths: StorePaths, report: VerifyReport) -> None:
         )
 
 
-def verify_run(run: Run, query: Callable[[str, list[Any]], Any], report: VerifyReport) -> None:
+#: ``verify`` reads the tensors' catalog rows of runs holding about this many ops
+#: together in one statement.
+BATCH_OPS = 200_000
+
+
+def tensor_rows(
+    query: Callable[[str, list[Any]], Any], runs: list[dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any], list[tuple[Any, ...]]]]:
+    """Each of ``runs`` (``runs`` rows, ``op_count`` included) with its tensors' catalog
+    rows (slot, array, offset, bytes, shape, dtype, the labels of the ops that hold it),
+    read by one statement over every run for each batch of about ``BATCH_OPS`` ops
+    (``query``: over every run; so a reader's mirror never copies run by run, and past
+    ``MIRROR_OPS`` the catalog's own file or lake answers)."""
+    batch: list[dict[str, Any]] = []
+    for k, info in enumerate(runs):
+        batch.append(info)
+        if k + 1 < len(runs) and sum(int(i["op_count"] or 0) for i in batch) < BATCH_OPS:
+            continue
+        ids = ", ".join(str(int(i["id"])) for i in batch)  # (the catalog's own integers)
+        rows = query(
+            'SELECT t.run_id, t.slot, t."array", t.byte_offset, t.nbytes, t.shape, t.dtype, '
+            "coalesce(string_agg(o.label, ', ' ORDER BY o.step, o.idx), 'tensor ' || t.slot) "
+            "FROM tensors t LEFT JOIN ops o ON o.run_id = t.run_id AND o.tensor = t.slot "
+            f'WHERE t.run_id IN ({ids}) GROUP BY t.run_id, t.slot, t."array", '
+            "t.byte_offset, t.nbytes, t.shape, t.dtype ORDER BY t.run_id, t.slot",
+            [],
+        ).fetchall()
+        by_run: dict[int, list[tuple[Any, ...]]] = {}
+        for row in rows:
+            by_run.setdefault(int(row[0]), []).append(row[1:])
+        for info in batch:
+            yield info, by_run.get(int(info["id"]), [])
+        batch = []
+
+
+def verify_run(run: Run, rows: list[tuple[Any, ...]], report: VerifyReport) -> None:
+    """Check a run's arrays against its tensors' catalog rows (:func:`tensor_rows`)."""
     from .dtypes import parse_dtype  # (torch: only the tensors' half of verify needs it)
 
     report.runs += 1
     arrays = run._arrays
-    rows = query(
-        'SELECT t.slot, t."array", t.byte_offset, t.nbytes, t.shape, t.dtype, '
-        "coalesce(string_agg(o.label, ', ' ORDER BY o.step, o.idx), 'tensor ' || t.slot) "
-        "FROM tensors t LEFT JOIN ops o ON o.run_id = t.run_id AND o.tensor = t.slot "
-        'WHERE t.run_id = ? GROUP BY t.slot, t."array", t.byte_offset, t.nbytes, t.shape, '
-        "t.dtype ORDER BY t.slot",
-        [run.id],
-    ).fetchall()
     by_array: dict[str, list[tuple[int, int, str]]] = {}
     misshapen: set[str] = set()  # own arrays whose zarr.json disagrees with the catalog
     # Links among the run's files: tracelake writes none, and reads refuse them (they

@@ -324,7 +324,7 @@ def test_concurrent_writers_one_killed(lake: dict[str, object], tmp_path: Path) 
     """Three writer processes and one reader on one lake; a fourth writer SIGKILLed
     mid-run. The reader sees no partial or killed run and no error; every run is
     bitwise intact; once the lease expired, gc() collects the killed run's objects.
-    (benchmarks/lake_writers.py runs the issue's 8 writers x 25 runs + 2 readers.)"""
+    (benchmarks/lake.py writers runs the issue's 8 writers x 25 runs + 2 readers.)"""
     url, catalog = str(lake["url"]), str(lake["catalog"])
     options = json.dumps(lake["options"])
     _open(lake).runs()
@@ -348,3 +348,71 @@ def test_concurrent_writers_one_killed(lake: dict[str, object], tmp_path: Path) 
     time.sleep(LEASE + 0.5)
     assert store.gc()["runs"] == 1
     assert len(_run_prefixes(lake)) == len(names)
+
+
+def _row_values(result: object) -> list[dict]:
+    import torch
+
+    return [
+        {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+        for row in result  # type: ignore[attr-defined]
+    ]
+
+
+LAKE_WIDE = [
+    "select run, label, absmax from ops where func = 'relu' and absmax > 0.1 "
+    "order by absmax desc limit 5",
+    "select run, count(*) as n, avg(l2) as l2 from ops group by run order by run",
+    "select run, label, out from ops where func = 'tanh' order by run, idx",
+    "select run, label from modules order by run, label",
+    "select run, label from ops where meta.k >= 1 and func = 'linear' order by run, idx",
+]
+
+
+@needs_lake
+def test_a_large_lake_answers_from_the_lake_as_the_mirror_would(
+    lake: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MIRROR_OPS a reader copies no run's rows: a query over every run reads the
+    lake's Parquet files itself, with the answers (tensors included) of a reader that
+    copied every row; runs deleted, overwritten, or committed meanwhile by another
+    handle show as the mirror would show them; store.sql copies the rows (it runs where
+    external access is off) and still reads no file."""
+    import torch
+
+    from tracelake.store import catalog
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.Tanh()
+    )
+    writer = _open(lake)
+    with torch.no_grad():
+        for k in range(3):
+            writer.record(model, torch.randn(5, 8), name=f"r{k}", meta={"k": k})
+    want = [_row_values(_open(lake, create=False).query(q)) for q in LAKE_WIDE]
+    monkeypatch.setattr(catalog, "MIRROR_OPS", 0)
+    store = _open(lake, create=False)
+    for text, rows in zip(LAKE_WIDE, want, strict=True):
+        assert _row_values(store.query(text)) == rows and rows, text
+    assert store.catalog._loaded == set()  # nothing copied
+    assert _row_values(store.query(LAKE_WIDE[2])) == want[2]  # warm, the same
+    per_run = "select run, count(*) as n from ops group by run order by run"
+    n = _row_values(store.query(per_run))[0]["n"]
+    writer.delete("r1")  # its rows stay in the lake's files until gc()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        writer.record(model, x, name="r2", overwrite=True)  # the old r2's rows stay too
+        writer.record(model, x, name="r3")
+    names = ["r0", "r2", "r3"]
+    assert _row_values(store.query(per_run)) == [{"run": name, "n": n} for name in names]
+    out = store.query("select run, out from ops where label = 'output_1' order by run")
+    assert [r["run"] for r in out] == names
+    with torch.no_grad():
+        assert torch.equal(out.tensors()[1], model(x)) and torch.equal(out.tensors()[2], model(x))
+    assert store.catalog._loaded == set()
+    assert int(store.sql("select count(*) from ops").iloc[0, 0]) == 3 * n
+    with pytest.raises(tl.QueryError):
+        store.sql("select * from read_text('/etc/hostname')")
+    writer.gc()
+    assert _row_values(store.query(per_run)) == [{"run": name, "n": n} for name in names]

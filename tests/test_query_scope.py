@@ -227,6 +227,32 @@ def test_a_large_catalog_never_shows_deleted_partial_or_unknown_runs(
     assert store.verify().ok
 
 
+@pytest.mark.parametrize("batch_ops", [1, 10**9])
+def test_verify_reads_tensor_rows_in_batches_over_every_run(
+    root: Path, large: None, batch_ops: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify() reads the tensors' catalog rows of several runs in one statement over
+    every run (past MIRROR_OPS from the file, so no run is copied into the mirror), and a
+    damaged chunk is reported under its own run and label, whether each run is a batch
+    of its own or all are one."""
+    from tracelake.store import verify
+
+    monkeypatch.setattr(verify, "BATCH_OPS", batch_ops)
+    store = tl.open(root, create=False)
+    report = store.verify()
+    assert report.ok and report.runs == len(NAMES) and report.tensors > 0
+    assert _loaded(store) == set()
+    run = store["r2"]
+    where = run["relu_1_2"].array._slot.array
+    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    report = tl.open(root, create=False).verify()
+    assert {p.run for p in report.problems} == {"r2"} and report.runs == len(NAMES)
+    assert any("relu_1_2" in p.label for p in report.problems)
+
+
 def test_a_large_catalogs_raw_sql_stays_read_only_and_limited(root: Path, large: None) -> None:
     store = tl.open(root, create=False)
     for table in ("ops", "catalog.main.ops"):  # (the file's own table, by its full name)
