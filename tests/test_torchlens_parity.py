@@ -33,11 +33,6 @@ DIFFERENT: dict[str, str] = {
         "ops differing only in non-tensor arguments (softmax over another dim) are "
         "passes of one layer here: a recording keeps no non-tensor arguments"
     ),
-    "DeadBranch": "ops reaching neither input nor output are kept here",
-    "zoo:llama": (
-        "TorchLens prunes transformers' unused batch and head index aranges (ops reaching "
-        "neither input nor output); tracelake keeps them"
-    ),
 }
 
 Graph = list[dict[str, Any]]
