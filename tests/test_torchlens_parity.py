@@ -27,8 +27,6 @@ from torchlens.backends.torch.wrappers import unwrap_torch  # noqa: E402
 
 #: model name -> why its graph differs from TorchLens's.
 DIFFERENT: dict[str, str] = {
-    "TensorLiteral": "torch.Tensor([...]) is TorchLens's `new`, not recorded here",
-    "FromNumpy": "torch.from_numpy makes no node here",
     "SoftmaxFamily": (
         "ops differing only in non-tensor arguments (softmax over another dim) are "
         "passes of one layer here: a recording keeps no non-tensor arguments"
