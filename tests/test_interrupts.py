@@ -318,7 +318,10 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
             if _is_lock(f"/proc/self/fd/{fd}", str(tmp_path))
         ], where
         # the next recording works at once, and records the same values
-        how(store, model, x)
+        try:
+            how(store, model, x)
+        except Exception as exc:
+            raise AssertionError(f"the recording after an interrupt at {where}") from exc
         _clean(where)
     assert interrupted >= len(points) * 0.9
     store.gc()
