@@ -248,3 +248,15 @@ class ArgsRecorder:
                 self._call_args[index] = call
                 count -= 1
             index += 1
+
+
+def renumber_ops(value: Any, new: list[int]) -> Any:
+    """An encoding with every ``{"$op": idx}`` renumbered to ``new[idx]`` (entries
+    renumbered after orphans were pruned: an op's tensor arguments are kept with it)."""
+    if isinstance(value, dict):
+        if len(value) == 1 and "$op" in value:
+            return {"$op": new[value["$op"]]}
+        return {key: renumber_ops(item, new) for key, item in value.items()}
+    if isinstance(value, list):
+        return [renumber_ops(item, new) for item in value]
+    return value

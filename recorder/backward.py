@@ -48,9 +48,14 @@ class CaptureOptions:
     #: ops. The interception then runs in Python (the compiled path does not see
     #: arguments).
     record_args: bool = False
+    #: Keep the ops connected to neither the model's inputs nor its outputs (a tensor
+    #: made and dropped inside the forward: ``torch.ones(3) * 2``, an unused ``arange``).
+    #: By default they are pruned after the forward pass, as TorchLens prunes them (its
+    #: ``keep_orphans=False``), and labels are numbered without them.
+    keep_orphans: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("backward_ready", "record_args"):
+        for name in ("backward_ready", "record_args", "keep_orphans"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(
@@ -113,6 +118,15 @@ class GradEdges:
             self.nodes[id(node)] = (node, [(index, number)])
         else:
             held[1].append((index, number))
+
+    def renumber(self, new: list[int]) -> None:
+        """Orphans were pruned: entry ``i`` is now ``new[i]`` (-1: pruned, forgotten)."""
+        for key, (node, targets) in list(self.nodes.items()):
+            kept = [(new[index], number) for index, number in targets if new[index] >= 0]
+            if kept:
+                self.nodes[key] = (node, kept)
+            else:
+                del self.nodes[key]
 
     def clear(self) -> None:
         self.nodes.clear()

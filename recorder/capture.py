@@ -97,6 +97,7 @@ class ForwardRecording:
         step: int = 0,
         *,
         record_args: bool = False,
+        keep_orphans: bool = False,
     ):
         Interceptor.refuse_nesting()
         # the rules see each op before the emitter does
@@ -104,6 +105,7 @@ class ForwardRecording:
         self.labeller = Labeller(uncompiled(model), emitter if wrapper is None else wrapper, table)
         if wrapper is not None:
             wrapper.bind(self.labeller)
+        table.keep_orphans = keep_orphans
         if record_args:  # before the interceptor, which picks its path by it
             self.labeller.record_args()
         self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
@@ -147,11 +149,14 @@ def record_forward(
     table: OpTable,
     interventions: Interventions | None = None,
     record_args: bool = False,
+    keep_orphans: bool = False,
 ) -> tuple[Labeller, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
     the labeller and the model's output. The forward's own exceptions propagate
     unchanged, after every mode and hook has been removed."""
-    recording = ForwardRecording(model, emitter, table, interventions, record_args=record_args)
+    recording = ForwardRecording(
+        model, emitter, table, interventions, record_args=record_args, keep_orphans=keep_orphans
+    )
     try:
         recording.start(args, kwargs)
         output = uncompiled(model)(*args, **kwargs)  # (a wrapper would run it all the same)
@@ -184,7 +189,9 @@ def trace(
     ``tl.when(selector, action)`` or a list of them, applied to the ops they select as
     the forward runs (``trace.interventions`` audits them).
 
-    ``capture=tl.options.CaptureOptions(backward_ready=True)`` makes the trace ready for
+    Ops connected to neither the inputs nor the outputs are pruned after the forward, as
+    TorchLens prunes them; ``capture=tl.options.CaptureOptions(keep_orphans=True)`` keeps
+    them. ``capture=tl.options.CaptureOptions(backward_ready=True)`` makes the trace ready for
     ``trace.backward(loss)``, which records the gradient of ``loss`` with respect to the
     output of each op ``save_grads`` selects (a selector; default: ``save``).
 
@@ -217,9 +224,16 @@ def trace(
     table = OpTable()
     edges = None if grads is None else GradEdges(grads, table)
     emitter = MemoryEmitter(selector, stats, table, edges)
-    record_args = as_options(capture).record_args
+    options = as_options(capture)
     labeller, output = record_forward(
-        model, inputs, model_kwargs, emitter, table, interventions, record_args
+        model,
+        inputs,
+        model_kwargs,
+        emitter,
+        table,
+        interventions,
+        options.record_args,
+        options.keep_orphans,
     )
     with torch._C.DisableTorchFunction():
         lost = emitter.finish()

@@ -306,6 +306,24 @@ class SelectingEmitter:
     def before_write(self, tensor: torch.Tensor) -> None:
         pass
 
+    def renumber(self, new: list[int], modules: list[ModuleEntry]) -> set[int]:
+        """Orphans were pruned: op entry ``i`` is now ``new[i]`` (-1: pruned); return the
+        slots only pruned entries used (a subclass drops their tensors)."""
+        slots, dropped = {}, set()
+        for index, slot in self._op_slot.items():
+            if new[index] >= 0:
+                slots[new[index]] = slot
+            else:
+                dropped.add(slot)
+        self._op_slot = slots
+        self._stats = {new[i]: st for i, st in self._stats.items() if new[i] >= 0}
+        if self.grad_edges is not None:
+            self.grad_edges.renumber(new)
+        used = set(slots.values())
+        for m in modules:
+            used.update(m.input_slots or (), m.output_slots or ())
+        return dropped - used
+
     def on_module_enter(
         self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[int]
     ) -> None:
@@ -338,6 +356,12 @@ class MemoryEmitter(SelectingEmitter):
 
     def before_write(self, tensor: torch.Tensor) -> None:
         self.slots.before_write(tensor)
+
+    def renumber(self, new: list[int], modules: list[ModuleEntry]) -> set[int]:
+        dropped = super().renumber(new, modules)
+        for slot in dropped:  # no entry reads them: their memory goes back now
+            self.slots.tensors[slot] = None
+        return dropped
 
     def finish(self) -> list[int]:
         """Settle the aliases; return the op entries whose values had to be dropped."""

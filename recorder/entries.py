@@ -19,8 +19,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from . import compiled
+from .arguments import renumber_ops
 from .loops import group_layers
 from .names import OPERATOR_FUNCS, operator_name, spelling
+from .prune import kept_entries, renumber
 from .record import Stats, position
 from .trees import Structure, plain_spec
 
@@ -130,12 +132,12 @@ def _with(row: tuple, field: int, value: Any) -> tuple:
     return (*row[:field], value, *row[field + 1 :])
 
 
-#: The last finished recordings: (raw rows, final rows, labels, passes). A model recorded
-#: again with the same graph (every training step) skips the grouping, whose cost grows
-#: with the graph: equal raw rows (plain values only) give equal final ones.
-_SETTLED: collections.deque[tuple[tuple, list[tuple], list[str], dict[int, int]]] = (
-    collections.deque(maxlen=8)
-)
+#: The last finished recordings: (raw rows, final rows, labels, passes, the raw rows
+#: kept or None for all, whether orphans were kept). A model recorded again with the
+#: same graph (every training step) skips pruning and grouping, whose cost grows with
+#: the graph: equal raw rows (plain values only) give equal final ones.
+_Settled = tuple[tuple, list[tuple], list[str], dict[int, int], list[int] | None, bool]
+_SETTLED: collections.deque[_Settled] = collections.deque(maxlen=8)
 _SETTLED_MAX_ROWS = 100_000
 
 
@@ -154,10 +156,13 @@ class OpTable:
         self.call_args: dict[int, Any] = {}
         #: Entry -> its name, for inputs labelled by their keyword (recorder/inputs.py).
         self.names: dict[int, str] = {}
+        #: Keep the entries connected to neither an input nor an output (TorchLens's
+        #: ``keep_orphans``); by default :meth:`finish` prunes them (recorder/prune.py).
+        self.keep_orphans = False
         self._keys: list[str] | None = None
         #: While recording: the settled graphs whose raw rows this one has matched so
         #: far, and how many of its rows were checked (:meth:`settled_label`).
-        self._alike: list[tuple[tuple, list[tuple], list[str], dict[int, int]]] | None = None
+        self._alike: list[_Settled] | None = None
         self._alike_checked = 0
         self._blocks: list[int | None] | None = None
         self._children: list[tuple[int, ...]] | None = None
@@ -175,8 +180,14 @@ class OpTable:
     def num_passes(self, layer: int) -> int:
         return self.passes.get(layer, 1)
 
-    def finish(self) -> None:
-        """Group ops into layers and write the final labels, as TorchLens does.
+    def finish(self) -> list[int] | None:
+        """Prune orphans, group ops into layers and write the final labels, as TorchLens
+        does; return the indices (before pruning) of the entries kept, or None when all
+        are (and always with :attr:`keep_orphans`).
+
+        Entries connected to neither an input, an output nor a written buffer are dropped
+        (:func:`~.prune.kept_entries`); rows and the tables keyed by entry are renumbered
+        first, so labels count only what is kept, as TorchLens's do.
 
         Operators get their own names where torch reported another (``x / y`` came as
         ``div``: :func:`~.intercept.operator_name`); layers and passes are TorchLens's
@@ -187,25 +198,52 @@ class OpTable:
         are rewritten."""
         rows = self.rows
         raw = tuple(rows)
+        keep_orphans = self.keep_orphans
         # A graph recorded before (the same model again) is labelled as then. Comparing
         # rows is cheap: equal rows share their values (sites, shapes, names; in the
         # compiled path row numbers too), which same_rows checks inline.
         hot = compiled.hot()
         same = operator.eq if hot is None else hot.same_rows
         for settled in _SETTLED:
-            if same(settled[0], raw):
+            if settled[5] == keep_orphans and same(settled[0], raw):
                 _SETTLED.remove(settled)
                 _SETTLED.append(settled)
-                _, final, labels, passes = settled
+                _, final, labels, passes, kept, _ = settled
+                if kept is not None:
+                    self._renumber(kept)
                 rows[:] = final
                 self.labels = list(labels)
                 self.passes = dict(passes)
                 self._name_inputs()
-                return
+                return kept
+        kept = None if keep_orphans else kept_entries(rows)
+        if kept is not None:
+            self._renumber(kept)
+            rows[:] = [rows[index] for index in kept]
+            new = renumber(kept, len(raw))
+            for index, row in enumerate(rows):
+                parents = tuple(new[parent] for parent in row[PARENTS])
+                rows[index] = _with(_with(row, PARENTS, parents), LAYER, index)
         self._settle()
         if len(rows) <= _SETTLED_MAX_ROWS:
-            _SETTLED.append((raw, list(rows), list(self.labels), dict(self.passes)))
+            cached = (raw, list(rows), list(self.labels), dict(self.passes), kept, keep_orphans)
+            _SETTLED.append(cached)
         self._name_inputs()  # after the cache took the labels: names are per call
+        return kept
+
+    def _renumber(self, kept: list[int]) -> None:
+        """Renumber what is keyed by entry (names, recorded calls) to the entries
+        ``kept``; the rows themselves are the caller's."""
+        new = renumber(kept, len(self.rows))
+        self.names = {new[i]: name for i, name in self.names.items() if new[i] >= 0}
+        calls: dict[int, Any] = {}  # (a call's outputs share its encoding: renumbered once)
+        call_args: dict[int, Any] = {}
+        for i, call in self.call_args.items():
+            if new[i] >= 0:
+                if id(call) not in calls:
+                    calls[id(call)] = renumber_ops(call, new)
+                call_args[new[i]] = calls[id(call)]
+        self.call_args = call_args
 
     def settled_label(self, index: int) -> str | None:
         """While recording: the final label entry ``index`` will get, where a graph
@@ -221,14 +259,22 @@ class OpTable:
             return named
         rows = self.rows
         if self._alike is None:
-            self._alike = list(_SETTLED)
+            self._alike = [s for s in _SETTLED if s[5] == self.keep_orphans]
         alike = self._alike
         while self._alike_checked <= index and alike:
             at = self._alike_checked
             row = rows[at]
             alike[:] = [s for s in alike if len(s[0]) > at and s[0][at] == row]
             self._alike_checked += 1
-        return alike[0][2][index] if alike and index < self._alike_checked else None
+        if not alike or index >= self._alike_checked:
+            return None
+        _, _, labels, _, kept, _ = alike[0]
+        if kept is not None:  # labels count the entries kept (binary search: kept is sorted)
+            at = bisect.bisect_left(kept, index)
+            if at == len(kept) or kept[at] != index:
+                return None  # pruned
+            index = at
+        return labels[index]
 
     def _settle(self) -> None:
         rows = self.rows

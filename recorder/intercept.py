@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from tracelake.errors import NestedTraceError
 
-from . import compiled, fastpath
+from . import compiled, fastpath, sources
 from .compiled import _hot
 from .names import (
     INPLACE_DUNDERS,
@@ -733,6 +733,7 @@ class Interceptor:
             self._handles.append(
                 nn_module.register_module_forward_hook(self._post_hook, always_call=True)
             )
+            sources.hold(self)  # torch.from_numpy, torch.Tensor(...): see sources.py
             if self._fused_state is not None:
                 self._mode.bind(self._fused_state())
             self._mode.__enter__()
@@ -763,8 +764,11 @@ class Interceptor:
                 if self._fused_state is not None:
                     self._mode.unbind()
             finally:
-                self._remove_hooks()
-                _ENTERED.discard(self)
+                try:
+                    self._remove_hooks()
+                finally:
+                    sources.release(self)
+                    _ENTERED.discard(self)
 
     def _remove_hooks(self) -> None:
         while self._handles:  # removed, then forgotten: a removal cut short is redone

@@ -218,6 +218,9 @@ class InterveningEmitter:
     def finish_ops(self) -> None:
         self._inner.finish_ops()
 
+    def renumber(self, new: list[int], modules: list[Any]) -> set[int]:
+        return self._inner.renumber(new, modules)
+
     def on_module_enter(
         self, entry: Any, tensors: list[torch.Tensor], producers: list[int]
     ) -> None:

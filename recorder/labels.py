@@ -14,6 +14,7 @@ known only at the end, so final labels are written by :meth:`OpTable.finish`.
 
 from __future__ import annotations
 
+import bisect
 import sys
 import weakref
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from .eager import module_path, named_modules
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
 from .inputs import input_entries
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
+from .prune import renumber
 from .record import make_row
 
 __all__ = ["Emitter", "Labeller"]
@@ -72,6 +74,10 @@ class Emitter(Protocol):
 
     def finish_ops(self) -> None:
         """The forward pass is over: no more entries."""
+
+    def renumber(self, new: list[int], modules: list[ModuleEntry]) -> set[int]:
+        """Orphans were pruned: entry ``i`` is now ``new[i]`` (-1: pruned). Return the
+        slots of saved tensors that only pruned entries used (none of ``modules``)."""
 
     def on_module_enter(
         self, entry: ModuleEntry, tensors: list[torch.Tensor], producers: list[int]
@@ -142,6 +148,8 @@ class Labeller:
         self._classify = SourceFinder.classify
         #: Encodes each call's arguments (CaptureOptions(record_args=True)), or None.
         self.call_args: ArgsRecorder | None = None
+        #: After :meth:`finish`: the emitter's slots that only pruned entries used.
+        self.pruned_slots: set[int] = set()
 
     def record_args(self) -> None:
         """Encode every call's arguments into ``table.call_args`` (before the recording
@@ -521,9 +529,20 @@ class Labeller:
     # -- final labels --------------------------------------------------------------------
 
     def finish(self) -> None:
+        """The forward is over: prune orphans (unless ``table.keep_orphans``), label,
+        and renumber the module entries and the emitter's tables to the entries kept."""
         self._emitter.finish_ops()
         table = self.table
-        table.finish()
+        size = len(table.rows)
+        kept = table.finish()
+        if kept is not None:
+            new = renumber(kept, size)
+            for m in self.module_entries:
+                m.input_indices = tuple(new[i] if i >= 0 else -1 for i in m.input_indices)
+                m.output_indices = tuple(new[i] if i >= 0 else -1 for i in m.output_indices)
+                start, end = m.op_range  # the kept entries of [start, end)
+                m.op_range = (bisect.bisect_left(kept, start), bisect.bisect_left(kept, end))
+            self.pruned_slots = self._emitter.renumber(new, self.module_entries)
         labels = table.labels
 
         def named(indices: tuple[int, ...]) -> tuple[str, ...]:

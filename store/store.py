@@ -288,6 +288,7 @@ class Recording:
         self._calls: list[str] = []
         self._grad_selector = grad_selector(capture, save, save_grads)
         self._record_args = as_options(capture).record_args
+        self._keep_orphans = as_options(capture).keep_orphans
         self._grads: StoreGrads | None = None
         self._backward: BackwardCapture | None = None
         self._grad_steps: list[GradEdges] = []  # one per step, when backward-ready
@@ -471,6 +472,8 @@ class Recording:
 
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
+        # tensors saved by ops pruned after the forward (orphans): left out of the run
+        self._discarded.update(recording.labeller.pruned_slots)
         self._steps.append((table, recording.labeller.module_entries, emitter))
         from tracelake.recorder.replay import encode_call
 
@@ -518,6 +521,7 @@ class Recording:
             self.interventions,
             len(self._steps),
             record_args=self._record_args,
+            keep_orphans=self._keep_orphans,
         )
         self._depth += 1  # the block's own hooks must not start a second step
         self._owner, self._call_frame = threading.get_ident(), inspect.currentframe()
@@ -595,6 +599,7 @@ class Recording:
                 self.interventions,
                 len(self._steps),
                 record_args=self._record_args,
+                keep_orphans=self._keep_orphans,
             )
             self._auto = (recording, table, emitter, args, kwargs)
             recording.start(args, kwargs)

@@ -135,6 +135,13 @@ def _loop_sin_mul(x: torch.Tensor) -> torch.Tensor:
     return x / 3
 
 
+@functional("LoopScalarArgs", (2, 4))
+def _loop_scalar_args(x: torch.Tensor) -> torch.Tensor:
+    for i in range(3):  # the scalar differs per iteration: no loop for TorchLens
+        x = torch.sin(x) * (i + 1)
+    return x
+
+
 @functional("LoopSingleOp", (2, 4))
 def _loop_single(x: torch.Tensor) -> torch.Tensor:
     for _ in range(4):

@@ -18,7 +18,10 @@ from model_zoo import cnn, gpt2, llama, mlp
 
 import tracelake as tl
 
-BACKWARD = tl.options.CaptureOptions(backward_ready=True)
+# The references hook every torch call: the ops connected to neither the input nor the
+# output (which TorchLens prunes, and so does a recording by default) are kept here.
+KEEP_ORPHANS = tl.options.CaptureOptions(keep_orphans=True)
+BACKWARD = tl.options.CaptureOptions(backward_ready=True, keep_orphans=True)
 MODELS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "llama": llama}
 
 
@@ -176,7 +179,9 @@ def test_stored_grads_read_back_bitwise_in_a_new_process(name, tmp_path):
     build = MODELS[name]
     model, inputs = build()
     store = tl.open(tmp_path / "runs.tl")
-    store.record(model, *inputs, name="r", backward=loss_of, max_inflight=8 << 20)
+    store.record(
+        model, *inputs, name="r", backward=loss_of, max_inflight=8 << 20, capture=KEEP_ORPHANS
+    )
     plain = plain_param_grads(build)
     for n, p in model.named_parameters():
         if n in plain:

@@ -27,16 +27,16 @@ from torchlens.backends.torch.wrappers import unwrap_torch  # noqa: E402
 
 #: model name -> why its graph differs from TorchLens's.
 DIFFERENT: dict[str, str] = {
-    "TensorLiteral": "torch.Tensor([...]) is TorchLens's `new`, not recorded here",
-    "FromNumpy": "torch.from_numpy makes no node here",
+    # TorchLens keys a parameter-free op by a hash of all its non-tensor arguments
+    # (positions, keywords, values: scalars included); a recording keeps none of them
+    # (the compiled path would hash every call's), so such ops can be passes here.
     "SoftmaxFamily": (
-        "ops differing only in non-tensor arguments (softmax over another dim) are "
-        "passes of one layer here: a recording keeps no non-tensor arguments"
+        "softmax over another dim: one layer with passes here, two layers in TorchLens "
+        "(it hashes non-tensor arguments)"
     ),
-    "DeadBranch": "ops reaching neither input nor output are kept here",
-    "zoo:llama": (
-        "TorchLens prunes transformers' unused batch and head index aranges (ops reaching "
-        "neither input nor output); tracelake keeps them"
+    "LoopScalarArgs": (
+        "x * (i + 1) in a loop: passes here, one layer per iteration in TorchLens "
+        "(it hashes non-tensor arguments, scalars included)"
     ),
 }
 
