@@ -538,13 +538,14 @@ class Recording:
             self._depth -= 1
             if not self._depth:
                 self._owner = self._call_frame = None
-        if self._forked:  # the forward forked this process: its copy of the step ends here
-            self._refuse_forked()
         try:
-            recording.stop(output)
+            if not self._forked:  # (a forked child's copy of the step ends below)
+                recording.stop(output)
         except BaseException:  # (a Ctrl-C half-way): nothing stays installed, no step
             self._abandon(recording, stopped=True)
             raise
+        if self._forked:  # the forward forked this process
+            self._refuse_forked()
         self._end(model, recording, table, emitter, args, kwargs)
         return output
 
@@ -732,9 +733,11 @@ class Recording:
                 pa.array([slot not in gone for slot in range(len(writer.slots))])
             )
         with _os_errors(f"cannot remove the tensors of a failed step of {self.name!r}"):
-            for slot in sorted(self._discarded):  # (packed ones: unreferenced bytes)
-                if writer.slots[slot][0] == f"t{slot}":
-                    writer.arrays.delete(f"t{slot}")
+            # the arrays only dropped slots use: own ones, and packs none of whose tensors
+            # stays (a pack that keeps one keeps the others' bytes, unreferenced)
+            kept = {slot[0] for k, slot in enumerate(writer.slots) if k not in gone}
+            for array in sorted({writer.slots[k][0] for k in self._discarded} - kept):
+                writer.arrays.delete(array)
         summary = {
             "steps": len(self._steps),
             "op_count": merged["ops"].num_rows,

@@ -85,7 +85,8 @@ def test_dataloader_workers_forked_inside_a_recorded_forward(tmp_path: Path) -> 
     assert ops(run.labels).count("sum") == 4  # one per batch of the parent's loop
     assert run.labels[-1] == "output_1" and "relu" in ops(run.labels)
     assert torch.equal(run["output_1"].out, torch.tensor(out["plain"]))
-    assert store.verify().ok
+    report = store.verify()
+    assert report.ok, report.problems
     assert list(store.runs()["name"]) == ["forked"]
 
 

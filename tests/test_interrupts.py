@@ -310,6 +310,8 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
         except KeyboardInterrupt:
             interrupted += 1
         _clean(where)
+        # nor the block's own hooks on the model (its next call would run a stale block's)
+        assert not (model._forward_pre_hooks or model._forward_hooks), where
         # no run left recording with a live writer, no lock file left open
         assert "recording" not in set(store.runs(all=True)["status"]), where
         assert not [

@@ -184,3 +184,24 @@ print(json.dumps({
     # the pruned op's 4 MiB array was written during the forward, then left out
     sizes = store.runs().set_index("name")["bytes"]
     assert sizes["pruned"] < 1 << 20 <= sizes["kept"]
+
+
+class OddDtype(nn.Module):
+    """Pruned ops that are the only tensors of their dtype: their pack (int64, bool)
+    holds nothing the run keeps, and goes with them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(16)  # no input, no use: pruned
+        (steps > 3).sum()
+        return x * 2
+
+
+def test_a_pack_only_pruned_tensors_used_is_removed(tmp_path: Path) -> None:
+    store = tl.open(tmp_path / "s.tl")
+    store.record(OddDtype(), X, name="odd", save=tl.all())
+    store.record(OddDtype(), X, name="kept", save=tl.all(), capture=KEEP)
+    report = store.verify()
+    assert report.ok, report.problems  # before: "array pack_... is not in the catalog"
+    assert store["odd"].labels == ["input_1", "mul_1_1", "output_1"]
+    assert "arange_1_1" in store["kept"].labels
+    assert torch.equal(store["kept"]["arange_1_1"].out, torch.arange(16))
