@@ -737,10 +737,10 @@ class Interceptor:
             if self._fused_state is not None:
                 self._mode.bind(self._fused_state())
             self._mode.__enter__()
+            return self  # (inside: an interrupt on this line still undoes the above)
         except BaseException:
             self.close()
             raise
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

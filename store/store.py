@@ -396,11 +396,11 @@ class Recording:
                         self._post_hook, with_kwargs=True, always_call=True
                     )
                 )
+            return self  # (inside: an interrupt on this line still undoes the above)
         except BaseException:
             self._unhook()
             self._fail()
             raise
-        return self
 
     def _unhook(self) -> None:
         """Remove the block's model hooks and eager stance (what ``__enter__`` installed)

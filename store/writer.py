@@ -86,6 +86,12 @@ class _Stream:
     members: list[int] = field(default_factory=list)
 
 
+#: What a writer that ended (closed or aborted) answers a late ``save``: its workers are
+#: gone, and bytes its cancelled writes still count in flight would make ``save`` wait
+#: for room for ever (a stale hook of an ended recording calling it).
+_ENDED = StoreError("this run's recording has ended: its writer takes no more tensors")
+
+
 class TensorWriter:
     """Saves tensors of one run into its :class:`RunArrays`, in the background.
 
@@ -136,9 +142,7 @@ class TensorWriter:
         Runs once per saved tensor on the forward thread: a small CPU tensor costs a few
         attribute reads, one ``memmove`` into its pack's open buffer and one tuple."""
         if self._errors:
-            raise StoreError(
-                f"writing tensors failed: {self._errors[0]!r}{full_hint(self._errors[0])}"
-            ) from self._errors[0]
+            raise self._failure()
         if tensor.layout is not _STRIDED:
             raise StoreError(f"cannot store a {tensor.layout} tensor (only strided tensors)")
         nbytes = tensor.nbytes
@@ -361,11 +365,19 @@ class TensorWriter:
             self.arrays.delete(f"t{slot}")
         self.lost.update(a for a, slot in self._aliases.items() if slot in self.lost)
         if self._errors:
-            raise StoreError(
-                f"writing tensors failed: {self._errors[0]!r}{full_hint(self._errors[0])}"
-            ) from self._errors[0]
+            raise self._failure()
+        self._errors.append(_ENDED)
+
+    def _failure(self) -> StoreError:
+        first = self._errors[0]
+        if first is _ENDED:
+            return StoreError(str(_ENDED))
+        error = StoreError(f"writing tensors failed: {first!r}{full_hint(first)}")
+        error.__cause__, error.__suppress_context__ = first, True  # (raise ... from first)
+        return error
 
     def abort(self) -> None:
+        self._errors.append(_ENDED)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._buffers.clear()
         self._unsynced.close(durable=False)

@@ -4,6 +4,7 @@ into, and the statistics the workers compute, against plain PyTorch."""
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,31 @@ def test_buffers_never_exceed_the_cap(tmp_path: Path) -> None:
     writer.close()
     assert writer.peak_inflight <= cap
     assert buffers.kept == 0
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_writer_that_ended_refuses_tensors_instead_of_waiting(tmp_path: Path, end: str) -> None:
+    """A late save (a stale hook of an ended recording) raises at once: the writer's
+    workers are gone, and bytes its cancelled writes still count in flight would
+    otherwise make it wait for room for ever."""
+    cap = 2 * CHUNK_BYTES
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True), max_inflight=cap)
+    writer.save(torch.ones(1000))
+    writer._buffers.used = cap  # as cancelled writes leave it: counted, never released
+    getattr(writer, end)()
+    refused: list[BaseException] = []
+
+    def late() -> None:
+        try:
+            writer.save(torch.ones(CHUNK_BYTES // 4))
+        except tl.StoreError as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=late, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the late save waited for room that never comes"
+    assert refused and "has ended" in str(refused[0])
 
 
 class InPlaceAfter(nn.Module):
