@@ -196,3 +196,47 @@ def kill_one_writer(
     summary = out.strip().splitlines()[-1].split()
     assert summary[0] == "reader" and int(summary[1]) > 0, out
     assert int(summary[2]) == 0, out  # no error seen by the reader
+
+
+#: The loop of a writer process of the concurrency tests, after its script's own header
+#: bound ``store``, ``model``, ``who``, ``runs`` and ``victim`` (the victim records one
+#: run more and is killed in the middle of it).
+WRITER_LOOP = """
+def x(k):
+    return torch.randn(520, 64, generator=torch.Generator().manual_seed(k))
+with torch.no_grad():
+    for k in range(runs):
+        store.record(model, x(sum(map(ord, who)) * 100 + k), name=f"{who}-{k}")
+    if victim:  # after its runs: a run it is killed in the middle of
+        with store.recording(f"{who}-killed", model) as rec:
+            rec.record(model, x(1))
+            print("ready", flush=True)
+            time.sleep(600)
+print("done", flush=True)
+"""
+
+#: The loop of a reader process, after its header bound ``store`` and ``stop``: it
+#: queries until ``stop`` exists, checking that no run is partial (``OPS_PER_RUN``: the
+#: ops a complete run holds, an expression) and the killed one is never visible.
+_READER_LOOP = """
+queries = errors = 0
+while not os.path.exists(stop):
+    try:
+        counts = store.query("select run, count(*) as n from ops group by run").df()
+        for run, n in zip(counts["run"], counts["n"]):
+            assert n == OPS_PER_RUN, f"run {run} has {n} ops: partial"
+            assert not run.endswith("-killed"), "the killed run is visible"
+        if len(counts):
+            run = counts["run"].iloc[-1]
+            store.query("select out from ops where run = :r", r=run).tensors()
+        queries += 1
+    except Exception as exc:
+        errors += 1
+        print("error", repr(exc), flush=True)
+print("reader", queries, errors, flush=True)
+"""
+
+
+def reader_loop(ops_per_run: str) -> str:
+    """:data:`_READER_LOOP` checking that each run holds ``ops_per_run`` ops."""
+    return _READER_LOOP.replace("OPS_PER_RUN", ops_per_run)

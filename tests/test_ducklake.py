@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 from hook_capture import assert_bitwise
 from servers import (
+    WRITER_LOOP,
     kill_one_writer,
     make_bucket,
     moto_server,
     new_database,
     postgres_server,
+    reader_loop,
     s3_options,
 )
 
@@ -250,7 +252,8 @@ with torch.no_grad(), store.recording("victim", model) as rec:
     assert store.runs(all=True)["status"].tolist() == []
 
 
-WRITER = """
+WRITER = (
+    """
 import json, sys, time, torch, tracelake as tl
 url, catalog, options, who = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 runs, victim = int(sys.argv[5]), sys.argv[6] == "1"
@@ -259,39 +262,15 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.Tanh())
 store = tl.open(url, catalog=catalog, storage_options=options, create=False)
-def x(k):
-    return torch.randn(520, 64, generator=torch.Generator().manual_seed(k))
-with torch.no_grad():
-    for k in range(runs):
-        store.record(model, x(sum(map(ord, who)) * 100 + k), name=f"{who}-{k}")
-    if victim:  # after its runs: a run it is killed in the middle of
-        with store.recording(f"{who}-killed", model) as rec:
-            rec.record(model, x(1))
-            print("ready", flush=True)
-            time.sleep(600)
-print("done", flush=True)
 """
+    + WRITER_LOOP
+)
 
 READER = """
 import json, os, sys, tracelake as tl
 url, catalog, options, stop = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 store = tl.open(url, catalog=catalog, storage_options=options, create=False)
-queries = errors = 0
-while not os.path.exists(stop):
-    try:
-        counts = store.query("select run, count(*) as n from ops group by run").df()
-        for run, n in zip(counts["run"], counts["n"]):
-            assert n == 4, f"run {run} has {n} ops: partial"  # input, linear, tanh, output
-            assert not run.endswith("-killed"), "the killed run is visible"
-        if len(counts):
-            run = counts["run"].iloc[-1]
-            store.query("select out from ops where run = :r", r=run).tensors()
-        queries += 1
-    except Exception as exc:
-        errors += 1
-        print("error", repr(exc), flush=True)
-print("reader", queries, errors, flush=True)
-"""
+""" + reader_loop("4")  # input, linear, tanh, output
 
 
 def check_writers(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 from hook_capture import assert_bitwise
-from servers import kill_one_writer, make_bucket, moto_server, s3_options
+from servers import WRITER_LOOP, kill_one_writer, make_bucket, moto_server, reader_loop, s3_options
 from test_storage import ByteStoreTests, _read, _tensors, _write_run
 
 import tracelake as tl
@@ -258,46 +258,23 @@ def test_open_errors(s3: str, tmp_path: Path) -> None:
         tl.open(f"s3://{BUCKET}/two", catalog=tmp_path / "c", storage_options=s3_options(s3))
 
 
-_WRITER = """
+_WRITER = (
+    """
 import json, sys, time, torch, tracelake as tl
 catalog, options, who = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 runs, victim = int(sys.argv[4]), sys.argv[5] == "1"
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 2100), torch.nn.Tanh())
 store = tl.open(catalog, create=False, storage_options=options)
-def x(k):
-    return torch.randn(520, 64, generator=torch.Generator().manual_seed(k))
-with torch.no_grad():
-    for k in range(runs):
-        store.record(model, x(sum(map(ord, who)) * 100 + k), name=f"{who}-{k}")
-    if victim:
-        with store.recording(f"{who}-killed", model) as rec:
-            rec.record(model, x(1))
-            print("ready", flush=True)
-            time.sleep(300)
-print("done", flush=True)
 """
+    + WRITER_LOOP
+)
 
 _READER = """
 import json, os, sys, tracelake as tl
 catalog, options, stop = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 store = tl.open(catalog, create=False, storage_options=options)
-queries = errors = 0
-while not os.path.exists(stop):
-    try:
-        counts = store.query("select run, count(*) as n from ops group by run").df()
-        for run, n in zip(counts["run"], counts["n"]):
-            assert n == counts["n"].iloc[0], f"run {run} has {n} ops: partial"
-            assert not run.endswith("-killed"), "the killed run is visible"
-        if len(counts):
-            run = counts["run"].iloc[-1]
-            store.query("select out from ops where run = :r", r=run).tensors()
-        queries += 1
-    except Exception as exc:
-        errors += 1
-        print("error", repr(exc), flush=True)
-print("reader", queries, errors, flush=True)
-"""
+""" + reader_loop('counts["n"].iloc[0]')
 
 
 def test_concurrent_writers_one_killed(s3: str, tmp_path: Path) -> None:
