@@ -732,12 +732,13 @@ class Recording:
             merged["tensors"] = merged["tensors"].filter(
                 pa.array([slot not in gone for slot in range(len(writer.slots))])
             )
-        with _os_errors(f"cannot remove the tensors of a failed step of {self.name!r}"):
-            # the arrays only dropped slots use: own ones, and packs none of whose tensors
-            # stays (a pack that keeps one keeps the others' bytes, unreferenced)
-            kept = {slot[0] for k, slot in enumerate(writer.slots) if k not in gone}
-            for array in sorted({writer.slots[k][0] for k in self._discarded} - kept):
-                writer.arrays.delete(array)
+        if self._discarded:
+            with _os_errors(f"cannot remove the tensors of a failed step of {self.name!r}"):
+                # the arrays only dropped slots use: own ones, and packs none of whose
+                # tensors stays (a pack that keeps one keeps the others' bytes, unreferenced)
+                kept = {slot[0] for k, slot in enumerate(writer.slots) if k not in gone}
+                for array in sorted({writer.slots[k][0] for k in self._discarded} - kept):
+                    writer.arrays.delete(array)
         summary = {
             "steps": len(self._steps),
             "op_count": merged["ops"].num_rows,
