@@ -28,6 +28,7 @@ from tracelake.errors import NestedTraceError
 
 from . import compiled, fastpath, sources
 from .compiled import _hot
+from .forks import fork_safe_lock
 from .names import (
     INPLACE_DUNDERS,
     OPERATOR_FUNCS,
@@ -146,7 +147,7 @@ class SourceFinder:
     _seen: ClassVar[dict[int, Any]] = {}
     #: ``codes`` and ``_seen`` change together under this lock (recordings in other
     #: threads may classify while one trims).
-    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _lock: ClassVar[threading.Lock] = fork_safe_lock()
     #: trim() sweeps once ``codes`` reaches this size, then sets it to twice what is left:
     #: the sweeps' cost stays proportional to the entries added.
     _sweep_at: ClassVar[int] = _SWEEP_MIN

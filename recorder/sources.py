@@ -23,11 +23,12 @@ from_numpy`` bound before it keeps torch's function.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch.overrides import handle_torch_function
+
+from .forks import fork_safe_lock
 
 __all__ = ["hold", "release"]
 
@@ -55,7 +56,7 @@ def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _TENSOR_NEW(cls, *args, **kwargs)
 
 
-_lock = threading.Lock()
+_lock = fork_safe_lock()
 _holders: set[int] = set()
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import collections
 import functools
 import sys
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+
+from .forks import fork_safe_lock
 
 __all__ = [
     "OPENABLE",
@@ -76,7 +77,7 @@ def _never_flattened(node: Any) -> Any:
     raise TypeError("tracelake's Opened node type has no instances")
 
 
-_REGISTER_LOCK = threading.Lock()
+_REGISTER_LOCK = fork_safe_lock()
 
 
 def _register_opened() -> None:

@@ -154,3 +154,62 @@ def test_the_forked_child_is_told_why_its_copy_of_the_run_ends(tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-3000:]
     assert "was forked into this process" in done.stdout
     assert "record in the child with a recording of its own" in done.stdout
+
+
+def test_a_fork_while_another_thread_holds_a_recorder_lock(tmp_path: Path) -> None:
+    # Another thread is inside the recorder's locked sections (installing the source
+    # replacements, classifying a code object) at the instant the forward forks: the
+    # child, which closes its copy of the recording and runs new code, must find the
+    # locks free rather than held for ever by a thread it does not have.
+    where = tmp_path / "store.tl"
+    out = _run(
+        f"""
+        import threading, time
+        from tracelake.recorder import intercept, sources, trees
+
+        def hold(entered):
+            with sources._lock, intercept.SourceFinder._lock, trees._REGISTER_LOCK:
+                entered.set()
+                time.sleep(0.5)
+
+        class Forks(torch.nn.Module):
+            def forward(self, x):
+                entered = threading.Event()
+                threading.Thread(target=hold, args=(entered,)).start()
+                entered.wait()
+                self.pid = os.fork()
+                return (x + 1).relu()
+
+        store = tl.open({str(where)!r}, create=True)
+        model = Forks()
+        try:
+            store.record(model, torch.randn(4), name="f")
+            outcome = "recorded"
+        except tl.StoreError:
+            outcome = "refused"
+        said = {str(tmp_path / "child.json")!r}
+        if model.pid == 0:  # the child records a trace of its own
+            labels = tl.trace(torch.nn.Sequential(torch.nn.ReLU()), torch.randn(2)).labels
+            with open(said, "w") as file:
+                json.dump({{"child": outcome, "labels": labels}}, file)
+            os._exit(0)
+        for _ in range(600):  # a child that hangs is killed and reported, not waited for
+            done, status = os.waitpid(model.pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(model.pid, 9)
+            os.waitpid(model.pid, 0)
+            status = "hung"
+        child = json.load(open(said)) if os.path.exists(said) else {{}}
+        print(json.dumps({{"parent": outcome, "status": status, **child}}))
+        """,
+        timeout=120,
+    )
+    assert out == {
+        "parent": "recorded",
+        "status": 0,
+        "child": "refused",
+        "labels": ["input_1", "relu_1_1", "output_1"],
+    }
