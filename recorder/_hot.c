@@ -128,6 +128,7 @@ typedef struct {
     PyObject *tensor_type;
     PyObject *row_defaults; /* record.ROW_DEFAULTS: a value for every row field */
     PyObject *value_types;  /* argkeys.VALUE_TYPES: non-tensor arguments kept as they are */
+    PyObject *empty_list;   /* argkeys.EMPTY_LIST: what a row keeps for an empty list */
     /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
      * exactly that type (they are data descriptors: nothing on the instance hides them) */
     PyObject *get_shape, *get_dtype, *get_device, *get_is_cpu;
@@ -149,7 +150,8 @@ typedef struct {
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(row_defaults) X(value_types) X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
+            X(row_defaults) X(value_types) X(empty_list) \
+                X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
 
 /* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
 #define EACH_REF(X)                                                                        \
@@ -193,7 +195,8 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5]) ||
         !PyDict_Check(v[6]) || !PyDict_Check(v[7]) || !PyDict_Check(v[8]) ||
         !PyType_Check(v[14]) || !PyTuple_CheckExact(v[15]) ||
-        PyTuple_GET_SIZE(v[15]) != ROW_WIDTH || !PyTuple_CheckExact(v[16])) {
+        PyTuple_GET_SIZE(v[15]) != ROW_WIDTH || !PyTuple_CheckExact(v[16]) ||
+        PyTuple_GET_SIZE(v[16]) != 2 || !PyTuple_CheckExact(PyTuple_GET_ITEM(v[16], 0))) {
         PyErr_SetString(PyExc_TypeError, "Fused.bind: wrong container types");
         return NULL;
     }
@@ -210,15 +213,19 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         }
     }
     Fused_clear(self);
-    PyObject **slots[17] = {&self->state, &self->funcs, &self->producers, &self->refs,
+    PyObject **slots[16] = {&self->state, &self->funcs, &self->producers, &self->refs,
                             &self->params, &self->rows, &self->shapes, &self->counts,
                             &self->codes, &self->classify, &self->emit, &self->slow,
                             &self->record, &self->on_error, &self->tensor_type,
-                            &self->row_defaults, &self->value_types};
-    for (int k = 0; k < 17; k++) {
+                            &self->row_defaults};
+    for (int k = 0; k < 16; k++) {
         Py_INCREF(v[k]);
         *slots[k] = v[k];
     }
+    self->value_types = PyTuple_GET_ITEM(v[16], 0); /* argkeys.KEPT */
+    self->empty_list = PyTuple_GET_ITEM(v[16], 1);
+    Py_INCREF(self->value_types);
+    Py_INCREF(self->empty_list);
     self->get_shape = getters[0];
     self->get_dtype = getters[1];
     self->get_device = getters[2];
@@ -385,7 +392,7 @@ static int keep_value(Scan *s, PyObject *value, PyObject *where) {
 }
 
 /* Whether ``value``'s class is one of argkeys.VALUE_TYPES (kept as it is, as Python's
- * argkeys.capture keeps it). */
+ * argkeys.capture keeps it; an empty list is kept as argkeys.EMPTY_LIST). */
 static int value_type(Fused *self, PyObject *value) {
     PyObject *types = self->value_types;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
@@ -400,6 +407,8 @@ static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
         return keep_value(s, value, where);
     if (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 0)
         return keep_value(s, value, where);
+    if (PyList_CheckExact(value) && PyList_GET_SIZE(value) == 0)
+        return keep_value(s, self->empty_list, where);
     if (PyList_CheckExact(value) || PyTuple_CheckExact(value))
         return 0; /* tensors inside lists, a list Python keeps by its tokens: Python */
     if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type))

@@ -27,7 +27,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["VALUE_TYPES", "Opaque", "all_tensors", "capture", "hash_tokens", "signature"]
+__all__ = [
+    "EMPTY_LIST",
+    "KEPT",
+    "SEP",
+    "VALUE_TYPES",
+    "Opaque",
+    "all_tensors",
+    "capture",
+    "hash_tokens",
+    "signature",
+]
 
 #: Types kept in a row as they are (exactly these classes; the compiled path keeps them
 #: too): small values whose ``str`` and ``repr`` are their content.
@@ -54,21 +64,38 @@ _SIGNATURE_TORCH = {
 }
 #: Tokens longer than this are kept as their digest (a long list argument).
 _LONG = 4096
+#: Joins tokens (a character no argument's ``str`` is expected to hold).
+SEP = "\x1f"
+
+
+def _extend(tokens: list[str], prefix: str, joined: str) -> None:
+    """An :class:`Opaque`'s tokens under the argument's prefix: TorchLens's tokens (an
+    empty container has none)."""
+    if joined:
+        tokens.extend(prefix + token for token in joined.split(SEP))
 
 
 @dataclass(frozen=True, slots=True)
 class Opaque:
-    """An argument kept by its tokens: ``text`` follows the argument's ``pos{i}`` /
-    ``kw_{key}`` prefix in the hash (a container's tokens joined), ``sig`` follows its
-    ``prefix=`` in the signature (``None``: not a non-tensor argument to TorchLens,
-    such as a list holding tensors)."""
+    """An argument kept by its tokens, made with an empty prefix and joined by
+    :data:`SEP`: ``text`` its hash tokens (a digest for a long one), ``sig`` its
+    signature tokens (``None``: not a non-tensor argument to TorchLens, such as a list
+    holding tensors). Under the argument's ``pos{i}`` / ``kw_{key}`` prefix they are
+    TorchLens's tokens."""
 
     text: str
     sig: str | None
 
 
+#: What a row keeps for an empty list argument (``torch.tensor([])``), one object.
+EMPTY_LIST = Opaque("", "=list[0]")
+#: What the compiled path keeps as Python keeps it: these types, and empty lists as this.
+KEPT = (VALUE_TYPES, EMPTY_LIST)
+
+
 def _joined(tokens: list[str]) -> str:
-    text = "\x1f".join(tokens)
+    """Tokens made with the prefix ``""``, as one string (:func:`_extend` splits it)."""
+    text = SEP.join(tokens)
     if len(text) > _LONG:
         return "_sha" + hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()
     return text
@@ -78,6 +105,8 @@ def capture(value: Any) -> Any:
     """A non-tensor argument as a row keeps it (see the module docstring)."""
     if value.__class__ in _PLAIN or (value.__class__ is tuple and not value):  # (as in C)
         return value
+    if value.__class__ is list and not value:
+        return EMPTY_LIST
     tokens: list[str] = []
     _hash(value, "", tokens)
     sig: str | None = None
@@ -123,7 +152,7 @@ def _hash(arg: Any, prefix: str, tokens: list[str], depth: int = 0) -> None:
     if depth > 10:
         tokens.append(f"{prefix}_deep")
     elif isinstance(arg, Opaque):
-        tokens.append(prefix + arg.text)
+        _extend(tokens, prefix, arg.text)
     elif isinstance(arg, torch.nn.Parameter):
         pass  # TorchLens leaves parameters out (they key the op by themselves)
     elif isinstance(arg, torch.Tensor):
@@ -181,7 +210,7 @@ def signature(values: tuple | None) -> str:
             kwargs.append((where, value))
     for key, value in sorted(kwargs, key=lambda item: str(item[0])):
         _sign(value, f"kw_{key}", tokens)
-    return "|".join(tokens) if tokens else "no_args"
+    return SEP.join(tokens) if tokens else "no_args"
 
 
 def _sign(arg: Any, prefix: str, tokens: list[str], depth: int = 0) -> None:
@@ -189,7 +218,7 @@ def _sign(arg: Any, prefix: str, tokens: list[str], depth: int = 0) -> None:
         tokens.append(f"{prefix}=deep")
         return
     if isinstance(arg, Opaque):
-        tokens.append(f"{prefix}={arg.sig}")
+        _extend(tokens, prefix, arg.sig or "")
         return
     if isinstance(arg, _SIGNATURE_VALUES):
         tokens.append(f"{prefix}={type(arg).__name__}:{arg!r}")

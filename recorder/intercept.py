@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 from tracelake.errors import NestedTraceError
 
 from . import compiled, fastpath, sources
-from .argkeys import VALUE_TYPES
+from .argkeys import KEPT
 from .compiled import _hot
 from .names import (
     INPLACE_DUNDERS,
@@ -543,7 +543,7 @@ if _hot is not None:
                 self._on_error,
                 _Tensor,
                 ROW_DEFAULTS,
-                VALUE_TYPES,
+                KEPT,
             )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._recurrence import RecurrenceGroupingGraph, RecurrenceNode, group_recurrent_nodes
-from .argkeys import hash_tokens, signature
+from .argkeys import SEP, hash_tokens, signature
 from .names import INPLACE_DUNDERS, spelling
 from .record import position
 
@@ -75,7 +75,7 @@ def _keys(rows: list[tuple], index: int, raw: list[str]) -> tuple[str, str]:
         values = row[_ARG_VALUES]
         if values:
             tokens += hash_tokens(values)
-        base = f"{layer_type}_{chr(31).join(tokens) or 'no_args'}{slot}"
+        base = f"{layer_type}_{SEP.join(tokens) or 'no_args'}{slot}"
         if modules:
             base += f"_module{modules[-1][0]}"
     return base, base + "_".join(path for path, _ in modules)
