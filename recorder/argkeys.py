@@ -12,9 +12,10 @@ with different ones (``postprocess/loop_detection._structural_arg_signature``:
 The recorder keeps each call's non-tensor arguments in its row (the op record's
 ``arg_values``: ``(position or keyword, value, ...)`` in call order, ``None`` for a
 call of tensors only), as :func:`capture` makes them: plain values (numbers, strings,
-``None``) and torch's small value types (:data:`VALUE_TYPES`) as they are, anything
-else (a list, an object) as an :class:`Opaque` holding its tokens, computed at the
-call: a row never holds a tensor or a user's object. :func:`hash_tokens` and
+``None``) and torch's small value types (:data:`VALUE_TYPES`) as they are, a tuple or
+list of only those as a tuple, anything else (a nested list, an object) as an
+:class:`Opaque` holding its tokens, computed at the call: a row never holds a tensor or
+a user's object. :func:`hash_tokens` and
 :func:`signature` turn a row's values into TorchLens's tokens once the forward is over
 (:mod:`.loops`); tensors' own tokens come from the op's parents there.
 """
@@ -93,6 +94,13 @@ EMPTY_LIST = Opaque("", "=list[0]")
 KEPT = (VALUE_TYPES, EMPTY_LIST)
 
 
+class _List(tuple):
+    """A list argument of plain values, kept as an immutable tuple (TorchLens's
+    signature spells it a list)."""
+
+    __slots__ = ()
+
+
 def _joined(tokens: list[str]) -> str:
     """Tokens made with the prefix ``""``, as one string (:func:`_extend` splits it)."""
     text = SEP.join(tokens)
@@ -103,10 +111,14 @@ def _joined(tokens: list[str]) -> str:
 
 def capture(value: Any) -> Any:
     """A non-tensor argument as a row keeps it (see the module docstring)."""
-    if value.__class__ in _PLAIN or (value.__class__ is tuple and not value):  # (as in C)
+    cls = value.__class__
+    if cls in _PLAIN:
         return value
-    if value.__class__ is list and not value:
-        return EMPTY_LIST
+    if (cls is tuple or cls is list) and all(item.__class__ in _PLAIN for item in value):
+        # (the common x.view((b, -1))): kept, its tokens spelled after the forward
+        if cls is tuple:
+            return value
+        return _List(value) if value else EMPTY_LIST  # (as the compiled path keeps [])
     tokens: list[str] = []
     _hash(value, "", tokens)
     sig: str | None = None
@@ -232,7 +244,8 @@ def _sign(arg: Any, prefix: str, tokens: list[str], depth: int = 0) -> None:
         items: Any = arg
         if isinstance(arg, (set, frozenset)):
             items = sorted(arg, key=lambda item: _element_key(item, depth + 1))
-        tokens.append(f"{prefix}={type(arg).__name__}[{len(arg)}]")
+        name = "list" if arg.__class__ is _List else type(arg).__name__
+        tokens.append(f"{prefix}={name}[{len(arg)}]")
         for i, item in enumerate(items):
             _sign(item, f"{prefix}.{i}", tokens, depth + 1)
         return
