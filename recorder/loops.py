@@ -125,6 +125,8 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
         keys.append((base, full))
         members.setdefault(base, []).append(index)
     signatures, split = _signatures(rows, keys)
+    # a class's members sharing a key, one tuple per (class, key): a loop's ops share it
+    equivalents: dict[tuple[str, str], tuple[str, ...]] = {}
     nodes: dict[str, RecurrenceNode] = {}
     sources: list[str] = []
     for index, row in enumerate(rows):
@@ -137,11 +139,16 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
         modules = row[_MODULES]
         base, full = keys[index]
         key = split.get(index, full)
+        equivalent = equivalents.get((base, key))
+        if equivalent is None:
+            equivalent = equivalents[base, key] = tuple(
+                raw[m] for m in members[base] if split.get(m, full) == key
+            )
         nodes[label] = RecurrenceNode(
             label=label,
             raw_order=index + 1,
             equivalence_key=key,
-            equivalent_labels=tuple(raw[m] for m in members[base] if split.get(m, full) == key),
+            equivalent_labels=equivalent,
             data_parents=parents,
             data_children=tuple(children[index]),
             layer_label=label,
