@@ -4,8 +4,9 @@
  * call only: ``intercept._Mode.__torch_function__`` (name the function, call it) and
  * ``labels.Labeller.on_call`` (parents, source site, shape, layer numbers, one row).
  * The common call is: a function already named, that writes nothing in place, whose
- * arguments are tensors and scalars (no tensors inside lists), outside any repeated
- * module call, returning one tensor. Every other call goes to the Python code, which
+ * arguments are tensors, scalars and torch's small values (argkeys.VALUE_TYPES; no
+ * lists), outside any repeated module call, returning one tensor. Its non-tensor
+ * arguments go into the row as they are (``arg_values``, TorchLens's loop keys). Every other call goes to the Python code, which
  * stays the reference: tests/test_compiled.py checks that both give the same tables.
  *
  * Rows are built exactly as ``Labeller.on_call`` builds them, field by field by name
@@ -126,6 +127,8 @@ typedef struct {
     PyObject *on_error;  /* (what, exception) */
     PyObject *tensor_type;
     PyObject *row_defaults; /* record.ROW_DEFAULTS: a value for every row field */
+    PyObject *value_types;  /* argkeys.VALUE_TYPES: non-tensor arguments kept as they are */
+    PyObject *empty_list;   /* argkeys.EMPTY_LIST: what a row keeps for an empty list */
     /* torch.Tensor's own shape, dtype and device getters, called directly on tensors of
      * exactly that type (they are data descriptors: nothing on the instance hides them) */
     PyObject *get_shape, *get_dtype, *get_device, *get_is_cpu;
@@ -147,7 +150,8 @@ typedef struct {
 #define FIELDS(X)                                                                        \
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
-            X(row_defaults) X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
+            X(row_defaults) X(value_types) X(empty_list) \
+                X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
 
 /* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
 #define EACH_REF(X)                                                                        \
@@ -182,16 +186,17 @@ static void Fused_dealloc(Fused *self) {
 }
 
 static PyObject *Fused_bind(Fused *self, PyObject *args) {
-    PyObject *v[16];
-    if (!PyArg_UnpackTuple(args, "bind", 16, 16, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+    PyObject *v[17];
+    if (!PyArg_UnpackTuple(args, "bind", 17, 17, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
                            &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
-                           &v[14], &v[15]))
+                           &v[14], &v[15], &v[16]))
         return NULL;
     if (!PyList_CheckExact(v[0]) || PyList_GET_SIZE(v[0]) != 3 || !PyDict_Check(v[1]) || !PyDict_Check(v[2]) ||
         !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5]) ||
         !PyDict_Check(v[6]) || !PyDict_Check(v[7]) || !PyDict_Check(v[8]) ||
         !PyType_Check(v[14]) || !PyTuple_CheckExact(v[15]) ||
-        PyTuple_GET_SIZE(v[15]) != ROW_WIDTH) {
+        PyTuple_GET_SIZE(v[15]) != ROW_WIDTH || !PyTuple_CheckExact(v[16]) ||
+        PyTuple_GET_SIZE(v[16]) != 2 || !PyTuple_CheckExact(PyTuple_GET_ITEM(v[16], 0))) {
         PyErr_SetString(PyExc_TypeError, "Fused.bind: wrong container types");
         return NULL;
     }
@@ -217,6 +222,10 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         Py_INCREF(v[k]);
         *slots[k] = v[k];
     }
+    self->value_types = PyTuple_GET_ITEM(v[16], 0); /* argkeys.KEPT */
+    self->empty_list = PyTuple_GET_ITEM(v[16], 1);
+    Py_INCREF(self->value_types);
+    Py_INCREF(self->empty_list);
     self->get_shape = getters[0];
     self->get_dtype = getters[1];
     self->get_device = getters[2];
@@ -341,7 +350,8 @@ typedef struct {
     PyObject *parents[MAX_ITEMS]; /* owned row indices */
     PyObject *where[MAX_ITEMS];   /* owned positions (ints) or keyword names */
     PyObject *params[MAX_ITEMS];  /* owned parameter names */
-    Py_ssize_t n_parents, n_params;
+    PyObject *values[2 * MAX_ITEMS]; /* owned (position or keyword, value) pairs, flat */
+    Py_ssize_t n_parents, n_params, n_values;
     Py_ssize_t single_pos;        /* the one parent's position, if positional, else -1 */
 } Scan;
 
@@ -351,7 +361,8 @@ static void scan_free(Scan *s) {
         Py_DECREF(s->where[k]);
     }
     for (Py_ssize_t k = 0; k < s->n_params; k++) Py_DECREF(s->params[k]);
-    s->n_parents = s->n_params = 0;
+    for (Py_ssize_t k = 0; k < s->n_values; k++) Py_DECREF(s->values[k]);
+    s->n_parents = s->n_params = s->n_values = 0;
 }
 
 /* Whether weak reference ``ref`` still points at ``value`` (an object alive here). */
@@ -369,14 +380,39 @@ static int referent_is(PyObject *ref, PyObject *value) {
 #endif
 }
 
+/* A non-tensor argument, kept with its position or keyword for the row's arg_values
+ * (recorder/argkeys.py). 1: kept, 0: too many (the Python path). */
+static int keep_value(Scan *s, PyObject *value, PyObject *where) {
+    if (s->n_values >= 2 * MAX_ITEMS) return 0;
+    Py_INCREF(where);
+    Py_INCREF(value);
+    s->values[s->n_values++] = where;
+    s->values[s->n_values++] = value;
+    return 1;
+}
+
+/* Whether ``value``'s class is one of argkeys.VALUE_TYPES (kept as it is, as Python's
+ * argkeys.capture keeps it; an empty list is kept as argkeys.EMPTY_LIST). */
+static int value_type(Fused *self, PyObject *value) {
+    PyObject *types = self->value_types;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
+        if ((PyObject *)Py_TYPE(value) == PyTuple_GET_ITEM(types, k)) return 1;
+    return 0;
+}
+
 /* One argument. 1: scanned, 0: the call needs the Python path, -1: error. */
 static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
     if (value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
         PyBool_Check(value) || PyUnicode_CheckExact(value))
-        return 1;
+        return keep_value(s, value, where);
+    if (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 0)
+        return keep_value(s, value, where);
+    if (PyList_CheckExact(value) && PyList_GET_SIZE(value) == 0)
+        return keep_value(s, self->empty_list, where);
     if (PyList_CheckExact(value) || PyTuple_CheckExact(value))
-        return Py_SIZE(value) == 0; /* tensors inside lists: the Python path */
-    if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type)) return 1;
+        return 0; /* tensors inside lists, a list Python keeps by its tokens: Python */
+    if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type))
+        return value_type(self, value) ? keep_value(s, value, where) : 0;
     if (s->n_parents >= MAX_ITEMS || s->n_params >= MAX_ITEMS) return 0;
     PyObject *key = id_key(value);
     if (!key) return -1;
@@ -418,7 +454,7 @@ fail:
 
 /* All arguments; same results as Labeller.on_call's loop and _scan_more. */
 static int scan(Fused *self, Scan *s, PyObject *args, PyObject *kwargs) {
-    s->n_parents = s->n_params = 0;
+    s->n_parents = s->n_params = s->n_values = 0;
     s->single_pos = -1;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     for (Py_ssize_t pos = 0; pos < n; pos++) {
@@ -458,6 +494,51 @@ static PyObject *tuple_of(PyObject **items, Py_ssize_t n) {
         plain &= !PyObject_IS_GC(items[k]);
     }
     if (n && plain) PyObject_GC_UnTrack(t);
+    return t;
+}
+
+/* A row's arg_values of up to VALUE_KEY items: one tuple per distinct set of argument
+ * objects met lately (direct-mapped, strong references), so that a loop's ``x * 0.5``
+ * rows share one tuple, made once, and a graph recorded again holds the very tuples the
+ * earlier rows held (identity checks in same_rows). */
+#define VALUE_SLOTS 64
+#define VALUE_KEY 4
+static struct {
+    Py_ssize_t n;
+    PyObject *items[VALUE_KEY];
+    PyObject *tuple;
+} value_cache[VALUE_SLOTS];
+
+/* The row's arg_values: None when the call had only tensor arguments. New reference. */
+static PyObject *values_of(Scan *s) {
+    Py_ssize_t n = s->n_values;
+    if (n == 0) {
+        Py_INCREF(Py_None);
+        return Py_None;
+    }
+    if (n > VALUE_KEY) return tuple_of(s->values, n);
+    uintptr_t h = 0;
+    for (Py_ssize_t k = 0; k < n; k++) h = h * 31 + ((uintptr_t)s->values[k] >> 4);
+    size_t slot = h % VALUE_SLOTS;
+    if (value_cache[slot].tuple && value_cache[slot].n == n) {
+        Py_ssize_t k = 0;
+        while (k < n && value_cache[slot].items[k] == s->values[k]) k++;
+        if (k == n) {
+            Py_INCREF(value_cache[slot].tuple);
+            return value_cache[slot].tuple;
+        }
+    }
+    PyObject *t = tuple_of(s->values, n);
+    if (!t) return NULL;
+    Py_CLEAR(value_cache[slot].tuple);
+    for (Py_ssize_t k = 0; k < value_cache[slot].n; k++) Py_CLEAR(value_cache[slot].items[k]);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_INCREF(s->values[k]);
+        value_cache[slot].items[k] = s->values[k];
+    }
+    value_cache[slot].n = n;
+    Py_INCREF(t);
+    value_cache[slot].tuple = t;
     return t;
 }
 
@@ -560,7 +641,7 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     int ok = -1;
     PyObject *site = NULL, *size = NULL, *shape = NULL, *dtype = NULL, *device = NULL,
              *parents = NULL, *where = NULL, *params = NULL, *index = NULL, *n_func = NULL,
-             *n_layer = NULL, *row = NULL, *key = NULL, *ref = NULL;
+             *n_layer = NULL, *row = NULL, *key = NULL, *ref = NULL, *values = NULL;
     site = find_site(self);
     if (!site) goto done;
     size = tensor_attr(self, out, self->get_shape, str_shape);
@@ -608,6 +689,8 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     if (!where) goto done;
     params = tuple_of(s->params, s->n_params);
     if (!params) goto done;
+    values = values_of(s);
+    if (!values) goto done;
     index = shared_int(PyList_GET_SIZE(self->rows));
     if (!index) goto done;
     PyObject *count = PyDict_GetItemWithError(self->counts, name);
@@ -625,6 +708,7 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     SET(PARENTS, parents);
     SET(PARENT_ARGS, where);
     SET(SITE, site);
+    SET(ARG_VALUES, values);
     SET(SHAPE, shape);
     SET(DTYPE, dtype);
     SET(DEVICE, device);
@@ -668,6 +752,7 @@ done:
     Py_XDECREF(parents);
     Py_XDECREF(where);
     Py_XDECREF(params);
+    Py_XDECREF(values);
     Py_XDECREF(index);
     Py_XDECREF(n_func);
     Py_XDECREF(n_layer);

@@ -2,7 +2,7 @@
  * The recorder's row tuple, field by field (see record.OPS). */
 #ifndef TRACELAKE_RECORD_H
 #define TRACELAKE_RECORD_H
-#define ROW_WIDTH 18
+#define ROW_WIDTH 19
 #define ROW_PASS 0
 #define ROW_FUNC 1
 #define ROW_KIND 2
@@ -21,5 +21,6 @@
 #define ROW_PARENTS 15
 #define ROW_PARENT_ARGS 16
 #define ROW_SITE 17
-#define ROW_FIELD_NAMES "pass,func,kind,modules,shape,dtype,device,out_index,inplace,params,layer_idx,n_func,n_layer,intervened,rule,parents,parent_args,site"
+#define ROW_ARG_VALUES 18
+#define ROW_FIELD_NAMES "pass,func,kind,modules,shape,dtype,device,out_index,inplace,params,layer_idx,n_func,n_layer,intervened,rule,parents,parent_args,site,arg_values"
 #endif

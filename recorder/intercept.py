@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from tracelake.errors import NestedTraceError
 
 from . import compiled, fastpath, sources
+from .argkeys import KEPT
 from .compiled import _hot
 from .forks import fork_safe_lock
 from .names import (
@@ -543,6 +544,7 @@ if _hot is not None:
                 self._on_error,
                 _Tensor,
                 ROW_DEFAULTS,
+                KEPT,
             )
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .argkeys import all_tensors, capture
 from .arguments import ArgsRecorder
 from .eager import module_path, named_modules
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
@@ -260,6 +261,7 @@ class Labeller:
         parents: tuple[int, ...] = ()
         where: tuple[Any, ...] = ()
         params = _NO_PARAMS
+        values: tuple[Any, ...] = ()  # the non-tensor arguments (argkeys.py)
         pos = -1
         for value in args:
             pos += 1
@@ -268,7 +270,7 @@ class Labeller:
                 parents += (index,)
                 where = (*where, pos) if where or pos >= _N_SINGLE else _SINGLE[pos]
             elif value.__class__ in _SCALARS:
-                continue
+                values += (pos, value)
             elif isinstance(value, _Tensor):
                 known = self._params.get(id(value))
                 if known is None:
@@ -285,8 +287,17 @@ class Labeller:
                     where = (*where, pos)
             elif (value.__class__ is list or value.__class__ is tuple) and value:
                 parents, where, params = self._scan_more(((pos, value),), parents, where, params)
+                if not all_tensors(value):
+                    values += (pos, capture(value))
+            else:
+                values += (pos, capture(value))
         if kwargs:
             parents, where, params = self._scan_more(kwargs.items(), parents, where, params)
+            for key, value in kwargs.items():
+                if not isinstance(value, _Tensor) and not (
+                    (value.__class__ is list or value.__class__ is tuple) and all_tensors(value)
+                ):
+                    values += (key, capture(value))
             if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) runs relu_
                 name += "_"
 
@@ -344,6 +355,7 @@ class Labeller:
                     parents=parents,
                     parent_args=where,
                     site=site,
+                    arg_values=values or None,
                     shape=shape,
                     dtype=tensor.dtype,
                     device=tensor.device,

@@ -12,8 +12,10 @@ the rows and reads back each op's layer (the row index of its first pass) and pa
 Each op is described as TorchLens describes it when it records the call: its function
 in TorchLens's spelling, the parameters it used, its output slot, the module addresses
 it ran in, and for parameter-free ops the positions and shapes of its tensor arguments
-(TorchLens also hashes non-tensor arguments, which a recording does not keep: ops that
-differ only there are told apart by TorchLens and not here; see docs/architecture.md).
+and its non-tensor arguments (``x * 1`` and ``x * 2`` are different ops to TorchLens);
+ops with parameters called with different non-tensor arguments (``padding=0`` and
+``padding=1``) are split by those too, as TorchLens splits them
+(:mod:`.argkeys` keeps the arguments and spells them as TorchLens does).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._recurrence import RecurrenceGroupingGraph, RecurrenceNode, group_recurrent_nodes
+from .argkeys import SEP, hash_tokens, signature
 from .names import INPLACE_DUNDERS, spelling
 from .record import position
 
@@ -35,6 +38,7 @@ _SHAPE = position("shape")
 _OUT_INDEX = position("out_index")
 _INPLACE = position("inplace")
 _PARAMS = position("params")
+_ARG_VALUES = position("arg_values")
 
 
 def _multi_output(rows: list[tuple], index: int) -> bool:
@@ -64,14 +68,37 @@ def _keys(rows: list[tuple], index: int, raw: list[str]) -> tuple[str, str]:
     else:
         if row[_INPLACE] and (func[-1] == "_" or func in INPLACE_DUNDERS):
             layer_type += "_inplace"
-        tensors = "_".join(
+        tokens = [
             f"pos{where}_tensor{rows[parent][_SHAPE]}"
             for parent, where in zip(row[_PARENTS], row[_PARENT_ARGS], strict=True)
-        )
-        base = f"{layer_type}_{tensors or 'no_args'}{slot}"
+        ]
+        values = row[_ARG_VALUES]
+        if values:
+            tokens += hash_tokens(values)
+        base = f"{layer_type}_{SEP.join(tokens) or 'no_args'}{slot}"
         if modules:
             base += f"_module{modules[-1][0]}"
     return base, base + "_".join(path for path, _ in modules)
+
+
+def _signatures(
+    rows: list[tuple], keys: list[tuple[str, str]]
+) -> tuple[dict[int, str], dict[int, str]]:
+    """The structural signature of each op with parameters, and the equivalence key of
+    those whose class holds calls of different signatures (TorchLens's
+    ``_differentiated_param_equivalence_classes``: the class's key + ``_argsig``)."""
+    signatures: dict[int, str] = {}
+    cohorts: dict[str, list[int]] = {}
+    for index, row in enumerate(rows):
+        if row[_KIND] == "op" and row[_PARAMS]:
+            signatures[index] = signature(row[_ARG_VALUES])
+            cohorts.setdefault(keys[index][1], []).append(index)
+    split: dict[int, str] = {}
+    for key, cohort in cohorts.items():
+        if len({signatures[index] for index in cohort}) > 1:
+            for index in cohort:
+                split[index] = f"{key}_argsig{signatures[index]}"
+    return signatures, split
 
 
 def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
@@ -89,14 +116,17 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
         for parent in dict.fromkeys(row[_PARENTS]):
             children[parent].append(raw[index])
     keys: list[tuple[str, str]] = []
-    members: dict[str, list[str]] = {}
+    members: dict[str, list[int]] = {}
     for index, row in enumerate(rows):
         if row[_KIND] == "op":
             base, full = _keys(rows, index, raw)
         else:  # each model input and output, each buffer entry is its own class
             base = full = f"{raw[index]}_{row[_KIND]}"
         keys.append((base, full))
-        members.setdefault(base, []).append(raw[index])
+        members.setdefault(base, []).append(index)
+    signatures, split = _signatures(rows, keys)
+    # a class's members sharing a key, one tuple per (class, key): a loop's ops share it
+    equivalents: dict[tuple[str, str], tuple[str, ...]] = {}
     nodes: dict[str, RecurrenceNode] = {}
     sources: list[str] = []
     for index, row in enumerate(rows):
@@ -107,11 +137,18 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
             sources.append(label)
         params: Any = tuple(row[_PARAMS])
         modules = row[_MODULES]
+        base, full = keys[index]
+        key = split.get(index, full)
+        equivalent = equivalents.get((base, key))
+        if equivalent is None:
+            equivalent = equivalents[base, key] = tuple(
+                raw[m] for m in members[base] if split.get(m, full) == key
+            )
         nodes[label] = RecurrenceNode(
             label=label,
             raw_order=index + 1,
-            equivalence_key=keys[index][1],
-            equivalent_labels=tuple(members[keys[index][0]]),
+            equivalence_key=key,
+            equivalent_labels=equivalent,
             data_parents=parents,
             data_children=tuple(children[index]),
             layer_label=label,
@@ -122,7 +159,7 @@ def group_layers(rows: list[tuple]) -> tuple[list[int], list[int]]:
             output_slot=row[_OUT_INDEX] if kind == "op" and _multi_output(rows, index) else None,
             recurrence_anchored=bool(modules) or kind == "buffer",
             module_site=tuple(path for path, _ in modules),
-            arg_signature="no_args" if params else None,
+            arg_signature=signatures.get(index),
         )
     graph = RecurrenceGroupingGraph(
         nodes=nodes,

@@ -246,10 +246,19 @@ OPS = Table(
         ),
         *_stat_fields(),
         # Kept by the recorder only: parents become the edges table, the call site the
-        # source_* columns.
+        # source_* columns; the non-tensor arguments only key loops.
         Field("parents", None, "rows of the entries this one consumed", row=True),
         Field("parent_args", None, "argument position of each parent", row=True),
         Field("site", None, "(code, bytecode offset) of the user's call", row=True),
+        Field(
+            "arg_values",
+            None,
+            "the call's non-tensor arguments, (position or keyword, value, ...) in call "
+            "order (None: it had none), for TorchLens's loop keys (recorder/argkeys.py)",
+            row=True,
+            default=None,
+            has_default=True,
+        ),
     ),
 )
 

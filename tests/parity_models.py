@@ -142,6 +142,44 @@ def _loop_scalar_args(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@functional("LoopKeywordArgs", (2, 4))
+def _loop_keyword_args(x: torch.Tensor) -> torch.Tensor:
+    for i in range(3):  # a keyword that differs per iteration: no loop for TorchLens
+        x = torch.clamp(x.sin(), min=-0.5 * i)
+    return x
+
+
+@functional("LoopSameScalarArgs", (2, 4))
+def _loop_same_scalar_args(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):  # the same float and keywords each time: one loop of passes
+        x = torch.clamp(x * 0.5, min=-1.0, max=1.0).cos()
+    return x
+
+
+@functional("LoopContainerArgs", (3, 3))
+def _loop_container_args(x: torch.Tensor) -> torch.Tensor:
+    for dims in ((1, 0), (0, 1), (1, 0)):  # a tuple argument, hashed item by item
+        x = x.permute(dims).sin()
+    for d in (0, 1):  # torch.cat([x, x], dim=d): a list of tensors and a keyword
+        x = torch.cat([x, x], dim=d).tanh()
+    return x.sum(dim=[0, 1], keepdim=True)
+
+
+@model((1, 2, 8, 8))
+class LoopParamArgs(nn.Module):
+    """One kernel called with padding 1 twice, then padding 2: TorchLens splits the
+    layer by the non-tensor arguments of the calls of one parameter set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for padding in (1, 1, 2):
+            x = F.conv2d(x, self.conv.weight, self.conv.bias, padding=padding).relu()
+        return x
+
+
 @functional("LoopSingleOp", (2, 4))
 def _loop_single(x: torch.Tensor) -> torch.Tensor:
     for _ in range(4):

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,25 @@ def _chain() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Chain(), (torch.randn(3, 3),)
 
 
-MODELS = {**BUILDERS, "mixed": _mixed, "chain": _chain}
+class Arguments(nn.Module):
+    """Non-tensor arguments of every kind the two paths keep (the rows' arg_values)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            x = (x * 0.5 + i).clamp(min=-1.0, max=float(i + 1))  # scalars, keywords
+        y = x.to(torch.float64).to(x.device).view(x.shape).view(-1, x.shape[-1])  # Size
+        y = y.permute(1, 0).permute([1, 0]).sum(dim=[0], keepdim=True)  # tuple, list
+        e = torch.tensor([], dtype=torch.float64)  # an empty list
+        z = torch.where(y > 0, y, 0.0)[..., :] + torch.cat([y, e.view(0, y.shape[1])])
+        return z.float() * np.float32(2.0)  # an object the compiled path hands over
+
+
+def _arguments() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Arguments(), (torch.randn(3, 4),)
+
+
+MODELS = {**BUILDERS, "mixed": _mixed, "chain": _chain, "arguments": _arguments}
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, enabled: bool, build, **options) -> tl.Trace:

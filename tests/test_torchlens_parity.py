@@ -26,19 +26,7 @@ torchlens = pytest.importorskip("torchlens", minversion="2.36.1")
 from torchlens.backends.torch.wrappers import unwrap_torch  # noqa: E402
 
 #: model name -> why its graph differs from TorchLens's.
-DIFFERENT: dict[str, str] = {
-    # TorchLens keys a parameter-free op by a hash of all its non-tensor arguments
-    # (positions, keywords, values: scalars included); a recording keeps none of them
-    # (the compiled path would hash every call's), so such ops can be passes here.
-    "SoftmaxFamily": (
-        "softmax over another dim: one layer with passes here, two layers in TorchLens "
-        "(it hashes non-tensor arguments)"
-    ),
-    "LoopScalarArgs": (
-        "x * (i + 1) in a loop: passes here, one layer per iteration in TorchLens "
-        "(it hashes non-tensor arguments, scalars included)"
-    ),
-}
+DIFFERENT: dict[str, str] = {}
 
 Graph = list[dict[str, Any]]
 
