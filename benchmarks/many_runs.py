@@ -2,7 +2,8 @@
 
 Run: ``python benchmarks/many_runs.py [--runs 1000] [--ops 1000] [--rounds 15]
 [--batch 50] [--dir DIR] [--skip-tiny] [--skip-growth]`` (``--runs 10000 --skip-tiny``
-for the issue's figure; the default is smaller, for a quick look).
+for the issue's figure; the default is smaller, for a quick look). ``--fill DIR --runs N``
+makes a store of N runs in minutes (copies of one run's catalog rows) for ``--against DIR``.
 
 * **Tiny runs** (``nn.Linear(8, 8)`` on a (2, 8) input, every tensor saved), on a warm
   store, in ``--rounds`` interleaved rounds: each round times three plain
@@ -23,6 +24,7 @@ for the issue's figure; the default is smaller, for a quick look).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -215,6 +217,40 @@ def interleaved(
     } | {"runs": {"big": float(len(stores["big"])), "small": float(len(stores["small"]))}}
 
 
+def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
+    """Make ``root`` a store of ``runs`` runs quickly, for ``--against``: one chain run
+    recorded in a batch (statistics, no tensors), its rows committed again as further
+    runs through ``CatalogWriter.commit_batch``, ``per_batch`` a transaction (each with an
+    empty run directory). The catalog is a real one (the writers' own inserts and
+    checkpoints), of copies. Returns the seconds it took."""
+    store = tl.open(root)
+    staged: list[catalog.StagedRun] = []
+    commit_batch = store._catalog.commit_batch
+
+    def keep(runs: list[catalog.StagedRun]) -> list[int]:
+        staged.extend(runs)
+        return commit_batch(runs)
+
+    store._catalog.commit_batch = keep  # type: ignore[method-assign]
+    try:
+        with torch.no_grad(), store.batch():
+            store.record(
+                Chain(ops), torch.randn(32, 32), name=f"fill-{os.getpid()}", **_options(False)
+            )
+    finally:
+        del store._catalog.commit_batch
+    start, have = time.perf_counter(), len(store)
+    while have < runs:
+        copies = []
+        for k in range(min(per_batch, runs - have)):
+            where = store.paths.staging()
+            where.mkdir()
+            copies.append(dataclasses.replace(staged[0], staged=where, name=f"fill{have + k:06d}"))
+        commit_batch(copies)
+        have += len(copies)
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1000)
@@ -236,10 +272,20 @@ def main(argv: list[str] | None = None) -> None:
         help="only this: --rounds runs into the existing store at AGAINST (an earlier "
         "growth store: DIR/growth) and into a new store, alternately",
     )
+    parser.add_argument(
+        "--fill",
+        default=None,
+        help="only this: make FILL a store of --runs runs quickly, for --against (copies "
+        "of one chain run's catalog rows, no tensors: a few minutes for 10,000)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     print(f"load {os.getloadavg()[0]:.2f} at the start")
+    if args.fill:
+        seconds = fill(Path(args.fill), args.runs, args.ops)
+        print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
+        return
     if args.against:
         r = interleaved(
             Path(args.against), base / "small", args.rounds, args.ops, not args.no_tensors

@@ -605,7 +605,13 @@ class CatalogWriter:
                 ],
             )
             values = cursor.fetchone()
-            info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
+            if values is None:  # (a catalog restored without the log that held it)
+                raise StoreError(
+                    f"run {name!r} (id {run_id}) is no longer registered in the catalog of "
+                    f"{str(self.paths.root)!r}, which was restored while it recorded; its "
+                    "data is not committed (gc() removes it): record it again"
+                )
+            info = dict(zip([d[0] for d in cursor.description], values, strict=True))
         return info
 
     def _freeing(self, change: Callable[[], _T]) -> _T:

@@ -15,7 +15,7 @@ checksum differs from the shadow's, then the headers last: the order DuckDB itse
 writes a checkpoint in, so a shadow cut short is still the older good state (its headers
 name only blocks it already had). So the bytes copied are the bytes a change changed;
 finding them reads each block's checksum (one ``pread`` a block: the writer remembers
-the shadow's, :class:`Heads`), which grows with the file (~1.5-3 us a block: ~5 ms at
+the shadow's, :class:`Heads`), which grows with the file (~1.5-3 us a block: ~3 ms at
 10 million ops, 1,760 blocks, on a loaded machine). A transaction that made no
 checkpoint (a run's registration, which stays in DuckDB's log) reads nothing.
 
