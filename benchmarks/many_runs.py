@@ -280,12 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     print(f"load {os.getloadavg()[0]:.2f} at the start")
     if args.fill:
         seconds = fill(Path(args.fill), args.runs, args.ops)
         print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
         return
+    base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     if args.against:
         r = interleaved(
             Path(args.against), base / "small", args.rounds, args.ops, not args.no_tensors
