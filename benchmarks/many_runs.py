@@ -2,7 +2,8 @@
 
 Run: ``python benchmarks/many_runs.py [--runs 1000] [--ops 1000] [--rounds 15]
 [--batch 50] [--dir DIR] [--skip-tiny] [--skip-growth]`` (``--runs 10000 --skip-tiny``
-for the issue's figure; the default is smaller, for a quick look).
+for the issue's figure; the default is smaller, for a quick look). ``--fill DIR --runs N``
+makes a store of N runs in minutes (copies of one run's catalog rows) for ``--against DIR``.
 
 * **Tiny runs** (``nn.Linear(8, 8)`` on a (2, 8) input, every tensor saved), on a warm
   store, in ``--rounds`` interleaved rounds: each round times three plain
@@ -23,6 +24,7 @@ for the issue's figure; the default is smaller, for a quick look).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -84,10 +86,20 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
 
 @contextmanager
 def _timed() -> Iterator[dict[str, list[float]]]:
-    """Times every ``CatalogWriter.commit`` (wall time, and the calling thread's CPU time:
-    DuckDB runs the writers' statements on it) and every ``_detach`` while the block runs."""
-    times: dict[str, list[float]] = {"commit": [], "commit_cpu": [], "detach": []}
-    commit, detach = catalog.CatalogWriter.commit, catalog._detach
+    """Times every ``CatalogWriter.commit`` and ``CatalogWriter.reserve`` (the run's
+    registration) (wall time, and the calling thread's CPU time: DuckDB runs the writers'
+    statements on it) and every ``_detach`` while the block runs."""
+    times: dict[str, list[float]] = {
+        "commit": [],
+        "commit_cpu": [],
+        "reserve_cpu": [],
+        "detach": [],
+    }
+    commit, reserve, detach = (
+        catalog.CatalogWriter.commit,
+        catalog.CatalogWriter.reserve,
+        catalog._detach,
+    )
 
     def timed_commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
         start, cpu = time.perf_counter(), time.thread_time()
@@ -97,6 +109,13 @@ def _timed() -> Iterator[dict[str, list[float]]]:
             times["commit"].append(time.perf_counter() - start)
             times["commit_cpu"].append(time.thread_time() - cpu)
 
+    def timed_reserve(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
+        cpu = time.thread_time()
+        try:
+            return reserve(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            times["reserve_cpu"].append(time.thread_time() - cpu)
+
     def timed_detach(*args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
         try:
@@ -105,11 +124,13 @@ def _timed() -> Iterator[dict[str, list[float]]]:
             times["detach"].append(time.perf_counter() - start)
 
     catalog.CatalogWriter.commit = timed_commit  # type: ignore[method-assign]
+    catalog.CatalogWriter.reserve = timed_reserve  # type: ignore[method-assign]
     catalog._detach = timed_detach
     try:
         yield times
     finally:
         catalog.CatalogWriter.commit = commit  # type: ignore[method-assign]
+        catalog.CatalogWriter.reserve = reserve  # type: ignore[method-assign]
         catalog._detach = detach
 
 
@@ -168,7 +189,8 @@ def interleaved(
     """``rounds`` runs into each of two stores, alternately (so the machine's load falls
     on both alike): ``big``, an existing store (the growth part's, 10,000 runs), and
     ``small``, a new one. Medians of ``store.record`` and of its catalog commit (wall
-    and CPU time)."""
+    and CPU time), and the CPU time of both its catalog transactions (registration and
+    commit: where a registration that checkpointed moved its work)."""
     model, options = Chain(ops), _options(tensors)
     stores = {"big": tl.open(big, create=False), "small": tl.open(small)}
     found: dict[str, dict[str, list[float]]] = {k: {} for k in stores}
@@ -186,10 +208,47 @@ def interleaved(
                 got.setdefault("record", []).append(wall)
                 got.setdefault("commit", []).append(times["commit"][before])
                 got.setdefault("commit_cpu", []).append(times["commit_cpu"][before])
+                got.setdefault("catalog_cpu", []).append(
+                    times["commit_cpu"][before] + times["reserve_cpu"][before]
+                )
     return {
         which: {k: statistics.median(v) * 1e3 for k, v in got.items()}
         for which, got in found.items()
     } | {"runs": {"big": float(len(stores["big"])), "small": float(len(stores["small"]))}}
+
+
+def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
+    """Make ``root`` a store of ``runs`` runs quickly, for ``--against``: one chain run
+    recorded in a batch (statistics, no tensors), its rows committed again as further
+    runs through ``CatalogWriter.commit_batch``, ``per_batch`` a transaction (each with an
+    empty run directory). The catalog is a real one (the writers' own inserts and
+    checkpoints), of copies. Returns the seconds it took."""
+    store = tl.open(root)
+    staged: list[catalog.StagedRun] = []
+    commit_batch = store._catalog.commit_batch
+
+    def keep(runs: list[catalog.StagedRun]) -> list[int]:
+        staged.extend(runs)
+        return commit_batch(runs)
+
+    store._catalog.commit_batch = keep  # type: ignore[method-assign]
+    try:
+        with torch.no_grad(), store.batch():
+            store.record(
+                Chain(ops), torch.randn(32, 32), name=f"fill-{os.getpid()}", **_options(False)
+            )
+    finally:
+        del store._catalog.commit_batch
+    start, have = time.perf_counter(), len(store)
+    while have < runs:
+        copies = []
+        for k in range(min(per_batch, runs - have)):
+            where = store.paths.staging()
+            where.mkdir()
+            copies.append(dataclasses.replace(staged[0], staged=where, name=f"fill{have + k:06d}"))
+        commit_batch(copies)
+        have += len(copies)
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,10 +272,20 @@ def main(argv: list[str] | None = None) -> None:
         help="only this: --rounds runs into the existing store at AGAINST (an earlier "
         "growth store: DIR/growth) and into a new store, alternately",
     )
+    parser.add_argument(
+        "--fill",
+        default=None,
+        help="only this: make FILL a store of --runs runs quickly, for --against (copies "
+        "of one chain run's catalog rows, no tensors: a few minutes for 10,000)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     print(f"load {os.getloadavg()[0]:.2f} at the start")
+    if args.fill:
+        seconds = fill(Path(args.fill), args.runs, args.ops)
+        print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
+        return
+    base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
     if args.against:
         r = interleaved(
             Path(args.against), base / "small", args.rounds, args.ops, not args.no_tensors
@@ -226,11 +295,16 @@ def main(argv: list[str] | None = None) -> None:
             m = r[which]
             print(
                 f"  {int(r['runs'][which]):>6} runs in the store: record {m['record']:7.2f} ms, "
-                f"commit {m['commit']:6.2f} ms (CPU {m['commit_cpu']:6.2f} ms) (medians)"
+                f"commit {m['commit']:6.2f} ms (CPU {m['commit_cpu']:6.2f} ms), "
+                f"registration + commit CPU {m['catalog_cpu']:6.2f} ms (medians)"
             )
         ratio = r["big"]["commit"] / r["small"]["commit"]
         cpu = r["big"]["commit_cpu"] / r["small"]["commit_cpu"]
-        print(f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x)")
+        both = r["big"]["catalog_cpu"] / r["small"]["catalog_cpu"]
+        print(
+            f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x); registration + commit "
+            f"CPU {both:.2f}x"
+        )
         print(f"load {os.getloadavg()[0]:.2f} at the end")
         return
     if not args.skip_tiny:

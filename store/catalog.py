@@ -57,10 +57,12 @@ from tracelake.errors import (
 
 from .boundary import CatalogCursor, duckdb_errors, guarded
 from .duckfile import (
+    Heads,
     damage,
     drop_shadow,
     is_corrupt,
     restore_from_shadow,
+    set_log_aside,
     sync_shadow,
     wal_of,
 )
@@ -229,6 +231,10 @@ class _Engine:
             # coordination (slower, not faster, on a loaded machine), and writers of
             # several processes at once would each bring one more to share the cores.
             con.execute("SET threads = 1")
+            # A DETACH leaves DuckDB's log as it is: a transaction that is to be in the
+            # file checkpoints itself (CatalogWriter._transaction), a run's registration
+            # stays in the log (one fsync, where a checkpoint takes three more).
+            con.execute("PRAGMA disable_checkpoint_on_shutdown")
             self._con = (pid, con)
         return self._con[1]
 
@@ -247,7 +253,8 @@ _T = TypeVar("_T")
 
 
 def _detach(con: duckdb.DuckDBPyConnection, quietly: bool) -> None:
-    """Detach the catalog file from the engine: a checkpoint, then no handle left.
+    """Detach the catalog file from the engine: no handle left (and no checkpoint: the
+    transaction made its own, or its change stays in the log).
     ``quietly``: another error is on its way out (it says more than this one would);
     a failed detach then throws the engine's connection away instead."""
     try:
@@ -307,15 +314,26 @@ class CatalogWriter:
         self._listing: tuple[tuple[int, ...], list[int]] | None = None
         #: How readers learn that a transaction committed.
         self.changes: ChangeToken = FileChangeToken(paths)
+        #: The block checksums this writer's last transaction left in the shadow.
+        self._heads = Heads()
 
     @contextmanager
     def _transaction(
-        self, then: list[Callable[[], None]] | None = None
+        self, then: list[Callable[[], None]] | None = None, logged: bool = False
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
         throws the engine's connection away. ``then``: actions the block adds, run once
         the transaction committed, while the lock is still held.
+
+        ``logged``: the change stays in DuckDB's log (``catalog.duckdb.wal``): its
+        ``COMMIT`` appends it there and fsyncs that, no checkpoint (which fsyncs three
+        more times and writes the file's blocks and headers). The next writer's ``ATTACH``
+        replays the log and its checkpoint takes the change into the file; readers
+        replay it in memory; a restore from the shadow keeps it (``duckfile.py``). For a
+        run's registration: a small row a run, and every other transaction checkpoints
+        (a commit larger than 1 KB at its ``COMMIT``, others before the ``DETACH``), so
+        the log stays small.
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -364,6 +382,8 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     self.changes.bump()
+                    if not logged and os.path.lexists(wal_of(self.paths.catalog)):
+                        con.execute("CHECKPOINT")  # (what a DETACH did by default)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -405,6 +425,7 @@ class CatalogWriter:
         restore_from_shadow(self.paths.shadow, self.paths.catalog, kept)
         fsync_dir(self.paths.root)
         self._checked = None  # (a file not as this writer left it: checked anew)
+        self._heads.state = None
         warnings.warn(
             f"the catalog {str(self.paths.catalog)!r} could not be read ({damaged}); it "
             "was restored from catalog.shadow, the copy of it the last completed change "
@@ -413,16 +434,27 @@ class CatalogWriter:
             TraceLakeWarning,
             stacklevel=2,
         )
-        con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
+        try:
+            con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
+        except duckdb.Error as exc:  # the log it kept is what DuckDB cannot read: aside
+            if not (is_corrupt(exc) and set_log_aside(self.paths.catalog, kept)):
+                raise
+            _ENGINE.reset()
+            con = _ENGINE.connection()
+            con.execute(f"ATTACH '{path}' AS {_ATTACHED}")
         _ENGINE.attached = True
         return con
 
     def _keep_shadow(self) -> None:
         """Bring the shadow up to the file the transaction left (see ``duckfile.py``).
         Where that fails (a full disk) the shadow goes rather than stay behind: a stale
-        one would lose changes if it were ever restored."""
+        one would lose changes if it were ever restored. The shadow's checksums as this
+        writer's last sync left them are trusted only when the transaction found the
+        catalog as that one left it (no other writer, no restore, since)."""
+        if not self._unchanged:
+            self._heads.state = None
         try:
-            sync_shadow(self.paths.catalog, self.paths.shadow)
+            sync_shadow(self.paths.catalog, self.paths.shadow, self._heads)
         except OSError:
             drop_shadow(self.paths.shadow)
 
@@ -442,7 +474,7 @@ class CatalogWriter:
         then: list[Callable[[], None]] = []
         held: io.FileIO | None = None
         try:
-            with self._transaction(then) as con:
+            with self._transaction(then, logged=True) as con:
                 clash = self._live_names(con, name)
                 if clash and not overwrite:
                     raise RunExistsError(
@@ -573,7 +605,13 @@ class CatalogWriter:
                 ],
             )
             values = cursor.fetchone()
-            info = dict(zip([d[0] for d in cursor.description], values or (), strict=True))
+            if values is None:  # (a catalog restored without the log that held it)
+                raise StoreError(
+                    f"run {name!r} (id {run_id}) is no longer registered in the catalog of "
+                    f"{str(self.paths.root)!r}, which was restored while it recorded; its "
+                    "data is not committed (gc() removes it): record it again"
+                )
+            info = dict(zip([d[0] for d in cursor.description], values, strict=True))
         return info
 
     def _freeing(self, change: Callable[[], _T]) -> _T:

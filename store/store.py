@@ -418,18 +418,21 @@ class Recording:
             self._eager = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._forked:
-            if exc_type is None:
-                self._refuse_forked()
-            return
-        try:
-            self._unhook()
+        try:  # (from the first line: a Ctrl-C on it still removes what the block installed)
+            if not self._forked:
+                self._unhook()
         except BaseException:
+            if self._forked:
+                raise
             try:
                 self._unhook()  # finish what the interrupt cut short
             finally:
                 self._fail(exc)
             raise
+        if self._forked:
+            if exc_type is None:
+                self._refuse_forked()
+            return
         if exc_type is None:
             try:
                 self._commit()

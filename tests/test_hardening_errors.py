@@ -16,11 +16,13 @@ from typing import Any
 import duckdb
 import pytest
 import torch
+from hook_capture import assert_bitwise
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
+from tracelake.store.duckfile import wal_of
 
 
 def _model() -> tuple[nn.Module, torch.Tensor]:
@@ -242,6 +244,29 @@ def test_an_unreadable_catalog_is_restored_from_its_shadow(
     # nothing is thrown away: the unreadable file is kept aside
     (kept,) = (p for p in root.glob("catalog.duckdb.unreadable-*") if p.suffix != ".wal")
     assert kept.read_bytes() == damaged
+
+
+def test_a_restore_keeps_the_registration_of_a_run_still_recording(
+    store: tl.Store, tmp_path: Path
+) -> None:
+    """A run's registration stays in DuckDB's log until the next checkpoint; the
+    shadow copies the file only. A restore keeps the log (DuckDB replays it onto the
+    copy), so a run that was recording while another writer restored the catalog still
+    commits, whole."""
+    root = _copy(store, tmp_path)
+    model, x = _model()
+    catalog = root / "catalog.duckdb"
+    with tl.open(root).recording("e", model):
+        model(x)
+        assert wal_of(catalog).exists()  # the registration, logged only
+        with catalog.open("r+b") as f:  # a metadata block spoilt, as by a killed writer
+            f.seek(3 * 4096 + 5000)
+            f.write(b"\x00killed\x00" * 8)
+        with pytest.warns(tl.TraceLakeWarning, match="restored from catalog.shadow"):
+            tl.open(root).delete("a")  # another writer, which restores
+    reader = tl.open(root, create=False)
+    assert sorted(reader.runs()["name"]) == ["b", "c", "e"]
+    assert_bitwise(reader["e"]["output_1"].out, model(x))
 
 
 # -- 14. query length, time and memory ------------------------------------------------
