@@ -418,29 +418,26 @@ class Recording:
             self._eager = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:  # (from the first line: a Ctrl-C on it still removes what the block installed)
-            if not self._forked:
-                self._unhook()
+        # Every line inside the try: a Ctrl-C on any of them still removes what the block
+        # installed and gives the run up (a committed one stays committed: _fail).
+        try:
+            if self._forked:
+                if exc_type is None:
+                    self._refuse_forked()
+                return
+            self._unhook()
+            if exc_type is None:
+                self._commit()
+            else:
+                self._fail(exc)
         except BaseException:
             if self._forked:
                 raise
             try:
                 self._unhook()  # finish what the interrupt cut short
             finally:
-                self._fail(exc)
+                self._fail(exc)  # the block's error, else the one raised here
             raise
-        if self._forked:
-            if exc_type is None:
-                self._refuse_forked()
-            return
-        if exc_type is None:
-            try:
-                self._commit()
-            except BaseException:
-                self._fail()
-                raise
-        else:
-            self._fail(exc)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -528,25 +525,23 @@ class Recording:
         )
         self._depth += 1  # the block's own hooks must not start a second step
         self._owner, self._call_frame = threading.get_ident(), inspect.currentframe()
-        try:
+        stopping = False
+        try:  # one handler from start to stop: a Ctrl-C anywhere leaves nothing installed
             recording.start(args, kwargs)
             from tracelake.recorder.eager import uncompiled
 
             output = uncompiled(model)(*args, **kwargs)  # (the wrapper would run it too)
-        except BaseException:
+            if not self._forked:  # (a forked child's copy of the step ends below)
+                stopping = True
+                recording.stop(output)
+        except BaseException:  # no step; a stop cut short is not begun again
             if not self._forked:
-                self._abandon(recording)
+                self._abandon(recording, stopped=stopping)
             raise
         finally:
             self._depth -= 1
             if not self._depth:
                 self._owner = self._call_frame = None
-        try:
-            if not self._forked:  # (a forked child's copy of the step ends below)
-                recording.stop(output)
-        except BaseException:  # (a Ctrl-C half-way): nothing stays installed, no step
-            self._abandon(recording, stopped=True)
-            raise
         if self._forked:  # the forward forked this process
             self._refuse_forked()
         self._end(model, recording, table, emitter, args, kwargs)
@@ -801,6 +796,9 @@ class Recording:
         without a live writer: listed as interrupted, reclaimed by ``gc()`` all the same."""
         error = error if error is not None else sys.exc_info()[1]
         reason = f"{type(error).__name__}: {error}" if error is not None else None
+        if self.info is not None:  # committed: an interrupt after that only releases it
+            self._release()
+            return
         try:
             if self._writer is not None:
                 self._writer.abort()
