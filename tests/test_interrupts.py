@@ -335,6 +335,67 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
     assert not [p for p in (tmp_path / "s" / "runs").iterdir() if p.name.startswith(".trash")]
 
 
+@contextmanager
+def _interrupt_after_commit(point: int, where: list[str]) -> Iterator[None]:
+    """Raise KeyboardInterrupt at the ``point``-th line tracelake runs after the
+    catalog's ``commit`` returned (where a signal can come, as :func:`_interrupt_at`)."""
+    prefix = str(PACKAGE) + os.sep
+    count = [-1]  # -1: the catalog has not committed yet
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if event == "return" and code.co_name == "commit" and "catalog" in code.co_filename:
+            count[0] = 0
+        elif event == "line" and count[0] >= 0 and frame.f_lasti not in _no_signal_points(code):
+            count[0] += 1
+            if count[0] == point:
+                where.append(f"{os.path.relpath(code.co_filename, PACKAGE)}:{frame.f_lineno}")
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        if name.startswith(prefix) and "/tests/" not in name:
+            return local(frame, event, arg)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("how", [_record_block, _record_call], ids=["recording", "record"])
+def test_a_ctrl_c_after_the_catalog_commit_keeps_the_run(tmp_path: Path, how: Any) -> None:
+    # Every line the recording runs once the catalog holds the run (releasing its lock,
+    # the progress bar, the gradient edges): a Ctrl-C there must not mark it failed.
+    model, x = _net()
+    store = tl.open(tmp_path / "s")
+    how(store, model, x)
+    point = 0
+    while True:
+        point += 1
+        where: list[str] = []
+        try:
+            with _interrupt_after_commit(point, where):
+                how(store, model, x)
+        except KeyboardInterrupt:
+            pass
+        _clean(where)
+        assert store.runs(all=True)["status"].iloc[-2:].tolist() == ["deleted", "complete"], where
+        assert not [
+            fd
+            for fd in os.listdir("/proc/self/fd")
+            if _is_lock(f"/proc/self/fd/{fd}", str(tmp_path))
+        ], where
+        if not where:  # past the last line
+            break
+    assert point > 5
+    name = "block" if how is _record_block else "call"
+    assert_bitwise(tl.open(tmp_path / "s", create=False)[name]["output_1"].out, model(x))
+
+
 def test_a_caught_ctrl_c_inside_the_block_drops_that_forward_only(tmp_path: Path) -> None:
     model, x = _net()
     calls = [0]
