@@ -357,6 +357,11 @@ class TensorWriter:
         self.flush()
         self._pool.shutdown(wait=True)
         self._buffers.clear()
+        if not self._errors:
+            try:
+                self.arrays.finish_packs()
+            except (OSError, StoreError) as exc:
+                self._errors.append(exc)
         try:
             self._unsynced.close(durable=not self._errors)
         except OSError as exc:
