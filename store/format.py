@@ -181,13 +181,21 @@ def pack_array_spec(name: str) -> dict[str, Any]:
     }
 
 
-def encode_shard(data: np.ndarray, codec: Chain) -> list[Buffer]:
+def encode_shard(
+    data: np.ndarray, codec: Chain, sources: Sequence[tuple[int, np.ndarray]] = ()
+) -> list[Buffer]:
     """Shard of a pack holding ``data`` (1-D uint8, up to CHUNK_BYTES): the inner chunks
     covering it (the last padded to full size), then the index and its checksum. A last,
-    partly filled shard simply has fewer inner chunks."""
+    partly filled shard simply has fewer inner chunks. ``sources``: (byte offset, bytes)
+    of whole inner chunks whose bytes are read there rather than from ``data`` (tensors
+    written from their own memory)."""
     index = np.full((INNER_PER_SHARD, 2), _ABSENT, dtype="<u8")
     count = -(-data.nbytes // INNER_BYTES)
     parts = [data[start : start + INNER_BYTES] for start in range(0, data.nbytes, INNER_BYTES)]
+    for offset, source in sources:
+        first = offset // INNER_BYTES
+        for k in range(source.nbytes // INNER_BYTES):
+            parts[first + k] = source[k * INNER_BYTES : (k + 1) * INNER_BYTES]
     if count and parts[-1].nbytes < INNER_BYTES:
         full = np.zeros(INNER_BYTES, dtype=np.uint8)
         full[: parts[-1].nbytes] = parts[-1]

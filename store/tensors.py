@@ -214,17 +214,25 @@ class RunArrays:
             return grow
 
     def write_pack_chunk(
-        self, name: str, index: int, data: np.ndarray, pending: Pending | None = None
+        self,
+        name: str,
+        index: int,
+        data: np.ndarray,
+        pending: Pending | None = None,
+        sources: Sequence[tuple[int, np.ndarray]] = (),
     ) -> None:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in inner
-        chunks, each encoded and checksummed, then the shard's index. Durable on return,
-        or once ``pending`` closes."""
+        chunks, each encoded and checksummed, then the shard's index; the whole inner
+        chunks at ``sources``' offsets are read from their bytes instead (``encode_shard``).
+        Durable on return, or once ``pending`` closes."""
         grow = self._pack(name)
         end = (index + 1) * CHUNK_BYTES
         with grow:  # packs only ever grow, so concurrent writers cannot lose shards
             if self._pack_length[name] < end:
                 self._pack_length[name] = end
-        self.backend.put(chunk_key(name, index), encode_shard(data, pack_codec(name)), pending)
+        self.backend.put(
+            chunk_key(name, index), encode_shard(data, pack_codec(name), sources), pending
+        )
 
     def finish_packs(self) -> None:
         """Write the ``zarr.json`` of every pack that grew past its first shard, with its
