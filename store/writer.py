@@ -1,7 +1,9 @@
 """The streaming write path: copy on the forward thread, encode and write in the background.
 
 A small saved tensor is copied at once, on the forward thread, straight into the current
-4 MiB pack buffer of its stream (the copy no later in-place op can change). A large CPU
+4 MiB pack buffer of its stream (the copy no later in-place op can change); of a mid-size
+one only the bytes around the whole 64 KiB inner chunks it covers, which the workers write
+from its memory as they do large tensors (``inflight.Packed``). A large CPU
 tensor is written by the workers from where it is, and copied only if something may
 write it first: an in-place op the recorder sees, or the end of the step while anything
 else holds it (``inflight.Live``); large tensors elsewhere (GPU, views of larger
