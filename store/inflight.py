@@ -56,11 +56,15 @@ class Buffers:
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` more in flight, once there is room for them."""
         with self._cond:
-            if self.used and self.used + nbytes > self.cap:
-                self.waits += 1
-                self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
+            self._hold(nbytes)
+            self._trim()
+
+    def _hold(self, nbytes: int) -> None:
+        if self.used and self.used + nbytes > self.cap:
+            self.waits += 1
+            self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``hold(nbytes)`` would go on without waiting."""
@@ -74,7 +78,15 @@ class Buffers:
                 return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+            self._trim()
             return True
+
+    def _trim(self) -> None:
+        """Drop kept buffers while in flight + kept would pass the cap (under the lock)."""
+        while self.kept and self.used + self.kept > self.cap:
+            size = next(n for n, bufs in self._free.items() if bufs)
+            self._free[size].pop()
+            self.kept -= size
 
     def release(self, nbytes: int) -> None:
         with self._cond:
@@ -83,7 +95,8 @@ class Buffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes``, counted in flight (``give`` it back)."""
-        self.hold(nbytes)
+        with self._cond:
+            self._hold(nbytes)  # (a kept buffer of that size is reused, not dropped)
         return self.buffer(nbytes)
 
     def buffer(self, nbytes: int) -> np.ndarray:
@@ -94,10 +107,7 @@ class Buffers:
             if free:
                 self.kept -= nbytes
                 return free.pop()
-            while self.kept and self.used + self.kept > self.cap:
-                size = next(n for n, bufs in self._free.items() if bufs)
-                self._free[size].pop()
-                self.kept -= size
+            self._trim()
         spare = _spare(nbytes)
         if spare is not None:
             return spare
