@@ -181,19 +181,36 @@ def pack_array_spec(name: str) -> dict[str, Any]:
     }
 
 
-def encode_shard(data: np.ndarray, codec: Chain) -> list[Buffer]:
+def encode_shard(
+    data: np.ndarray, codec: Chain, sources: Sequence[tuple[int, np.ndarray]] = ()
+) -> list[Buffer]:
     """Shard of a pack holding ``data`` (1-D uint8, up to CHUNK_BYTES): the inner chunks
     covering it (the last padded to full size), then the index and its checksum. A last,
-    partly filled shard simply has fewer inner chunks."""
+    partly filled shard simply has fewer inner chunks. ``sources``: (byte offset, bytes)
+    of whole inner chunks whose bytes are read there rather than from ``data`` (tensors
+    written from their own memory)."""
     index = np.full((INNER_PER_SHARD, 2), _ABSENT, dtype="<u8")
-    pieces: list[Buffer] = []
+    count = -(-data.nbytes // INNER_BYTES)
+    parts = [data[start : start + INNER_BYTES] for start in range(0, data.nbytes, INNER_BYTES)]
+    for offset, source in sources:
+        first = offset // INNER_BYTES
+        for k in range(source.nbytes // INNER_BYTES):
+            parts[first + k] = source[k * INNER_BYTES : (k + 1) * INNER_BYTES]
+    if count and parts[-1].nbytes < INNER_BYTES:
+        full = np.zeros(INNER_BYTES, dtype=np.uint8)
+        full[: parts[-1].nbytes] = parts[-1]
+        parts[-1] = full
+    if not codec.compressors:  # every inner chunk stored as it is, checksum after it
+        stored = INNER_BYTES + CRC32C.SIZE
+        index[:count, 0] = np.arange(count, dtype="<u8") * stored
+        index[:count, 1] = stored
+        checksum = CRC32C.checksum
+        pieces = [piece for part in parts for piece in (part, checksum(part))]
+        table = index.tobytes()
+        return [*pieces, table, checksum(table)]
+    pieces = []
     offset = 0
-    for j in range(-(-data.nbytes // INNER_BYTES)):
-        part = data[j * INNER_BYTES : (j + 1) * INNER_BYTES]
-        if part.nbytes < INNER_BYTES:
-            full = np.zeros(INNER_BYTES, dtype=np.uint8)
-            full[: part.nbytes] = part
-            part = full
+    for j, part in enumerate(parts):
         encoded = codec.encode(part)
         size = sum(memoryview(p).nbytes for p in encoded)
         index[j] = (offset, size)

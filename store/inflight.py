@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["Buffers", "Live", "Overwritten", "alias_version", "storage_holders"]
+__all__ = ["Buffers", "Live", "Overwritten", "Packed", "alias_version", "storage_holders"]
 
 _TENSOR = torch.Tensor
 
@@ -56,11 +56,37 @@ class Buffers:
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` more in flight, once there is room for them."""
         with self._cond:
-            if self.used and self.used + nbytes > self.cap:
-                self.waits += 1
-                self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
+            self._hold(nbytes)
+            self._trim()
+
+    def _hold(self, nbytes: int) -> None:
+        if self.used and self.used + nbytes > self.cap:
+            self.waits += 1
+            self._cond.wait_for(lambda: not self.used or self.used + nbytes <= self.cap)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``hold(nbytes)`` would go on without waiting."""
+        with self._cond:
+            return not self.used or self.used + nbytes <= self.cap
+
+    def try_hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more in flight if there is room for them now; never waits."""
+        with self._cond:
+            if self.used + nbytes > self.cap:
+                return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+            self._trim()
+            return True
+
+    def _trim(self) -> None:
+        """Drop kept buffers while in flight + kept would pass the cap (under the lock)."""
+        while self.kept and self.used + self.kept > self.cap:
+            size = next(n for n, bufs in self._free.items() if bufs)
+            self._free[size].pop()
+            self.kept -= size
 
     def release(self, nbytes: int) -> None:
         with self._cond:
@@ -69,7 +95,8 @@ class Buffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes``, counted in flight (``give`` it back)."""
-        self.hold(nbytes)
+        with self._cond:
+            self._hold(nbytes)  # (a kept buffer of that size is reused, not dropped)
         return self.buffer(nbytes)
 
     def buffer(self, nbytes: int) -> np.ndarray:
@@ -80,10 +107,7 @@ class Buffers:
             if free:
                 self.kept -= nbytes
                 return free.pop()
-            while self.kept and self.used + self.kept > self.cap:
-                size = next(n for n, bufs in self._free.items() if bufs)
-                self._free[size].pop()
-                self.kept -= size
+            self._trim()
         spare = _spare(nbytes)
         if spare is not None:
             return spare
@@ -155,6 +179,42 @@ class Live:
             yield self.source
             if self.version is not None and self.source._version != self.version:
                 raise Overwritten
+
+
+@dataclass(eq=False)
+class Packed(Live):
+    """The whole inner chunks a packed tensor covers in its pack's open chunk, written by
+    a worker from the forward's own memory (``source``, bytes ``skip`` onwards) rather than
+    copied into the chunk's buffer on the forward thread; ``region`` is where in that
+    buffer they go if something may write the tensor first (``copy``). ``nbytes``: how
+    many, counted in flight while they are referenced."""
+
+    slot: int = -1
+    start: int = 0  # their byte offset in the chunk (a multiple of INNER_BYTES)
+    skip: int = 0
+    region: np.ndarray | None = None
+
+    def referenced(self) -> np.ndarray | None:
+        """The bytes to write now (a uint8 view of the tensor), ``None`` once copied into
+        ``region`` (or done). Call under ``lock``."""
+        if self.source is None or self.version is None:
+            return None
+        bits = self.source.reshape(-1).view(torch.uint8).numpy()
+        return bits[self.skip : self.skip + self.nbytes]
+
+    def copy(self) -> bool:
+        """Copy the referenced bytes into ``region``, if still referenced and unchanged;
+        whether it did (its bytes in flight then count in the chunk's buffer). Call
+        under ``lock``."""
+        now = self.referenced()
+        if now is None or self.region is None:
+            return False
+        assert self.source is not None
+        if self.source._version != self.version:  # written behind our back already:
+            return False  # the worker finds out and drops it
+        self.region[:] = now
+        self.source = self.version = None
+        return True
 
 
 def alias_version(tensor: torch.Tensor, nbytes: int) -> int | None:

@@ -1,7 +1,9 @@
 """The streaming write path: copy on the forward thread, encode and write in the background.
 
 A small saved tensor is copied at once, on the forward thread, straight into the current
-4 MiB pack buffer of its stream (the copy no later in-place op can change). A large CPU
+4 MiB pack buffer of its stream (the copy no later in-place op can change); of a mid-size
+one only the bytes around the whole 64 KiB inner chunks it covers, which the workers write
+from its memory as they do large tensors (``inflight.Packed``). A large CPU
 tensor is written by the workers from where it is, and copied only if something may
 write it first: an in-place op the recorder sees, or the end of the step while anything
 else holds it (``inflight.Live``); large tensors elsewhere (GPU, views of larger
@@ -12,6 +14,7 @@ so peak memory does not grow with the size of the capture.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import operator
 import threading
@@ -40,8 +43,8 @@ from tracelake.recorder.stats import (
 )
 
 from .dtypes import numpy_dtype
-from .format import ALIGN, CHUNK_BYTES, pack_codec, pack_stream
-from .inflight import Buffers, Live, Overwritten, alias_version, storage_holders
+from .format import ALIGN, CHUNK_BYTES, INNER_BYTES, pack_codec, pack_stream
+from .inflight import Buffers, Live, Overwritten, Packed, alias_version, storage_holders
 from .layout import DEFAULT_MAX_INFLIGHT, full_hint
 from .rows import distinct_codes
 from .tensors import RunArrays
@@ -57,6 +60,7 @@ _memmove = ctypes.memmove
 # them (a torch.Size in each kept every tuple of a run under watch, and made full
 # collections of the process frequent and slow).
 ARRAY: Final = 0
+_OFFSET_FIELD: Final = 1
 NBYTES: Final = 2
 _OFFSET, _NBYTES, _DTYPE = (operator.itemgetter(k) for k in (1, 2, 4))
 
@@ -84,6 +88,7 @@ class _Stream:
     address: int = 0
     used: int = 0
     members: list[int] = field(default_factory=list)
+    refs: list[Packed] = field(default_factory=list)  # members written from their memory
 
 
 #: What a writer that ended (closed or aborted) answers a late ``save``: its workers are
@@ -155,8 +160,10 @@ class TensorWriter:
             self._flush(stream)
             start = 0
         if stream.buffer is None:
+            self._make_room(CHUNK_BYTES)
             stream.buffer = self._buffers.take(CHUNK_BYTES)
             stream.address = stream.buffer.ctypes.data
+        slot = len(self.slots)
         if nbytes:
             if (
                 plain
@@ -167,12 +174,20 @@ class TensorWriter:
             ):
                 # The tensor's bytes as they are, by one ctypes memmove: the cheapest
                 # copy per call from Python (numpy's copy and torch's copy_ into a view
-                # of the buffer both cost several times more per small tensor).
-                _memmove(stream.address + start, tensor.data_ptr(), nbytes)
+                # of the buffer both cost several times more per small tensor). The
+                # whole inner chunks of a mid-size one are not copied (``_refer``).
+                head = -start % INNER_BYTES
+                whole = (nbytes - head) & -INNER_BYTES if nbytes > head else 0
+                address = tensor.data_ptr()
+                if whole and self._refer(stream, tensor, slot, start + head, head, whole):
+                    _memmove(stream.address + start, address, head)
+                    rest = head + whole
+                    _memmove(stream.address + start + rest, address + rest, nbytes - rest)
+                else:
+                    _memmove(stream.address + start, address, nbytes)
             else:
                 region = torch.from_numpy(stream.buffer[start : start + nbytes])
                 region.view(dtype).view(tensor.shape).copy_(tensor.detach())
-        slot = len(self.slots)
         stream.used = start + nbytes
         stream.members.append(slot)
         self.slots.append(
@@ -208,6 +223,43 @@ class TensorWriter:
         plan = self._plans[dtype] = (stream, plain)
         return plan
 
+    def _refer(
+        self, stream: _Stream, tensor: torch.Tensor, slot: int, start: int, skip: int, whole: int
+    ) -> bool:
+        """Have the workers write the ``whole`` bytes of ``tensor`` from ``skip`` on (whole
+        inner chunks of the open chunk, from ``start``) from the tensor's own memory, as
+        large tensors are (``_save_large``): copied into the chunk's buffer only if
+        something may write the tensor first (``before_write``, ``settle``). Whether it
+        could: a tensor the workers may read in place, and room in flight for its bytes
+        now (else it is copied at once, as small ones are)."""
+        version = alias_version(tensor, tensor.nbytes)
+        if version is None or not self._buffers.try_hold(whole):
+            return False
+        assert stream.buffer is not None
+        ref = Packed(
+            tensor.detach(),
+            whole,
+            version,
+            slot=slot,
+            start=start,
+            skip=skip,
+            region=stream.buffer[start : start + whole],
+        )
+        stream.refs.append(ref)
+        self._live.setdefault(tensor.untyped_storage().data_ptr(), []).append(ref)
+        return True
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before the forward thread waits for room in flight: copy the tensors the open
+        chunks still read from the forward's memory into those chunks' buffers, where
+        their bytes are counted already (they count twice until then), so that no wait
+        is for room only the forward itself can give back."""
+        if self._buffers.fits(nbytes):
+            return
+        for stream in self._streams.values():
+            for ref in stream.refs:
+                self._copy_live(ref)
+
     def _save_large(self, tensor: torch.Tensor, nbytes: int) -> int:
         """A tensor of a chunk or more, with an array of its own. A plain contiguous CPU
         tensor is not copied: the workers write it from where it is (a copy would cost the
@@ -221,6 +273,7 @@ class TensorWriter:
         shape = tuple(tensor.shape)
         slot = len(self.slots)
         version = alias_version(tensor, nbytes)
+        self._make_room(nbytes)
         if version is not None:
             self._buffers.hold(nbytes)
             live = Live(tensor.detach(), nbytes, version)
@@ -250,7 +303,7 @@ class TensorWriter:
         besides this writer holds (the step's output, its inputs, caches), since what
         holds it may write it next; the forward's own temporaries stay uncopied."""
         for address, lives in list(self._live.items()):
-            waiting = [live for live in lives if not live.done]
+            waiting = [live for live in lives if not live.done and live.version is not None]
             holders = storage_holders(waiting[0]) if waiting else 0
             if waiting and (holders is None or holders > len(waiting)):
                 for live in waiting:
@@ -262,6 +315,12 @@ class TensorWriter:
                 del self._live[address]
 
     def _copy_live(self, live: Live) -> None:
+        if isinstance(live, Packed):
+            with live.lock:
+                copied = live.copy()
+            if copied:  # its bytes now in the chunk's buffer, already counted
+                self._buffers.release(live.nbytes)
+            return
         with live.lock:
             if live.done or live.version is None or live.source is None:
                 return
@@ -281,11 +340,13 @@ class TensorWriter:
                 stream.buffer,
                 stream.used,
                 stream.members,
+                stream.refs,
             )
             stream.chunk += 1
             stream.buffer = None
         stream.used = 0
         stream.members = []
+        stream.refs = []
 
     def _submit(self, fn: Any, *args: Any) -> None:
         future = self._pool.submit(fn, *args)
@@ -305,16 +366,43 @@ class TensorWriter:
     # -- worker threads ---------------------------------------------------------------------
 
     def _write_chunk(
-        self, name: str, chunk: int, buffer: np.ndarray, used: int, members: list[int]
+        self,
+        name: str,
+        chunk: int,
+        buffer: np.ndarray,
+        used: int,
+        members: list[int],
+        refs: list[Packed],
     ) -> None:
         try:
-            batches, singles = _chunk_stats(buffer, chunk * CHUNK_BYTES, members, self.slots)
-            self._batches.extend(batches)
-            self.stats.update(singles)
-            self.arrays.write_pack_chunk(name, chunk, buffer[:used], self._unsynced)
+            with contextlib.ExitStack() as locked:
+                for ref in refs:  # held still while read: statistics, checksums, write
+                    locked.enter_context(ref.lock)
+                sources, tensors = [], {}
+                for ref in refs:
+                    now = ref.referenced()
+                    if now is not None:
+                        assert ref.source is not None
+                        sources.append((ref.start, now))
+                        tensors[ref.slot] = ref.source
+                batches, singles = _chunk_stats(
+                    buffer, chunk * CHUNK_BYTES, members, self.slots, tensors
+                )
+                self._batches.extend(batches)
+                self.stats.update(singles)
+                self.arrays.write_pack_chunk(name, chunk, buffer[:used], self._unsynced, sources)
+                for ref in refs:  # written in place behind our back, before or while read
+                    if ref.source is not None and ref.source._version != ref.version:
+                        self.lost.add(ref.slot)
             with self._lock:
                 self.bytes_written += used
         finally:
+            for ref in refs:
+                with ref.lock:
+                    held = ref.source is not None and ref.version is not None
+                    ref.done, ref.source = True, None
+                if held:
+                    self._buffers.release(ref.nbytes)
             self._buffers.give(buffer)
 
     def _write_array(self, slot: int, live: Live) -> None:
@@ -357,12 +445,18 @@ class TensorWriter:
         self.flush()
         self._pool.shutdown(wait=True)
         self._buffers.clear()
+        if not self._errors:
+            try:
+                self.arrays.finish_packs()
+            except (OSError, StoreError) as exc:
+                self._errors.append(exc)
         try:
             self._unsynced.close(durable=not self._errors)
         except OSError as exc:
             self._errors.append(exc)
         for slot in self.lost:  # what was written of them is not theirs
-            self.arrays.delete(f"t{slot}")
+            if self.slots[slot][_OFFSET_FIELD] < 0:  # an own array (a pack keeps others)
+                self.arrays.delete(f"t{slot}")
         self.lost.update(a for a, slot in self._aliases.items() if slot in self.lost)
         if self._errors:
             raise self._failure()
@@ -437,17 +531,21 @@ def _chunk_stats(
     base: int,
     members: list[int],
     slots: list[tuple[str, int, int, Any, torch.dtype, int]],
+    tensors: dict[int, torch.Tensor] | None = None,
 ) -> _ChunkStats:
     """Statistics of every tensor packed in one chunk (the one at byte ``base`` of its
     pack): per dtype, one gather of all the tiny tensors' elements and a few segmented
     reductions (``segment_moments``); larger and odd ones (complex, empty, NaN/Inf,
     mean-dominated) one by one. The members' fields come out as arrays, not through a
-    Python loop (a chunk holds up to 65,536 tensors)."""
+    Python loop (a chunk holds up to 65,536 tensors). ``tensors``: members whose bytes
+    are not all in ``buffer`` (written from their own memory), by slot."""
     singles: dict[int, Stats] = {}
     raw = torch.from_numpy(buffer)
 
     def single(slot: int) -> Stats:
         _, offset, nbytes, shape, dtype, _ = slots[slot]
+        if tensors and slot in tensors:
+            return compute_stats(tensors[slot])
         if not nbytes:
             return compute_stats(torch.empty(shape, dtype=dtype))
         start = offset - base

@@ -52,11 +52,27 @@ def small_tensors() -> list[torch.Tensor]:
     ]
 
 
+def mid_size_tensors() -> list[torch.Tensor]:
+    """Packed tensors of whole 64 KiB inner chunks or more, which the workers write from
+    the tensors' own memory (the bytes before the first and after the last whole inner
+    chunk copied at once), and ones that must be copied instead."""
+    torch.manual_seed(1)
+    x = torch.randn(300, 1000)  # 1.2 MB, starting mid inner chunk
+    return [
+        x,
+        torch.randn(128, 1024),  # 512 KiB, GPT-2's size
+        x.t(),  # not contiguous: copied
+        x.half(),  # the zstd pack
+        torch.randn(64, 1024)[:, :1000],  # a view: copied
+        torch.randn(3, 65536)[1],  # a third of its storage: copied
+    ]
+
+
 def test_saved_bytes_are_the_values(tmp_path: Path) -> None:
     """Every tensor reads back bit for bit, whichever copy the writer took."""
     arrays = RunArrays(tmp_path / "t", "r", create=True)
     writer = TensorWriter(arrays)
-    tensors = [*small_tensors(), torch.randn(1100, 1024)]  # the last: its own array
+    tensors = [*small_tensors(), *mid_size_tensors(), torch.randn(1100, 1024)]  # last: own
     slots = [writer.save(t) for t in tensors]
     writer.close()
     for slot, tensor in zip(slots, tensors, strict=True):
@@ -75,7 +91,12 @@ def test_statistics_are_compute_stats(tmp_path: Path) -> None:
     norm of the whole, hence the tolerance); undefined ones (empty tensors, complex means)
     stay undefined."""
     writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
-    tensors = [*small_tensors(), torch.full((70,), 131072.0), torch.randn(1100, 1024)]
+    tensors = [
+        *small_tensors(),
+        *mid_size_tensors(),
+        torch.full((70,), 131072.0),
+        torch.randn(1100, 1024),
+    ]
     slots = [writer.save(t) for t in tensors]
     writer.close()
     values, valid = writer.stat_matrix()
@@ -102,6 +123,7 @@ def test_buffers_never_exceed_the_cap(tmp_path: Path) -> None:
     for k in range(12):
         writer.save(torch.full(((4 + k % 4) * MiB // 4,), float(k)))
         writer.save(torch.full((1000,), float(k)))
+        writer.save(torch.full((k + 1, 65536), float(k)))  # written from its own memory
         assert buffers.used + buffers.kept <= cap
     writer.close()
     assert writer.peak_inflight <= cap
@@ -144,7 +166,7 @@ class InPlaceAfter(nn.Module):
         return a
 
 
-@pytest.mark.parametrize("rows", [4, 4096], ids=["packed", "own-array"])
+@pytest.mark.parametrize("rows", [4, 128, 4096], ids=["packed", "mid-size", "own-array"])
 def test_a_later_in_place_op_cannot_change_a_stored_value(tmp_path: Path, rows: int) -> None:
     x = torch.randn(rows, 1024)
     run = tl.open(tmp_path / "s").record(InPlaceAfter(), x, name="r")
@@ -214,11 +236,12 @@ def test_a_catalog_left_attached_is_detached_by_the_next_transaction(tmp_path: P
     assert set(store.runs()["name"]) == {"r", "s"}
 
 
-def test_what_the_user_writes_after_a_step_is_not_stored(tmp_path: Path) -> None:
-    """Large tensors are written from the forward's own memory while the next steps
-    run; a step's output (and input) that the caller writes in place after the step,
-    outside any recording, keeps its value as of the step."""
-    x = torch.randn(4096, 1024)
+@pytest.mark.parametrize("rows", [128, 4096], ids=["mid-size", "own-array"])
+def test_what_the_user_writes_after_a_step_is_not_stored(tmp_path: Path, rows: int) -> None:
+    """Large and mid-size tensors are written from the forward's own memory while the
+    next steps run; a step's output (and input) that the caller writes in place after
+    the step, outside any recording, keeps its value as of the step."""
+    x = torch.randn(rows, 1024)
     given = x.clone()
     model = InPlaceAfter()
     store = tl.open(tmp_path / "s")
@@ -249,21 +272,24 @@ class Unseen(nn.Module):
         return a * 3
 
 
+@pytest.mark.parametrize(
+    ("rows", "write"), [(128, "write_pack_chunk"), (4096, "write_array")], ids=["mid-size", "own"]
+)
 def test_an_unseen_in_place_write_drops_the_value_never_stores_it_wrong(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, write: str
 ) -> None:
     import threading
     import warnings
 
     gate = threading.Event()
-    write = RunArrays.write_array
+    writes = getattr(RunArrays, write)
 
-    def held_back(self: RunArrays, *args: object, **kwargs: object) -> str:
+    def held_back(self: RunArrays, *args: object, **kwargs: object) -> object:
         gate.wait(30)  # the workers start only once the forward has written `a`
-        return write(self, *args, **kwargs)  # type: ignore[arg-type]
+        return writes(self, *args, **kwargs)
 
-    monkeypatch.setattr(RunArrays, "write_array", held_back)
-    x = torch.randn(4096, 1024)
+    monkeypatch.setattr(RunArrays, write, held_back)
+    x = torch.randn(rows, 1024)
     store = tl.open(tmp_path / "s")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
