@@ -47,6 +47,30 @@ _SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
 _ROOT, _STACK_KEY, _N_LAYERS = range(3)
 
 
+def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The plain tensors the model's modules hold outside their parameters and buffers,
+    named as TorchLens names them: a public attribute (``mask``), an item of a list or
+    tuple attribute (``consts.0``), a value of a dict attribute (``cache['cpu']``).
+    TorchLens makes their reads ``buffer_N`` entries, as a registered buffer's
+    (``model_prep.prepare_buffer_tensors``); containers below those are not walked."""
+    held: list[tuple[str, torch.Tensor]] = []
+    for path, module in named_modules(model):
+        prefix = f"{path}." if path else ""
+        for attr, value in module.__dict__.items():
+            if attr.startswith(("_", "tl_")):
+                continue
+            if type(value) in (list, tuple):
+                items: Any = ((f"{attr}.{i}", item) for i, item in enumerate(value))
+            elif type(value) is dict:
+                items = ((f"{attr}[{key!r}]", item) for key, item in value.items())
+            else:
+                items = ((attr, value),)
+            for name, item in items:
+                if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
+                    held.append((prefix + name, item))
+    return held
+
+
 class _Alias:
     """In ``Labeller._params``: a tensor written in place through a view of it
     (``x.unsqueeze(0).fill_(0)``): its reads are children of the write, as in TorchLens.
@@ -127,6 +151,8 @@ class Labeller:
         # `_orig_mod.` from a compiled model's wrapper.)
         self._params: dict[int, Any] = {id(p): module_path(n) for n, p in model.named_parameters()}
         self._params.update({id(b): (module_path(n),) for n, b in model.named_buffers()})
+        for name, tensor in held_tensors(model):  # (a registered buffer keeps its name)
+            self._params.setdefault(id(tensor), (name,))
         # A tensor's producer: the row index under its id(), confirmed by the weak
         # reference to the row's tensor (one per row), so a dead tensor whose id was
         # reused is never confused with it. Plain ints as values keep the GC's tracked

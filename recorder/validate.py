@@ -25,6 +25,7 @@ from .arguments import Unresolved, decode, resolve_function
 from .backward import CaptureOptions
 from .entries import OpEntry
 from .intercept import flatten_tensors
+from .labels import held_tensors
 
 __all__ = ["Mismatch", "ValidationReport", "validate"]
 
@@ -126,6 +127,8 @@ def _params_of(model: Any) -> dict[str, torch.Tensor]:
         raise TypeError(f"model= takes the recorded torch.nn.Module, not {type(model).__name__}")
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
+    for name, tensor in held_tensors(model):  # recorded as buffers (labels.py)
+        named.setdefault(name, tensor)
     return named
 
 

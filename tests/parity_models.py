@@ -362,6 +362,32 @@ class BufferTwice(nn.Module):
         return x * self.scale + self.scale
 
 
+class _HeldMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = torch.tril(torch.ones(4, 4))  # a plain attribute, not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.mask
+
+
+@model((2, 4))
+class HeldTensors(nn.Module):
+    # tensors a module holds without registering them (an attribute, list items, a
+    # dict's values, a submodule's attribute): TorchLens reads them as buffers
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.arange(4.0)
+        self.consts = [torch.ones(4), torch.full((4,), 3.0)]
+        self.cache = {"cpu": torch.full((4,), 0.5)}
+        self.inner = _HeldMask()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c in self.consts:  # a loop over held tensors
+            x = torch.sin(x) * c
+        return self.inner(x + self.bias) - self.cache["cpu"] + self.bias
+
+
 @model((2, 3, 4, 4))
 class BatchNormEval(nn.Module):
     def __init__(self) -> None:

@@ -45,21 +45,25 @@ def test_a_corrupted_saved_tensor_is_named():
     )
 
 
+OUTSIDE = torch.ones(4)
+
+
 class _Odd(nn.Module):
     """In-place writes (through an index too), a random op in training mode, a tensor
-    from outside the model."""
+    the model holds without registering it (recomputed as a buffer), a tensor from
+    outside the model."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        self.outside = torch.ones(4)
+        self.held = torch.full((4,), 3.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         h.relu_()
         h[:, 0] = 2.0
         d = nn.functional.dropout(h, 0.5, training=True)
-        return d + h * self.outside
+        return d + h * self.held + h * OUTSIDE
 
 
 def test_what_cannot_be_recomputed_is_skipped_with_the_reason():
@@ -70,9 +74,10 @@ def test_what_cannot_be_recomputed_is_skipped_with_the_reason():
     trace = tl.trace(model, torch.randn(3, 4), capture=ARGS)
     labels = {op.func: op.label for op in trace}
     assert "RNG" in report.skipped[labels["dropout"]]
-    assert "neither a recorded op nor a parameter" in report.skipped[labels["mul"]]
-    for func in ("linear", "relu_", "setitem"):
-        assert labels[func] in report.matched
+    held, outside = [op.label for op in trace if op.func == "mul"]
+    assert "neither a recorded op nor a parameter" in report.skipped[outside]
+    for label in (labels["linear"], labels["relu_"], labels["setitem"], held):
+        assert label in report.matched
 
 
 def test_refusals():
