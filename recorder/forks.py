@@ -4,7 +4,8 @@
 held in the child for ever, because the thread that would release it was not copied.
 The recorder's module-level locks are taken in a child (a ``DataLoader`` worker forked
 inside a recorded forward closes its copy of the recording, which releases the source
-replacements and may classify new code), so each is held across the fork: the forking
+replacements and may classify new code; a child that records takes the store's spare
+buffers' lock), so each is held across the fork: the forking
 thread waits for the lock (its holders keep it for a few dictionary operations and never
 fork inside), forks, and both processes release their copy, the child's state being
 the consistent one the last holder left.

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tracelake.recorder.forks import fork_safe_lock
+
 __all__ = ["Buffers", "Live", "Overwritten", "Packed", "alias_version", "storage_holders"]
 
 _TENSOR = torch.Tensor
@@ -144,7 +146,7 @@ class Buffers:
 _SPARE_BYTES = 4 << 20
 _SPARE_KEPT = 2
 _SPARE: list[np.ndarray] = []
-_SPARE_LOCK = threading.Lock()
+_SPARE_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 
 
 def _spare(nbytes: int) -> np.ndarray | None:
