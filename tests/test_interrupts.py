@@ -236,21 +236,28 @@ def _scopes_of(tree: ast.Module) -> dict[tuple[str, int], ast.AST]:
 
 
 @contextmanager
-def _interrupt_at(point: int, where: list[str] | None = None) -> Iterator[list[int]]:
+def _interrupt_at(
+    point: int,
+    where: list[str] | None = None,
+    after: Callable[[CodeType], bool] | None = None,
+) -> Iterator[list[int]]:
     """Raise KeyboardInterrupt at the ``point``-th line tracelake's own code runs (lines
     of the package only, in this thread; not where no signal can come,
     :func:`_no_signal_points`);
     yields a one-item list: how many lines ran. ``where`` gets the line interrupted
-    (``file:line function``)."""
-    count = [0]
+    (``file:line function``). ``after``: count only once a function whose code it
+    accepts has returned."""
+    count = [0 if after is None else -1]  # -1: not counting yet
     prefix = str(PACKAGE) + os.sep
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lasti not in _no_signal_points(frame.f_code):
+        code = frame.f_code
+        if event == "return" and count[0] < 0 and after is not None and after(code):
+            count[0] = 0
+        elif event == "line" and count[0] >= 0 and frame.f_lasti not in _no_signal_points(code):
             count[0] += 1
             if count[0] == point:
                 if where is not None:
-                    code = frame.f_code
                     name = os.path.relpath(code.co_filename, PACKAGE)
                     where.append(f"{name}:{frame.f_lineno} {code.co_name}")
                 raise KeyboardInterrupt
@@ -335,35 +342,8 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
     assert not [p for p in (tmp_path / "s" / "runs").iterdir() if p.name.startswith(".trash")]
 
 
-@contextmanager
-def _interrupt_after_commit(point: int, where: list[str]) -> Iterator[None]:
-    """Raise KeyboardInterrupt at the ``point``-th line tracelake runs after the
-    catalog's ``commit`` returned (where a signal can come, as :func:`_interrupt_at`)."""
-    prefix = str(PACKAGE) + os.sep
-    count = [-1]  # -1: the catalog has not committed yet
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        code = frame.f_code
-        if event == "return" and code.co_name == "commit" and "catalog" in code.co_filename:
-            count[0] = 0
-        elif event == "line" and count[0] >= 0 and frame.f_lasti not in _no_signal_points(code):
-            count[0] += 1
-            if count[0] == point:
-                where.append(f"{os.path.relpath(code.co_filename, PACKAGE)}:{frame.f_lineno}")
-                raise KeyboardInterrupt
-        return local
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        name = frame.f_code.co_filename
-        if name.startswith(prefix) and "/tests/" not in name:
-            return local(frame, event, arg)
-        return None
-
-    sys.settrace(tracer)
-    try:
-        yield
-    finally:
-        sys.settrace(None)
+def _catalog_commit(code: CodeType) -> bool:
+    return code.co_name == "commit" and "catalog" in code.co_filename
 
 
 @pytest.mark.parametrize("how", [_record_block, _record_call], ids=["recording", "record"])
@@ -378,7 +358,7 @@ def test_a_ctrl_c_after_the_catalog_commit_keeps_the_run(tmp_path: Path, how: An
         point += 1
         where: list[str] = []
         try:
-            with _interrupt_after_commit(point, where):
+            with _interrupt_at(point, where, after=_catalog_commit):
                 how(store, model, x)
         except KeyboardInterrupt:
             pass
@@ -590,3 +570,4 @@ def test_no_recorder_line_inside_a_with_or_finally_escapes_its_handler() -> None
                 block.__exit__(None, None, None)  # what the skipped exit would have done
         assert interrupted == [False]
         assert torch._C._is_torch_function_enabled()
+
