@@ -409,6 +409,8 @@ class Recording:
         while self._hooks:
             self._hooks[-1].remove()  # (torch's remove is idempotent)
             self._hooks.pop()
+        if self.model is not None:
+            self._strip_hooks(self.model)
         if self._auto is not None and self._owner == threading.get_ident():
             # a forward left by a BaseException (Ctrl-C): torch ran no always-called
             # hook for it, so its mode and hooks are still installed
@@ -416,6 +418,23 @@ class Recording:
         if self._eager is not None:
             self._eager.__exit__()
             self._eager = None
+
+    def _strip_hooks(self, model: torch.nn.Module) -> None:
+        """Remove this block's hooks that no handle holds: a Ctrl-C inside torch's
+        ``register_forward_hook`` after it installed the hook, before it returned the
+        handle. (Torch's hook dicts, keyed by handle id; the hooks are bound methods of
+        this recording.)"""
+        for hooks, extras in (
+            (model._forward_pre_hooks, (model._forward_pre_hooks_with_kwargs,)),
+            (
+                model._forward_hooks,
+                (model._forward_hooks_with_kwargs, model._forward_hooks_always_called),
+            ),
+        ):
+            for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is self]:
+                for extra in extras:
+                    extra.pop(key, None)
+                del hooks[key]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         # Every line inside the try: a Ctrl-C on any of them still removes what the block

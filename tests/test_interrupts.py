@@ -571,3 +571,26 @@ def test_no_recorder_line_inside_a_with_or_finally_escapes_its_handler() -> None
         assert interrupted == [False]
         assert torch._C._is_torch_function_enabled()
 
+
+@pytest.mark.parametrize("which", ["register_forward_pre_hook", "register_forward_hook"])
+def test_a_ctrl_c_inside_torchs_hook_registration_leaves_no_hook(
+    tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook is in the model's dicts but torch never returned its handle.
+    model, x = _net()
+    store = tl.open(tmp_path / "s")
+    register = getattr(model, which)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        register(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, which, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _record_block(store, model, x)
+    monkeypatch.undo()
+    _clean()
+    assert not (model._forward_pre_hooks or model._forward_hooks)
+    assert not (model._forward_hooks_with_kwargs or model._forward_hooks_always_called)
+    _record_block(store, model, x)
+    assert list(store.runs()["name"]) == ["block"]
