@@ -10,6 +10,7 @@ both are removed in ``finally`` even when the forward pass raises.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import os
 import sys
@@ -176,6 +177,19 @@ class SourceFinder:
         made again when its code is met again."""
         if len(cls.codes) < cls._sweep_at:
             return
+        before = len(cls.codes)
+        cls._sweep()
+        if 2 * len(cls.codes) > before:
+            # Most entries still alive: dead code often waits in reference cycles (a
+            # notebook cell's class and its globals) for the cycle collector, and the next
+            # sweep would wait twice as long. Collect once, outside the lock (finalizers
+            # run here), and sweep again. Sweeps are rare: the collection is amortised.
+            gc.collect()
+            cls._sweep()
+        cls._sweep_at = max(_SWEEP_MIN, 2 * len(cls.codes))
+
+    @classmethod
+    def _sweep(cls) -> None:
         with cls._lock:
             codes, seen = cls.codes, cls._seen
             for key in list(seen):
@@ -189,7 +203,6 @@ class SourceFinder:
             if len(seen) > _CODES_MAX:  # still too many: forget the oldest half
                 for key in list(seen)[: len(seen) - _CODES_MAX // 2]:
                     del codes[key], seen[key]
-            cls._sweep_at = max(_SWEEP_MIN, 2 * len(codes))
 
 
 #: Functions that may update the buffers they read (batch norm's running statistics):

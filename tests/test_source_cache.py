@@ -49,26 +49,44 @@ def test_ten_thousand_cell_reruns_leave_the_caches_flat() -> None:
     x = torch.randn(2, 4)
     codes: list[weakref.ref] = []
     funcs: list[weakref.ref] = []
-    bound = 2 * intercept._SWEEP_MIN + 8
-    peaks: list[tuple[int, int, int, int]] = []
+    peaks = []
     for k in range(10_000):
         _rerun_cell(x, codes, funcs)
         if k % 1000 == 999:
             gc.collect()
-            peaks.append(
-                (
-                    sum(r() is not None for r in codes),
-                    sum(r() is not None for r in funcs),
-                    len(SourceFinder.codes),
-                    len(intercept._FUNCS),
-                )
-            )
+            peaks.append((*_sizes(), sum(r() is not None for r in codes + funcs)))
     # Each count stays under a bound that does not grow with the number of re-runs:
     # without the trims, all 10,000 cells' code and functions would still be alive.
-    for alive_codes, alive_funcs, n_codes, n_funcs in peaks:
-        assert alive_codes <= bound and alive_funcs <= bound, peaks
-        assert n_codes <= bound + 200 and n_funcs <= bound + 200, peaks
+    for n_codes, n_funcs, alive in peaks:
+        assert n_codes <= _BOUND + 200 and n_funcs <= _BOUND + 200, peaks
+        assert alive <= 2 * _BOUND, peaks
     assert len(SourceFinder.codes) == len(SourceFinder._seen)
+
+
+def test_cell_reruns_stay_flat_while_the_cycle_collector_waits() -> None:
+    """Each cell's dead class and functions sit in reference cycles (with the cell's
+    globals) until the cycle collector runs: the trims must not wait for it to."""
+    x = torch.randn(2, 4)
+    peaks = []
+    gc.collect()
+    gc.disable()
+    try:
+        for k in range(6_000):
+            _rerun_cell(x, [], [])
+            if k % 500 == 499:
+                peaks.append(_sizes())
+    finally:
+        gc.enable()
+    for n_codes, n_funcs in peaks:
+        assert n_codes <= _BOUND + 200 and n_funcs <= _BOUND + 200, peaks
+
+
+#: The caches' size bound: a trim sweeps at twice what the last sweep left alive.
+_BOUND = 2 * intercept._SWEEP_MIN + 8
+
+
+def _sizes() -> tuple[int, int]:
+    return len(SourceFinder.codes), len(intercept._FUNCS)
 
 
 def _cell_model() -> torch.nn.Module:
