@@ -249,11 +249,7 @@ def _sign(arg: Any, prefix: str, tokens: list[str], depth: int = 0) -> None:
         for i, item in enumerate(items):
             _sign(item, f"{prefix}.{i}", tokens, depth + 1)
         return
-    kind = (getattr(type(arg), "__module__", ""), getattr(type(arg), "__qualname__", ""))
-    if kind in _SIGNATURE_TORCH:
-        tokens.append(f"{prefix}={kind[1]}:{arg!s}")
-    else:
-        tokens.append(f"{prefix}=<{kind[0]}.{kind[1]}>")
+    tokens.append(f"{prefix}={_type_token(arg)}")
 
 
 def _element_key(arg: Any, depth: int) -> tuple[str, ...]:
@@ -272,7 +268,13 @@ def _key(key: Any, depth: int) -> str:
         return f"tuple[{','.join(_key(item, depth + 1) for item in key)}]"
     if isinstance(key, frozenset):
         return f"frozenset[{','.join(sorted(_key(item, depth + 1) for item in key))}]"
-    kind = (getattr(type(key), "__module__", ""), getattr(type(key), "__qualname__", ""))
+    return _type_token(key)
+
+
+def _type_token(value: Any) -> str:
+    """The token of a value no other rule covers: torch's small types by their text,
+    anything else by its type's module and qualified name."""
+    kind = (getattr(type(value), "__module__", ""), getattr(type(value), "__qualname__", ""))
     if kind in _SIGNATURE_TORCH:
-        return f"{kind[1]}:{key!s}"
+        return f"{kind[1]}:{value!s}"
     return f"<{kind[0]}.{kind[1]}>"

@@ -25,6 +25,7 @@ from .argkeys import all_tensors, capture
 from .arguments import ArgsRecorder
 from .eager import module_path, named_modules
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
+from .held import held_tensors
 from .inputs import input_entries
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
 from .prune import renumber
@@ -45,30 +46,6 @@ _SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
 # reads and advances too: the stack top's root (a repeated module call, or None), the
 # module stack's key, and the number of layers so far.
 _ROOT, _STACK_KEY, _N_LAYERS = range(3)
-
-
-def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The plain tensors the model's modules hold outside their parameters and buffers,
-    named as TorchLens names them: a public attribute (``mask``), an item of a list or
-    tuple attribute (``consts.0``), a value of a dict attribute (``cache['cpu']``).
-    TorchLens makes their reads ``buffer_N`` entries, as a registered buffer's
-    (``model_prep.prepare_buffer_tensors``); containers below those are not walked."""
-    held: list[tuple[str, torch.Tensor]] = []
-    for path, module in named_modules(model):
-        prefix = f"{path}." if path else ""
-        for attr, value in module.__dict__.items():
-            if attr.startswith(("_", "tl_")):
-                continue
-            if type(value) in (list, tuple):
-                items: Any = ((f"{attr}.{i}", item) for i, item in enumerate(value))
-            elif type(value) is dict:
-                items = ((f"{attr}[{key!r}]", item) for key, item in value.items())
-            else:
-                items = ((attr, value),)
-            for name, item in items:
-                if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
-                    held.append((prefix + name, item))
-    return held
 
 
 class _Alias:

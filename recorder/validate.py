@@ -24,8 +24,8 @@ from tracelake.errors import RecorderError
 from .arguments import Unresolved, decode, resolve_function
 from .backward import CaptureOptions
 from .entries import OpEntry
+from .held import held_tensors
 from .intercept import flatten_tensors
-from .labels import held_tensors
 
 __all__ = ["Mismatch", "ValidationReport", "validate"]
 
@@ -127,7 +127,7 @@ def _params_of(model: Any) -> dict[str, torch.Tensor]:
         raise TypeError(f"model= takes the recorded torch.nn.Module, not {type(model).__name__}")
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
-    for name, tensor in held_tensors(model):  # recorded as buffers (labels.py)
+    for name, tensor in held_tensors(model):  # recorded as buffers (held.py)
         named.setdefault(name, tensor)
     return named
 

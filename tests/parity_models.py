@@ -388,6 +388,24 @@ class HeldTensors(nn.Module):
         return self.inner(x + self.bias) - self.cache["cpu"] + self.bias
 
 
+@model((2, 4))
+class HeldNested(nn.Module):
+    # held tensors below the first container level (TorchLens walks four): a dict of
+    # dicts, a dict of lists, a list of tuples, a key with a dot, one tensor held twice
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = {
+            "outer": {"cpu": torch.full((4,), 0.5)},
+            "a.b": [torch.ones(4), (torch.zeros(4),)],
+        }
+        self.pairs = [(torch.ones(4), torch.arange(4.0))]
+        self.same = [self.pairs[0][1]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.cache["outer"]["cpu"] + self.cache["a.b"][0] - self.cache["a.b"][1][0]
+        return x * self.pairs[0][0] + self.pairs[0][1] + self.same[0]
+
+
 @model((2, 3, 4, 4))
 class BatchNormEval(nn.Module):
     def __init__(self) -> None:
