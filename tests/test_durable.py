@@ -1,0 +1,87 @@
+"""A run's files reach the disk before the catalog names it: every file and directory
+of its tree is fsync'd (all at once, from a pool of threads) before the commit that
+makes the run visible; a forked child makes its own pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracelake as tl
+from tracelake.store import layout
+from tracelake.store.catalog import CatalogWriter
+
+
+def test_every_file_and_directory_of_a_run_is_fsyncd_before_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tl.open(tmp_path / "s.tl", create=True)
+    model, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    store.record(model, x, name="warm")
+    synced: list[str] = []
+    threads: set[str] = set()
+    at_commit: list[int] = []
+    real_fsync, real_commit = os.fsync, CatalogWriter.commit
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        threads.add(threading.current_thread().name)
+
+    def commit(self: CatalogWriter, *args: object, **kwargs: object) -> object:
+        at_commit.append(len(synced))
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(CatalogWriter, "commit", commit)
+    monkeypatch.setattr(layout, "_FSYNC_FILES", 1 << 20)  # (never a syncfs instead)
+    run = store.record(model, x, name="a", save=tl.all())
+    tree = [str(p) for p in Path(store.path, "runs", f"{run.id:08d}").rglob("*")]
+    tree.append(str(Path(store.path, "runs", f"{run.id:08d}")))
+    assert len(tree) > 5 and at_commit
+    before = set(synced[: at_commit[0]])
+    assert set(tree) <= before, sorted(set(tree) - before)
+    assert any(name.startswith("tracelake-fsync") for name in threads)
+    assert torch.equal(tl.open(store.path)["a"]["linear_1_1"].out, model(x))
+
+
+def test_fsync_all_raises_the_error_of_a_file_that_cannot_be_synced(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    good.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError):
+        layout.fsync_all([str(good), str(tmp_path / "missing")], [str(tmp_path)])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_makes_its_own_fsync_pool(tmp_path: Path) -> None:
+    script = f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        from tracelake.store import layout
+        files = []
+        for k in range(4):
+            path = Path({str(tmp_path)!r}) / f"f{{k}}"
+            path.write_bytes(b"x")
+            files.append(str(path))
+        layout.fsync_all(files)  # the parent's pool: its threads started, then idle
+        time.sleep(0.2)
+        pid = os.fork()
+        if pid == 0:  # (the parent's pool would take these for its idle threads: a hang)
+            signal.alarm(10)  # a hung child ends, with a status that fails the test
+            layout.fsync_all(files)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(status)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0"
