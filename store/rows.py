@@ -119,7 +119,15 @@ def distinct_codes(values: Sequence[Any], identity: bool = False) -> tuple[list[
 
 
 def _taken(distinct: list[Any], codes: np.ndarray, type_: pa.DataType) -> pa.Array:
+    if len(codes) <= _TAKE_MIN:  # (a tiny run: each take costs more than converting)
+        return pa.array([distinct[k] for k in codes.tolist()], type=type_)
     return pa.array(distinct, type=type_).take(codes)
+
+
+#: Up to this many rows a column is converted row by row rather than taken from its
+#: distinct values: Arrow's ``take`` has a fixed cost (~20-250 us a call, nested types
+#: most) that a few rows' conversion does not (~10-20 us for 5 rows; even at 128 rows).
+_TAKE_MIN = 128
 
 
 #: What a run's writer computes in its workers: the statistics by tensor slot (as

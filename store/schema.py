@@ -12,7 +12,6 @@ declarations say.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import TYPE_CHECKING, Any
 
 from tracelake.recorder.record import (
@@ -154,12 +153,20 @@ def _definition(field: Field) -> str:
     return f"{ident(field.name)} {field.type.duckdb}{default}"
 
 
-@functools.cache
 def arrow_schema(table: Table) -> pa.Schema:
     """The Arrow schema of ``table``'s rows, columns in declaration order."""
-    import pyarrow as pa  # (not for listing runs: the command line starts without it)
+    known = _SCHEMAS.get(id(table))
+    if known is None or known[0] is not table:
+        import pyarrow as pa  # (not for listing runs: the command line starts without it)
 
-    return pa.schema([(f.name, f.type.arrow) for f in table.columns if f.type is not None])
+        schema = pa.schema([(f.name, f.type.arrow) for f in table.columns if f.type is not None])
+        known = _SCHEMAS[id(table)] = (table, schema)
+    return known[1]
+
+
+#: id(table) -> (table, its schema). By identity, not by the table's value: a frozen
+#: dataclass's hash walks every column's declaration (~0.1 ms, three times a run).
+_SCHEMAS: dict[int, tuple[Table, pa.Schema]] = {}
 
 
 def present_columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
