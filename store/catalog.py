@@ -63,6 +63,7 @@ from .duckfile import (
     is_corrupt,
     restore_from_shadow,
     set_log_aside,
+    shadow_with_log,
     sync_shadow,
     wal_of,
 )
@@ -128,6 +129,14 @@ _LISTED = 256
 #: the file's columns far less, but each such query then opens the file (~250 ms at a
 #: million ops, where the mirror answers in 10-50 ms: ``benchmarks/big_catalog.py``).
 MIRROR_OPS = 1_000_000
+#: How large DuckDB's log (``catalog.duckdb.wal``) may grow before a writer's transaction
+#: checkpoints it into the file. A change is committed by appending it to the log (one
+#: fsync); a checkpoint writes blocks and headers (four fsyncs) and brings the shadow up
+#: to the file (one read a block: it grows with the catalog), so it is paid once per
+#: this many bytes of changes, not per run. Bounded because everyone who opens the file
+#: replays the log first, in memory: each writer's ``ATTACH``, each reader's refresh and
+#: each query on the file (TODO measured).
+LOG_BYTES = 4 << 20
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -222,18 +231,18 @@ class _Engine:
         pid = os.getpid()
         if self._con is None or self._con[0] != pid:
             con = duckdb.connect(":memory:")
-            # A commit larger than this is checkpointed into the file at once instead of
-            # written to the write-ahead log first (and checkpointed again on detach):
-            # each row is written once, not twice. Atomic all the same: the file's
-            # header moves to the new blocks last.
-            con.execute("SET checkpoint_threshold = '1KB'")
+            # A commit that would take the log past LOG_BYTES is checkpointed into the
+            # file at its COMMIT (with the log it replayed) instead of written to the log
+            # first: each row is written once, not twice. Atomic all the same: the
+            # file's header moves to the new blocks last.
+            con.execute(f"SET checkpoint_threshold = '{LOG_BYTES}B'")
             # One thread: a writer's statements are small, so a second thread only adds
             # coordination (slower, not faster, on a loaded machine), and writers of
             # several processes at once would each bring one more to share the cores.
             con.execute("SET threads = 1")
-            # A DETACH leaves DuckDB's log as it is: a transaction that is to be in the
-            # file checkpoints itself (CatalogWriter._transaction), a run's registration
-            # stays in the log (one fsync, where a checkpoint takes three more).
+            # A DETACH leaves DuckDB's log as it is: a change stays in the log (one
+            # fsync, where a checkpoint takes three more) until the log is past
+            # LOG_BYTES (CatalogWriter._transaction).
             con.execute("PRAGMA disable_checkpoint_on_shutdown")
             self._con = (pid, con)
         return self._con[1]
@@ -319,21 +328,21 @@ class CatalogWriter:
 
     @contextmanager
     def _transaction(
-        self, then: list[Callable[[], None]] | None = None, logged: bool = False
+        self, then: list[Callable[[], None]] | None = None
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
         throws the engine's connection away. ``then``: actions the block adds, run once
         the transaction committed, while the lock is still held.
 
-        ``logged``: the change stays in DuckDB's log (``catalog.duckdb.wal``): its
-        ``COMMIT`` appends it there and fsyncs that, no checkpoint (which fsyncs three
-        more times and writes the file's blocks and headers). The next writer's ``ATTACH``
-        replays the log and its checkpoint takes the change into the file; readers
-        replay it in memory; a restore from the shadow keeps it (``duckfile.py``). For a
-        run's registration: a small row a run, and every other transaction checkpoints
-        (a commit larger than 1 KB at its ``COMMIT``, others before the ``DETACH``), so
-        the log stays small.
+        The change stays in DuckDB's log (``catalog.duckdb.wal``): its ``COMMIT``
+        appends it there and fsyncs that, no checkpoint (which fsyncs three more times,
+        writes the file's blocks and headers, and makes the shadow sync read every
+        block's checksum). Once the log is past :data:`LOG_BYTES` a checkpoint takes it
+        into the file: DuckDB's own at a ``COMMIT`` that would pass the bound (the
+        change written once, into the file), or this method's after one that did. Every
+        opener replays the log (writers' ``ATTACH``, readers in memory); a restore from
+        the shadow keeps it (``duckfile.py``).
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -382,8 +391,7 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     self.changes.bump()
-                    if not logged and os.path.lexists(wal_of(self.paths.catalog)):
-                        con.execute("CHECKPOINT")  # (what a DETACH did by default)
+                    self._bound_log(con, seen)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -391,8 +399,9 @@ class CatalogWriter:
                 self._checked = _file_state(self.paths)
                 self._keep_shadow()
                 # What the change lets happen on disk happens only now that the shadow
-                # holds it: a catalog restored from the shadow never lacks a change
-                # whose consequences (a run's marker, a removed directory) are there.
+                # holds it (with the log, which a restore keeps): a catalog restored
+                # from the shadow never lacks a change whose consequences (a run's
+                # marker, a removed directory) are there.
                 for action in then or ():
                     action()
                 keep_reserve(self.paths)
@@ -402,6 +411,23 @@ class CatalogWriter:
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
                 raise
+
+    def _bound_log(
+        self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None
+    ) -> None:
+        """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (DuckDB
+        judges a commit's size before writing it, and may judge low). A log file this
+        ``COMMIT`` made (``seen``, the file's and log's stat before, shows none, or
+        another) gets its name made durable: DuckDB fsyncs the log's contents, not the
+        directory entry a power loss could otherwise take with it."""
+        try:
+            st = os.stat(wal_of(self.paths.catalog))
+        except FileNotFoundError:
+            return  # (the COMMIT checkpointed: the change is in the file)
+        if st.st_size > LOG_BYTES:
+            con.execute("CHECKPOINT")
+        elif seen is None or seen[1][:2] != (st.st_ino, st.st_dev):
+            fsync_dir(self.paths.root)
 
     def _attach(self, con: duckdb.DuckDBPyConnection, path: str) -> duckdb.DuckDBPyConnection:
         """Attach the catalog file; one that is damaged (by its headers, or by DuckDB's
@@ -474,7 +500,7 @@ class CatalogWriter:
         then: list[Callable[[], None]] = []
         held: io.FileIO | None = None
         try:
-            with self._transaction(then, logged=True) as con:
+            with self._transaction(then) as con:
                 clash = self._live_names(con, name)
                 if clash and not overwrite:
                     raise RunExistsError(
@@ -946,21 +972,37 @@ def read_source(
     if memory is not None:
         config["memory_limit"] = memory
     # A catalog left unreadable (a writer killed in DuckDB's checkpoint): until the next
-    # writer restores it, readers read the shadow, which is what it will be restored to.
+    # writer restores it, readers read the shadow with the log, which is what it will be
+    # restored to (the log holds the changes since the shadow's checkpoint).
     shadow = paths.shadow.exists()
-    source = paths.shadow if shadow and damage(paths.catalog) else paths.catalog
-    try:
-        src = duckdb.connect(str(source), read_only=True, config=config)
-    except duckdb.Error as exc:
-        if not (shadow and source == paths.catalog and is_corrupt(exc)):
-            raise
-        src = duckdb.connect(str(paths.shadow), read_only=True, config=config)
+    if shadow and damage(paths.catalog):
+        src = _open_shadow(paths, config)
+    else:
+        try:
+            src = duckdb.connect(str(paths.catalog), read_only=True, config=config)
+        except duckdb.Error as exc:
+            if not (shadow and is_corrupt(exc)):
+                raise
+            src = _open_shadow(paths, config)
     try:
         if check:
             check_objects(src)
         yield src, present_columns(src)
     finally:
         src.close()
+
+
+def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
+    """The shadow opened read-only with the catalog's log replayed onto it, as a writer
+    will restore them; without the log where DuckDB cannot read it (as a restore sets
+    it aside)."""
+    with shadow_with_log(paths.shadow, paths.catalog) as path:
+        try:
+            return duckdb.connect(str(path), read_only=True, config=config)
+        except duckdb.Error as exc:
+            if not is_corrupt(exc):
+                raise
+    return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
 def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:

@@ -29,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: The file's own header and DuckDB's two alternating database headers, 4 KiB each.
@@ -222,6 +225,22 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
     os.replace(temp, target)
 
 
+@contextmanager
+def shadow_with_log(shadow: Path, target: Path) -> Iterator[Path]:
+    """A path at which the shadow opens with ``target``'s log (what a restore would make
+    of them, for a reader while ``target`` is unreadable): copies of both (DuckDB finds
+    a log by the real name of its database, so a link to the shadow would not do) in a
+    temporary directory, gone when the block ends (a connection opened in it has read
+    the log by then). A copy of the whole catalog: only while it is unreadable, until
+    the next writer restores it."""
+    with tempfile.TemporaryDirectory(prefix="tracelake-shadow-") as where:
+        path = Path(where) / target.name
+        _copy(shadow, path, sync=False)
+        with contextlib.suppress(FileNotFoundError):
+            _copy(wal_of(target), wal_of(path), sync=False)
+        yield path
+
+
 def set_log_aside(target: Path, keep_as: Path) -> bool:
     """Move ``target``'s log to ``keep_as``'s (a restored copy DuckDB still cannot open
     with it: the log is what it cannot read); whether there was one."""
@@ -232,9 +251,9 @@ def set_log_aside(target: Path, keep_as: Path) -> bool:
     return True
 
 
-def _copy(source: Path, temp: Path) -> None:
+def _copy(source: Path, temp: Path, sync: bool = True) -> None:
     """Copy ``source`` to the new file ``temp`` (anything at that name first removed),
-    fsync'd."""
+    fsync'd (``sync``)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temp)
     src = _open(source, os.O_RDONLY)
@@ -245,7 +264,8 @@ def _copy(source: Path, temp: Path) -> None:
             while chunk := os.pread(src, 1 << 20, offset):
                 _write(dst, chunk, offset)
                 offset += len(chunk)
-            os.fsync(dst)
+            if sync:
+                os.fsync(dst)
         finally:
             os.close(dst)
     finally:
