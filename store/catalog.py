@@ -130,13 +130,18 @@ _LISTED = 256
 #: million ops, where the mirror answers in 10-50 ms: ``benchmarks/big_catalog.py``).
 MIRROR_OPS = 1_000_000
 #: How large DuckDB's log (``catalog.duckdb.wal``) may grow before a writer's transaction
-#: checkpoints it into the file. A change is committed by appending it to the log (one
-#: fsync); a checkpoint writes blocks and headers (four fsyncs) and brings the shadow up
-#: to the file (one read a block: it grows with the catalog), so it is paid once per
-#: this many bytes of changes, not per run. Bounded because everyone who opens the file
-#: replays the log first, in memory: each writer's ``ATTACH``, each reader's refresh and
-#: each query on the file (TODO measured).
-LOG_BYTES = 4 << 20
+#: checkpoints it into the file. A change that fits is committed by appending it to the
+#: log (one fsync); a checkpoint writes blocks and headers (four fsyncs) and brings the
+#: shadow up to the file (one read a block: it grows with the catalog), so it is paid
+#: once per this many bytes of changes (a few tiny runs), not per change. Small because
+#: everyone who opens the file replays the log first: each writer's ``ATTACH`` (two a
+#: run), each reader's refresh and each query on the file; DuckDB replays a tiny run's
+#: two logged transactions in ~0.5-1 ms, a checkpoint costs ~15-20 ms (TODO measured).
+LOG_BYTES = 16 << 10
+#: DuckDB's ``checkpoint_threshold`` while no checkpoint is due: never by its own
+#: judgement (which puts even a tiny run's commit at hundreds of KB), only by this
+#: module's (CatalogWriter._transaction).
+_NO_CHECKPOINT = "1TB"
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -231,11 +236,8 @@ class _Engine:
         pid = os.getpid()
         if self._con is None or self._con[0] != pid:
             con = duckdb.connect(":memory:")
-            # A commit that would take the log past LOG_BYTES is checkpointed into the
-            # file at its COMMIT (with the log it replayed) instead of written to the log
-            # first: each row is written once, not twice. Atomic all the same: the
-            # file's header moves to the new blocks last.
-            con.execute(f"SET checkpoint_threshold = '{LOG_BYTES}B'")
+            # Checkpoints only where CatalogWriter._transaction asks for one.
+            con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
             # One thread: a writer's statements are small, so a second thread only adds
             # coordination (slower, not faster, on a loaded machine), and writers of
             # several processes at once would each bring one more to share the cores.
@@ -328,7 +330,7 @@ class CatalogWriter:
 
     @contextmanager
     def _transaction(
-        self, then: list[Callable[[], None]] | None = None
+        self, then: list[Callable[[], None]] | None = None, size: int = 0
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
@@ -338,11 +340,13 @@ class CatalogWriter:
         The change stays in DuckDB's log (``catalog.duckdb.wal``): its ``COMMIT``
         appends it there and fsyncs that, no checkpoint (which fsyncs three more times,
         writes the file's blocks and headers, and makes the shadow sync read every
-        block's checksum). Once the log is past :data:`LOG_BYTES` a checkpoint takes it
-        into the file: DuckDB's own at a ``COMMIT`` that would pass the bound (the
-        change written once, into the file), or this method's after one that did. Every
-        opener replays the log (writers' ``ATTACH``, readers in memory); a restore from
-        the shadow keeps it (``duckfile.py``).
+        block's checksum). A change that would take the log past :data:`LOG_BYTES`
+        (``size``: about how many bytes it adds, its rows' Arrow size) is checkpointed
+        into the file at its ``COMMIT``, with the log before it (the change's rows
+        written once, not to the log and again); one that took the log past it anyway
+        is followed by a ``CHECKPOINT``. So the log stays small: every opener replays it
+        (writers' ``ATTACH``, readers in memory); a restore from the shadow keeps it
+        (``duckfile.py``).
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -384,7 +388,7 @@ class CatalogWriter:
                         if not self._has_schema:  # once per writer and file, in the
                             create_schema(con)  # transaction: one commit, not one a table
                         yield con
-                        con.execute("COMMIT")
+                        self._commit(con, seen, size)
                     except BaseException:
                         with contextlib.suppress(duckdb.Error):  # the first error says more
                             con.execute("ROLLBACK")
@@ -412,14 +416,27 @@ class CatalogWriter:
                     _ENGINE.reset()
                 raise
 
+    def _commit(
+        self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None, size: int
+    ) -> None:
+        """``COMMIT``, checkpointing at once where the change (``size`` bytes, about)
+        would take the log past :data:`LOG_BYTES`."""
+        logged = seen[1][2] if seen is not None and seen[1] else 0
+        if logged + size <= LOG_BYTES:
+            con.execute("COMMIT")
+            return
+        con.execute("SET checkpoint_threshold = '0B'")  # (DuckDB's: the COMMIT checkpoints)
+        con.execute("COMMIT")
+        con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
+
     def _bound_log(
         self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None
     ) -> None:
-        """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (DuckDB
-        judges a commit's size before writing it, and may judge low). A log file this
-        ``COMMIT`` made (``seen``, the file's and log's stat before, shows none, or
-        another) gets its name made durable: DuckDB fsyncs the log's contents, not the
-        directory entry a power loss could otherwise take with it."""
+        """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (the
+        change was larger than its ``size`` said). A log file this ``COMMIT`` made
+        (``seen``, the file's and log's stat before, shows none, or another) gets its
+        name made durable: DuckDB fsyncs the log's contents, not the directory entry a
+        power loss could otherwise take with it."""
         try:
             st = os.stat(wal_of(self.paths.catalog))
         except FileNotFoundError:
@@ -597,7 +614,7 @@ class CatalogWriter:
     ) -> dict[str, Any]:
         """Make run ``run_id`` visible, with all its rows, in one transaction; return its
         ``runs`` row."""
-        with self._transaction() as con:
+        with self._transaction(size=_nbytes(tables.values())) as con:
             clash = [i for i, s in self._live_names(con, name) if s == COMPLETE]
             if clash and not overwrite:
                 raise RunExistsError(
@@ -659,7 +676,8 @@ class CatalogWriter:
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
         is in the catalog before this."""
         then: list[Callable[[], None]] = []
-        with self._transaction(then) as con:
+        size = sum(_nbytes(run.tables.values()) for run in runs)
+        with self._transaction(then, size) as con:
             on_disk = self._check_disk(con)
             top, seq = con.execute(
                 "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
@@ -795,6 +813,11 @@ class StagedRun:
     info: dict[str, Any]
     tables: dict[str, Any]
     summary: dict[str, Any]
+
+
+def _nbytes(tables: Collection[Any]) -> int:
+    """The Arrow size of a change's tables (what it adds to DuckDB's log, about)."""
+    return sum(int(t.nbytes) for t in tables if t is not None)
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:
