@@ -327,10 +327,15 @@ class CatalogWriter:
         self.changes: ChangeToken = FileChangeToken(paths)
         #: The block checksums this writer's last transaction left in the shadow.
         self._heads = Heads()
+        #: The log file (inode, device) whose name this writer made durable.
+        self._durable_log: tuple[int, int] | None = None
 
     @contextmanager
     def _transaction(
-        self, then: list[Callable[[], None]] | None = None, size: int = 0
+        self,
+        then: list[Callable[[], None]] | None = None,
+        size: int = 0,
+        durable: bool = True,
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
@@ -346,7 +351,7 @@ class CatalogWriter:
         written once, not to the log and again); one that took the log past it anyway
         is followed by a ``CHECKPOINT``. So the log stays small: every opener replays it
         (writers' ``ATTACH``, readers in memory); a restore from the shadow keeps it
-        (``duckfile.py``).
+        (``duckfile.py``). ``durable``: see :meth:`_bound_log`.
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -395,7 +400,7 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     self.changes.bump()
-                    self._bound_log(con, seen)
+                    self._bound_log(con, durable)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -429,22 +434,22 @@ class CatalogWriter:
         con.execute("COMMIT")
         con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
 
-    def _bound_log(
-        self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None
-    ) -> None:
+    def _bound_log(self, con: duckdb.DuckDBPyConnection, durable: bool) -> None:
         """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (the
-        change was larger than its ``size`` said). A log file this ``COMMIT`` made
-        (``seen``, the file's and log's stat before, shows none, or another) gets its
-        name made durable: DuckDB fsyncs the log's contents, not the directory entry a
-        power loss could otherwise take with it."""
+        change was larger than its ``size`` said). ``durable``: the change must outlive
+        a power loss once this returns, so the log's name is made durable too (DuckDB
+        fsyncs the log's contents, not the directory entry of a log it made), once per
+        log file. A run's registration need not be: lost, it leaves a directory without
+        a row, which ``gc()`` removes, and its commit makes the log durable."""
         try:
             st = os.stat(wal_of(self.paths.catalog))
         except FileNotFoundError:
             return  # (the COMMIT checkpointed: the change is in the file)
         if st.st_size > LOG_BYTES:
             con.execute("CHECKPOINT")
-        elif seen is None or seen[1][:2] != (st.st_ino, st.st_dev):
+        elif durable and self._durable_log != (st.st_ino, st.st_dev):
             fsync_dir(self.paths.root)
+            self._durable_log = (st.st_ino, st.st_dev)
 
     def _attach(self, con: duckdb.DuckDBPyConnection, path: str) -> duckdb.DuckDBPyConnection:
         """Attach the catalog file; one that is damaged (by its headers, or by DuckDB's
@@ -517,7 +522,7 @@ class CatalogWriter:
         then: list[Callable[[], None]] = []
         held: io.FileIO | None = None
         try:
-            with self._transaction(then) as con:
+            with self._transaction(then, durable=False) as con:
                 clash = self._live_names(con, name)
                 if clash and not overwrite:
                     raise RunExistsError(
