@@ -14,7 +14,9 @@ open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
   lets go. A notebook that keeps a store open for hours holds no lock in between.
 
 A writer killed at any moment leaves either its whole commit or none of it (DuckDB's
-write-ahead log is replayed by the next opener); the flock dies with the process.
+write-ahead log is replayed by the next opener); the flock dies with the process. A
+transaction's change stays in that log (one fsync) until the log passes ``LOG_BYTES``,
+when one transaction checkpoints it into the file.
 
 Every DuckDB call here runs behind the DuckDB boundary (``boundary.py``), so what
 leaves is a ``CatalogError`` (or, for a statement that is the caller's, the error class
@@ -307,8 +309,9 @@ def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
 
 class CatalogWriter:
     """Short, exclusive, transactional changes to ``catalog.duckdb``: each attaches the
-    file to the process's writing DuckDB (:class:`_Engine`) and detaches it (a
-    checkpoint, then no handle left) before letting the lock go."""
+    file to the process's writing DuckDB (:class:`_Engine`), commits into DuckDB's log
+    (checkpointed once past :data:`LOG_BYTES`) and detaches it (no handle left) before
+    letting the lock go."""
 
     def __init__(self, paths: StorePaths):
         self.paths = paths

@@ -17,7 +17,8 @@ name only blocks it already had). So the bytes copied are the bytes a change cha
 finding them reads each block's checksum (one ``pread`` a block: the writer remembers
 the shadow's, :class:`Heads`), which grows with the file (~1.5-3 us a block: ~3 ms at
 10 million ops, 1,760 blocks, on a loaded machine). A transaction that made no
-checkpoint (a run's registration, which stays in DuckDB's log) reads nothing.
+checkpoint (one whose change stayed in DuckDB's log: most, ``catalog.LOG_BYTES``) reads
+nothing.
 
 What it does not cover: the shadow is not fsync'd (it guards against a killed process,
 whose writes the page cache keeps; DuckDB's own fsyncs cover the catalog against power
@@ -211,8 +212,8 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
     """Put the shadow's copy in ``target``'s place. The unreadable file stays at
     ``keep_as`` (a second name), with a copy of its log, for whoever wants to look at
     them. The log itself stays: it holds the changes committed since the checkpoint the
-    shadow copies (a writer's registrations, which stay in the log until the next
-    checkpoint) and, after a kill inside a checkpoint, that checkpoint's change, which
+    shadow copies (writers' changes stay in the log until it passes its bound,
+    ``catalog.LOG_BYTES``) and, after a kill inside a checkpoint, that checkpoint's change, which
     DuckDB replays onto the copy as it would have onto the file. Killed at any point,
     ``target`` is either still the unreadable file (restored again next time) or the
     complete copy, which is on disk before it takes the name."""
