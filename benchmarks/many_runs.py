@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -260,6 +260,11 @@ def log_cost(base: Path, rounds: int, runs: int, ops: int) -> dict[str, dict[str
     (``tl.open(...).runs()``: one read-only open of the file), a new ``Store``'s first
     fetch of one run's ops (its mirror's first refresh), and a query over every run
     read from the file itself (as past ``MIRROR_OPS``)."""
+
+    def log_size(root: Path) -> int:
+        wal = catalog.wal_of(root / "catalog.duckdb")
+        return wal.stat().st_size if wal.exists() else 0
+
     stores: dict[str, Path] = {}
     model, x = nn.Linear(8, 8), torch.randn(2, 8)
     bound = catalog.LOG_BYTES
@@ -273,47 +278,38 @@ def log_cost(base: Path, rounds: int, runs: int, ops: int) -> dict[str, dict[str
                 store.record(Chain(ops), torch.randn(32, 32), name=f"c{i}", **_options(False))
             if which == "log":
                 catalog.LOG_BYTES = bound
-            wal = catalog.wal_of(root / "catalog.duckdb")
             step = 0
             for i in range(1000):
-                size = wal.stat().st_size if wal.exists() else 0
-                if which == "log" and size + step > bound or which == "no log" and i == tiny:
+                size = log_size(root)
+                if (which == "log" and size + step > bound) or (which == "no log" and i == tiny):
                     break
                 store.record(model, x, name=f"t{i}")
-                step = max(step, (wal.stat().st_size if wal.exists() else 0) - size)
+                step = max(step, log_size(root) - size)
             tiny = i
         catalog.LOG_BYTES = bound
     for which, root in stores.items():
-        wal = catalog.wal_of(root / "catalog.duckdb")
-        print(
-            f"  {which}: {len(tl.open(root))} runs, log {wal.stat().st_size if wal.exists() else 0} B"
-        )
+        print(f"  {which}: {len(tl.open(root))} runs, log {log_size(root)} B")
     found: dict[str, dict[str, list[float]]] = {k: {} for k in stores}
 
-    def timed(which: str, what: str, fn: Callable[[], object]) -> None:
+    def timed(which: str, what: str, store: tl.Store, sql: str | None) -> None:
         start = time.perf_counter()
-        fn()
+        if sql is None:
+            store.runs()
+        else:
+            store.query(sql).df()
         found[which].setdefault(what, []).append(time.perf_counter() - start)
 
     mirror_ops = catalog.MIRROR_OPS
     for i in range(rounds + 1):
         for which, root in stores.items():
-            timed(which, "list runs", lambda: tl.open(root, create=False).runs())
-            fresh = tl.open(root, create=False)
-            timed(
-                which,
-                "first fetch",
-                lambda: fresh.query("select label from ops where run = 'c0'").df(),
-            )
+            timed(which, "list runs", tl.open(root, create=False), None)
+            fetch = "select label from ops where run = 'c0'"
+            timed(which, "first fetch", tl.open(root, create=False), fetch)
             catalog.MIRROR_OPS = 0
             try:
                 direct = tl.open(root, create=False)
                 direct.runs()
-                timed(
-                    which,
-                    "query on the file",
-                    lambda: direct.query("select count(*) from ops").df(),
-                )
+                timed(which, "query on the file", direct, "select count(*) from ops")
             finally:
                 catalog.MIRROR_OPS = mirror_ops
         if i == 0:  # (warm-up)
