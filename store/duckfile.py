@@ -213,8 +213,8 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
     ``keep_as`` (a second name), with a copy of its log, for whoever wants to look at
     them. The log itself stays: it holds the changes committed since the checkpoint the
     shadow copies (writers' changes stay in the log until it passes its bound,
-    ``catalog.LOG_BYTES``) and, after a kill inside a checkpoint, that checkpoint's change, which
-    DuckDB replays onto the copy as it would have onto the file. Killed at any point,
+    ``catalog.LOG_BYTES``) and, after a kill inside a checkpoint, that checkpoint's
+    change, which DuckDB replays onto the copy as it would have onto the file. Killed at any point,
     ``target`` is either still the unreadable file (restored again next time) or the
     complete copy, which is on disk before it takes the name."""
     temp = target.with_name(target.name + ".restoring")
