@@ -211,8 +211,10 @@ def interleaved(
                 got.setdefault("catalog_cpu", []).append(
                     times["commit_cpu"][before] + times["reserve_cpu"][before]
                 )
+    # (means too: a checkpoint every few small runs, which the median passes over)
     return {
         which: {k: statistics.median(v) * 1e3 for k, v in got.items()}
+        | {f"{k}_mean": statistics.mean(v) * 1e3 for k, v in got.items()}
         for which, got in found.items()
     } | {"runs": {"big": float(len(stores["big"])), "small": float(len(stores["small"]))}}
 
@@ -251,6 +253,73 @@ def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
     return time.perf_counter() - start
 
 
+def log_cost(base: Path, rounds: int, runs: int, ops: int) -> dict[str, dict[str, float]]:
+    """What readers pay for DuckDB's log (``catalog.duckdb.wal``, replayed by every
+    opener): two stores of the same ``runs`` chain runs (statistics only) and the same
+    tiny runs after them, one with the tiny runs checkpointed into the file (no log),
+    one with them in the log, filled to within a tiny run of ``catalog.LOG_BYTES`` (the
+    most a reader meets). Interleaved, medians over ``rounds``: listing the runs
+    (``tl.open(...).runs()``: one read-only open of the file), a new ``Store``'s first
+    fetch of one run's ops (its mirror's first refresh), and a query over every run
+    read from the file itself (as past ``MIRROR_OPS``)."""
+
+    def log_size(root: Path) -> int:
+        wal = catalog.wal_of(root / "catalog.duckdb")
+        return wal.stat().st_size if wal.exists() else 0
+
+    stores: dict[str, Path] = {}
+    model, x = nn.Linear(8, 8), torch.randn(2, 8)
+    bound = catalog.LOG_BYTES
+    tiny = 0
+    for which in ("log", "no log"):  # (the same runs in both: as many tiny ones as fit)
+        root = stores[which] = base / which.replace(" ", "-")
+        store = tl.open(root)
+        catalog.LOG_BYTES = 0  # (checkpoint every transaction)
+        with torch.no_grad():
+            for i in range(runs):
+                store.record(Chain(ops), torch.randn(32, 32), name=f"c{i}", **_options(False))
+            if which == "log":
+                catalog.LOG_BYTES = bound
+            step = 0
+            for i in range(1000):
+                size = log_size(root)
+                if (which == "log" and size + step > bound) or (which == "no log" and i == tiny):
+                    break
+                store.record(model, x, name=f"t{i}")
+                step = max(step, log_size(root) - size)
+            tiny = i
+        catalog.LOG_BYTES = bound
+    for which, root in stores.items():
+        print(f"  {which}: {len(tl.open(root))} runs, log {log_size(root)} B")
+    found: dict[str, dict[str, list[float]]] = {k: {} for k in stores}
+
+    def timed(which: str, what: str, store: tl.Store, sql: str | None) -> None:
+        start = time.perf_counter()
+        if sql is None:
+            store.runs()
+        else:
+            store.query(sql).df()
+        found[which].setdefault(what, []).append(time.perf_counter() - start)
+
+    mirror_ops = catalog.MIRROR_OPS
+    for i in range(rounds + 1):
+        for which, root in stores.items():
+            timed(which, "list runs", tl.open(root, create=False), None)
+            fetch = "select label from ops where run = 'c0'"
+            timed(which, "first fetch", tl.open(root, create=False), fetch)
+            catalog.MIRROR_OPS = 0
+            try:
+                direct = tl.open(root, create=False)
+                direct.runs()
+                timed(which, "query on the file", direct, "select count(*) from ops")
+            finally:
+                catalog.MIRROR_OPS = mirror_ops
+        if i == 0:  # (warm-up)
+            for got in found.values():
+                got.clear()
+    return {k: {m: statistics.median(v) * 1e3 for m, v in got.items()} for k, got in found.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1000)
@@ -278,6 +347,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only this: make FILL a store of --runs runs quickly, for --against (copies "
         "of one chain run's catalog rows, no tensors: a few minutes for 10,000)",
     )
+    parser.add_argument(
+        "--log-cost",
+        action="store_true",
+        help="only this: readers' latency with DuckDB's log at its bound against none "
+        "(--runs chain runs of --ops ops, statistics only; --rounds rounds)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load {os.getloadavg()[0]:.2f} at the start")
@@ -286,6 +361,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
         return
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
+    if args.log_cost:
+        r = log_cost(base, args.rounds, args.runs, args.ops)
+        print(f"readers, log at its bound ({catalog.LOG_BYTES} B) or none, medians (ms):")
+        for what in r["log"]:
+            print(
+                f"  {what:<18} no log {r['no log'][what]:7.2f}   log {r['log'][what]:7.2f}   "
+                f"({r['log'][what] / r['no log'][what]:.2f}x)"
+            )
+        print(f"load {os.getloadavg()[0]:.2f} at the end")
+        return
     if args.against:
         r = interleaved(
             Path(args.against), base / "small", args.rounds, args.ops, not args.no_tensors
@@ -296,14 +381,16 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  {int(r['runs'][which]):>6} runs in the store: record {m['record']:7.2f} ms, "
                 f"commit {m['commit']:6.2f} ms (CPU {m['commit_cpu']:6.2f} ms), "
-                f"registration + commit CPU {m['catalog_cpu']:6.2f} ms (medians)"
+                f"registration + commit CPU {m['catalog_cpu']:6.2f} ms (medians; its mean "
+                f"{m['catalog_cpu_mean']:6.2f} ms)"
             )
         ratio = r["big"]["commit"] / r["small"]["commit"]
         cpu = r["big"]["commit_cpu"] / r["small"]["commit_cpu"]
         both = r["big"]["catalog_cpu"] / r["small"]["catalog_cpu"]
+        mean = r["big"]["catalog_cpu_mean"] / r["small"]["catalog_cpu_mean"]
         print(
             f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x); registration + commit "
-            f"CPU {both:.2f}x"
+            f"CPU {both:.2f}x (means {mean:.2f}x)"
         )
         print(f"load {os.getloadavg()[0]:.2f} at the end")
         return

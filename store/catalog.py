@@ -14,7 +14,9 @@ open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
   lets go. A notebook that keeps a store open for hours holds no lock in between.
 
 A writer killed at any moment leaves either its whole commit or none of it (DuckDB's
-write-ahead log is replayed by the next opener); the flock dies with the process.
+write-ahead log is replayed by the next opener); the flock dies with the process. A
+transaction's change stays in that log (one fsync) until the log passes ``LOG_BYTES``,
+when one transaction checkpoints it into the file.
 
 Every DuckDB call here runs behind the DuckDB boundary (``boundary.py``), so what
 leaves is a ``CatalogError`` (or, for a statement that is the caller's, the error class
@@ -63,6 +65,7 @@ from .duckfile import (
     is_corrupt,
     restore_from_shadow,
     set_log_aside,
+    shadow_with_log,
     sync_shadow,
     wal_of,
 )
@@ -128,6 +131,21 @@ _LISTED = 256
 #: the file's columns far less, but each such query then opens the file (~250 ms at a
 #: million ops, where the mirror answers in 10-50 ms: ``benchmarks/big_catalog.py``).
 MIRROR_OPS = 1_000_000
+#: How large DuckDB's log (``catalog.duckdb.wal``) may grow before a writer's transaction
+#: checkpoints it into the file. A change that fits is committed by appending it to the
+#: log (one fsync); a checkpoint writes blocks and headers (four fsyncs) and brings the
+#: shadow up to the file (one read a block: it grows with the catalog), so it is paid
+#: once per this many bytes of changes (three or four tiny runs), not per change. Small,
+#: because everyone who opens the file replays the log first: each writer's ``ATTACH``
+#: (two a run; ~0.5-1 ms a logged tiny run, where a checkpoint costs ~15-20 ms), each
+#: reader's refresh and each query on the file (a read-only open: ~33 ms with no log,
+#: ~39 with one registration, ~47 with the log at this bound; 2026-12-01, load ~3.5).
+#: A GPT-2 run's rows (~100 KB) pass it alone: such a commit checkpoints at once.
+LOG_BYTES = 16 << 10
+#: DuckDB's ``checkpoint_threshold`` while no checkpoint is due: never by its own
+#: judgement (which puts even a tiny run's commit at hundreds of KB), only by this
+#: module's (CatalogWriter._transaction).
+_NO_CHECKPOINT = "1TB"
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -222,18 +240,15 @@ class _Engine:
         pid = os.getpid()
         if self._con is None or self._con[0] != pid:
             con = duckdb.connect(":memory:")
-            # A commit larger than this is checkpointed into the file at once instead of
-            # written to the write-ahead log first (and checkpointed again on detach):
-            # each row is written once, not twice. Atomic all the same: the file's
-            # header moves to the new blocks last.
-            con.execute("SET checkpoint_threshold = '1KB'")
+            # Checkpoints only where CatalogWriter._transaction asks for one.
+            con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
             # One thread: a writer's statements are small, so a second thread only adds
             # coordination (slower, not faster, on a loaded machine), and writers of
             # several processes at once would each bring one more to share the cores.
             con.execute("SET threads = 1")
-            # A DETACH leaves DuckDB's log as it is: a transaction that is to be in the
-            # file checkpoints itself (CatalogWriter._transaction), a run's registration
-            # stays in the log (one fsync, where a checkpoint takes three more).
+            # A DETACH leaves DuckDB's log as it is: a change stays in the log (one
+            # fsync, where a checkpoint takes three more) until the log is past
+            # LOG_BYTES (CatalogWriter._transaction).
             con.execute("PRAGMA disable_checkpoint_on_shutdown")
             self._con = (pid, con)
         return self._con[1]
@@ -296,8 +311,9 @@ def _file_state(paths: StorePaths) -> tuple[tuple[int, ...], ...] | None:
 
 class CatalogWriter:
     """Short, exclusive, transactional changes to ``catalog.duckdb``: each attaches the
-    file to the process's writing DuckDB (:class:`_Engine`) and detaches it (a
-    checkpoint, then no handle left) before letting the lock go."""
+    file to the process's writing DuckDB (:class:`_Engine`), commits into DuckDB's log
+    (checkpointed once past :data:`LOG_BYTES`) and detaches it (no handle left) before
+    letting the lock go."""
 
     def __init__(self, paths: StorePaths):
         self.paths = paths
@@ -316,24 +332,31 @@ class CatalogWriter:
         self.changes: ChangeToken = FileChangeToken(paths)
         #: The block checksums this writer's last transaction left in the shadow.
         self._heads = Heads()
+        #: The log file (inode, device) whose name this writer made durable.
+        self._durable_log: tuple[int, int] | None = None
 
     @contextmanager
     def _transaction(
-        self, then: list[Callable[[], None]] | None = None, logged: bool = False
+        self,
+        then: list[Callable[[], None]] | None = None,
+        size: int = 0,
+        durable: bool = True,
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
         throws the engine's connection away. ``then``: actions the block adds, run once
         the transaction committed, while the lock is still held.
 
-        ``logged``: the change stays in DuckDB's log (``catalog.duckdb.wal``): its
-        ``COMMIT`` appends it there and fsyncs that, no checkpoint (which fsyncs three
-        more times and writes the file's blocks and headers). The next writer's ``ATTACH``
-        replays the log and its checkpoint takes the change into the file; readers
-        replay it in memory; a restore from the shadow keeps it (``duckfile.py``). For a
-        run's registration: a small row a run, and every other transaction checkpoints
-        (a commit larger than 1 KB at its ``COMMIT``, others before the ``DETACH``), so
-        the log stays small.
+        The change stays in DuckDB's log (``catalog.duckdb.wal``): its ``COMMIT``
+        appends it there and fsyncs that, no checkpoint (which fsyncs three more times,
+        writes the file's blocks and headers, and makes the shadow sync read every
+        block's checksum). A change that would take the log past :data:`LOG_BYTES`
+        (``size``: about how many bytes it adds, its rows' Arrow size) is checkpointed
+        into the file at its ``COMMIT``, with the log before it (the change's rows
+        written once, not to the log and again); one that took the log past it anyway
+        is followed by a ``CHECKPOINT``. So the log stays small: every opener replays it
+        (writers' ``ATTACH``, readers in memory); a restore from the shadow keeps it
+        (``duckfile.py``). ``durable``: see :meth:`_bound_log`.
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -375,15 +398,14 @@ class CatalogWriter:
                         if not self._has_schema:  # once per writer and file, in the
                             create_schema(con)  # transaction: one commit, not one a table
                         yield con
-                        con.execute("COMMIT")
+                        self._commit(con, seen, size)
                     except BaseException:
                         with contextlib.suppress(duckdb.Error):  # the first error says more
                             con.execute("ROLLBACK")
                         raise
                     self._has_schema = True
                     self.changes.bump()
-                    if not logged and os.path.lexists(wal_of(self.paths.catalog)):
-                        con.execute("CHECKPOINT")  # (what a DETACH did by default)
+                    self._bound_log(con, durable)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -391,8 +413,9 @@ class CatalogWriter:
                 self._checked = _file_state(self.paths)
                 self._keep_shadow()
                 # What the change lets happen on disk happens only now that the shadow
-                # holds it: a catalog restored from the shadow never lacks a change
-                # whose consequences (a run's marker, a removed directory) are there.
+                # holds it (with the log, which a restore keeps): a catalog restored
+                # from the shadow never lacks a change whose consequences (a run's
+                # marker, a removed directory) are there.
                 for action in then or ():
                     action()
                 keep_reserve(self.paths)
@@ -402,6 +425,36 @@ class CatalogWriter:
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
                 raise
+
+    def _commit(
+        self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None, size: int
+    ) -> None:
+        """``COMMIT``, checkpointing at once where the change (``size`` bytes, about)
+        would take the log past :data:`LOG_BYTES`."""
+        logged = seen[1][2] if seen is not None and seen[1] else 0
+        if logged + size <= LOG_BYTES:
+            con.execute("COMMIT")
+            return
+        con.execute("SET checkpoint_threshold = '0B'")  # (DuckDB's: the COMMIT checkpoints)
+        con.execute("COMMIT")
+        con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
+
+    def _bound_log(self, con: duckdb.DuckDBPyConnection, durable: bool) -> None:
+        """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (the
+        change was larger than its ``size`` said). ``durable``: the change must outlive
+        a power loss once this returns, so the log's name is made durable too (DuckDB
+        fsyncs the log's contents, not the directory entry of a log it made), once per
+        log file. A run's registration need not be: lost, it leaves a directory without
+        a row, which ``gc()`` removes, and its commit makes the log durable."""
+        try:
+            st = os.stat(wal_of(self.paths.catalog))
+        except FileNotFoundError:
+            return  # (the COMMIT checkpointed: the change is in the file)
+        if st.st_size > LOG_BYTES:
+            con.execute("CHECKPOINT")
+        elif durable and self._durable_log != (st.st_ino, st.st_dev):
+            fsync_dir(self.paths.root)
+            self._durable_log = (st.st_ino, st.st_dev)
 
     def _attach(self, con: duckdb.DuckDBPyConnection, path: str) -> duckdb.DuckDBPyConnection:
         """Attach the catalog file; one that is damaged (by its headers, or by DuckDB's
@@ -474,7 +527,7 @@ class CatalogWriter:
         then: list[Callable[[], None]] = []
         held: io.FileIO | None = None
         try:
-            with self._transaction(then, logged=True) as con:
+            with self._transaction(then, durable=False) as con:
                 clash = self._live_names(con, name)
                 if clash and not overwrite:
                     raise RunExistsError(
@@ -571,7 +624,7 @@ class CatalogWriter:
     ) -> dict[str, Any]:
         """Make run ``run_id`` visible, with all its rows, in one transaction; return its
         ``runs`` row."""
-        with self._transaction() as con:
+        with self._transaction(size=_nbytes(tables.values())) as con:
             clash = [i for i, s in self._live_names(con, name) if s == COMPLETE]
             if clash and not overwrite:
                 raise RunExistsError(
@@ -633,7 +686,8 @@ class CatalogWriter:
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
         is in the catalog before this."""
         then: list[Callable[[], None]] = []
-        with self._transaction(then) as con:
+        size = sum(_nbytes(run.tables.values()) for run in runs)
+        with self._transaction(then, size) as con:
             on_disk = self._check_disk(con)
             top, seq = con.execute(
                 "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
@@ -769,6 +823,11 @@ class StagedRun:
     info: dict[str, Any]
     tables: dict[str, Any]
     summary: dict[str, Any]
+
+
+def _nbytes(tables: Collection[Any]) -> int:
+    """The Arrow size of a change's tables (what it adds to DuckDB's log, about)."""
+    return sum(int(t.nbytes) for t in tables if t is not None)
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:
@@ -946,21 +1005,37 @@ def read_source(
     if memory is not None:
         config["memory_limit"] = memory
     # A catalog left unreadable (a writer killed in DuckDB's checkpoint): until the next
-    # writer restores it, readers read the shadow, which is what it will be restored to.
+    # writer restores it, readers read the shadow with the log, which is what it will be
+    # restored to (the log holds the changes since the shadow's checkpoint).
     shadow = paths.shadow.exists()
-    source = paths.shadow if shadow and damage(paths.catalog) else paths.catalog
-    try:
-        src = duckdb.connect(str(source), read_only=True, config=config)
-    except duckdb.Error as exc:
-        if not (shadow and source == paths.catalog and is_corrupt(exc)):
-            raise
-        src = duckdb.connect(str(paths.shadow), read_only=True, config=config)
+    if shadow and damage(paths.catalog):
+        src = _open_shadow(paths, config)
+    else:
+        try:
+            src = duckdb.connect(str(paths.catalog), read_only=True, config=config)
+        except duckdb.Error as exc:
+            if not (shadow and is_corrupt(exc)):
+                raise
+            src = _open_shadow(paths, config)
     try:
         if check:
             check_objects(src)
         yield src, present_columns(src)
     finally:
         src.close()
+
+
+def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
+    """The shadow opened read-only with the catalog's log replayed onto it, as a writer
+    will restore them; without the log where DuckDB cannot read it (as a restore sets
+    it aside)."""
+    with shadow_with_log(paths.shadow, paths.catalog) as path:
+        try:
+            return duckdb.connect(str(path), read_only=True, config=config)
+        except duckdb.Error as exc:
+            if not is_corrupt(exc):
+                raise
+    return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
 def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ name only blocks it already had). So the bytes copied are the bytes a change cha
 finding them reads each block's checksum (one ``pread`` a block: the writer remembers
 the shadow's, :class:`Heads`), which grows with the file (~1.5-3 us a block: ~3 ms at
 10 million ops, 1,760 blocks, on a loaded machine). A transaction that made no
-checkpoint (a run's registration, which stays in DuckDB's log) reads nothing.
+checkpoint (one whose change stayed in DuckDB's log: most, ``catalog.LOG_BYTES``) reads
+nothing.
 
 What it does not cover: the shadow is not fsync'd (it guards against a killed process,
 whose writes the page cache keeps; DuckDB's own fsyncs cover the catalog against power
@@ -29,6 +30,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: The file's own header and DuckDB's two alternating database headers, 4 KiB each.
@@ -208,9 +212,9 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
     """Put the shadow's copy in ``target``'s place. The unreadable file stays at
     ``keep_as`` (a second name), with a copy of its log, for whoever wants to look at
     them. The log itself stays: it holds the changes committed since the checkpoint the
-    shadow copies (a writer's registrations, which stay in the log until the next
-    checkpoint) and, after a kill inside a checkpoint, that checkpoint's change, which
-    DuckDB replays onto the copy as it would have onto the file. Killed at any point,
+    shadow copies (writers' changes stay in the log until it passes its bound,
+    ``catalog.LOG_BYTES``) and, after a kill inside a checkpoint, that checkpoint's
+    change, which DuckDB replays onto the copy as it would have onto the file. Killed at any point,
     ``target`` is either still the unreadable file (restored again next time) or the
     complete copy, which is on disk before it takes the name."""
     temp = target.with_name(target.name + ".restoring")
@@ -220,6 +224,22 @@ def restore_from_shadow(shadow: Path, target: Path, keep_as: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         _copy(wal_of(target), wal_of(keep_as))
     os.replace(temp, target)
+
+
+@contextmanager
+def shadow_with_log(shadow: Path, target: Path) -> Iterator[Path]:
+    """A path at which the shadow opens with ``target``'s log (what a restore would make
+    of them, for a reader while ``target`` is unreadable): copies of both (DuckDB finds
+    a log by the real name of its database, so a link to the shadow would not do) in a
+    temporary directory, gone when the block ends (a connection opened in it has read
+    the log by then). A copy of the whole catalog: only while it is unreadable, until
+    the next writer restores it."""
+    with tempfile.TemporaryDirectory(prefix="tracelake-shadow-") as where:
+        path = Path(where) / target.name
+        _copy(shadow, path, sync=False)
+        with contextlib.suppress(FileNotFoundError):
+            _copy(wal_of(target), wal_of(path), sync=False)
+        yield path
 
 
 def set_log_aside(target: Path, keep_as: Path) -> bool:
@@ -232,9 +252,9 @@ def set_log_aside(target: Path, keep_as: Path) -> bool:
     return True
 
 
-def _copy(source: Path, temp: Path) -> None:
+def _copy(source: Path, temp: Path, sync: bool = True) -> None:
     """Copy ``source`` to the new file ``temp`` (anything at that name first removed),
-    fsync'd."""
+    fsync'd (``sync``)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temp)
     src = _open(source, os.O_RDONLY)
@@ -245,7 +265,8 @@ def _copy(source: Path, temp: Path) -> None:
             while chunk := os.pread(src, 1 << 20, offset):
                 _write(dst, chunk, offset)
                 offset += len(chunk)
-            os.fsync(dst)
+            if sync:
+                os.fsync(dst)
         finally:
             os.close(dst)
     finally:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
+from tracelake.store import catalog
 from tracelake.store.duckfile import wal_of
 
 
@@ -32,12 +33,18 @@ def _model() -> tuple[nn.Module, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> tl.Store:
+    """Runs a and b checkpointed into the catalog file, c committed to DuckDB's log only
+    (as most recent runs are: the log is checkpointed once past its bound)."""
     root = tmp_path_factory.mktemp("errors") / "s"
     model, x = _model()
     store = tl.open(root)
-    store.record(model, x, name="a", meta={"lr": 0.5, "tag": "x"})
-    store.record(model, x, name="b", meta={"lr": float("nan")})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(catalog, "LOG_BYTES", 0)  # each commit checkpoints
+        store.record(model, x, name="a", meta={"lr": 0.5, "tag": "x"})
+        store.record(model, x, name="b", meta={"lr": float("nan")})
+    assert not wal_of(root / "catalog.duckdb").exists()
     store.record(model, x, name="c", meta={"lr": 200.0})
+    assert wal_of(root / "catalog.duckdb").exists()
     return store
 
 

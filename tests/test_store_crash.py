@@ -15,6 +15,7 @@ from hook_capture import assert_bitwise
 from model_zoo import BUILDERS
 
 import tracelake as tl
+from tracelake.store import catalog
 
 TESTS = Path(__file__).parent
 
@@ -269,4 +270,56 @@ def test_sigkill_during_a_batch_loses_only_the_open_batch(tmp_path: Path, moment
         store.record(model, *inputs, name="o0")
     assert batch.names == ["o0"] and "o0" in store
     assert_bitwise(store["o0"]["output_1"].out, model(*inputs), "o0")
+    assert store.verify().ok
+
+
+# A child that records run "c" (its commit stays in DuckDB's log: the log is under its
+# bound) and SIGKILLs itself as soon as record returned.
+_DIE_AFTER_RETURN = """
+import os, signal, sys
+import tracelake as tl
+from tracelake.store.duckfile import wal_of
+from model_zoo import BUILDERS
+
+root = sys.argv[1]
+model, inputs = BUILDERS["cnn"]()
+catalog_file = os.path.join(root, "catalog.duckdb")
+before = open(catalog_file, "rb").read()
+tl.open(root).record(model, *inputs, name="c")
+assert wal_of(tl.open(root).paths.catalog).exists()  # committed to the log only:
+assert open(catalog_file, "rb").read() == before  # the file is as it was
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_commit_in_the_log_survives_sigkill_and_a_restore_from_the_shadow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that returned is durable though only DuckDB's log holds it: it survives
+    its writer's SIGKILL right after, and then a catalog file spoilt as a writer killed
+    in a checkpoint once left it (readers read the shadow with the log meanwhile; the
+    next writer restores the shadow and DuckDB replays the log onto it)."""
+    root = tmp_path / "s"
+    with monkeypatch.context() as patch:
+        patch.setattr(catalog, "LOG_BYTES", 0)  # a and b checkpointed into the file
+        expected = _record_earlier_runs(root)
+    _killed(_DIE_AFTER_RETURN, root, "after-return")  # (only after its assertions held)
+    catalog_file = root / "catalog.duckdb"
+    with catalog_file.open("r+b") as f:  # a metadata block spoilt
+        f.seek(3 * 4096 + 5000)
+        f.write(b"\x00killed\x00" * 8)
+    damaged = catalog_file.read_bytes()
+    assert sorted(tl.open(root).runs()["name"]) == ["a", "b", "c"]  # shadow + log
+    assert catalog_file.read_bytes() == damaged  # (readers change nothing)
+    model, inputs = BUILDERS["mlp"]()
+    with pytest.warns(tl.TraceLakeWarning, match="restored from catalog.shadow"):
+        tl.open(root).record(model, *inputs, name="d")
+    store = tl.open(root, create=False)
+    assert sorted(store.runs()["name"]) == ["a", "b", "c", "d"]
+    for name, outs in expected.items():
+        for label, tensor in outs.items():
+            assert_bitwise(store[name][label].out, tensor, f"{name} {label}")
+    model, inputs = BUILDERS["cnn"]()
+    for op in tl.trace(model, *inputs):
+        assert_bitwise(store["c"][op.label].out, op.out, f"c {op.label}")
     assert store.verify().ok

@@ -1,0 +1,149 @@
+"""The catalog's log (issue 16, items 3 and 5): a writer's transaction is committed by
+appending it to DuckDB's log (``catalog.duckdb.wal``) and fsyncing that, and the log is
+checkpointed into the file only once it is past ``catalog.LOG_BYTES``. Everyone who
+opens the catalog (readers, queries on the file, the next writer, a restore from the
+shadow) sees the runs the log holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hook_capture import assert_bitwise
+from model_zoo import BUILDERS
+
+import tracelake as tl
+from tracelake.store import catalog
+from tracelake.store.duckfile import wal_of
+
+TESTS = Path(__file__).parent
+
+
+def _log_size(root: Path) -> int:
+    wal = wal_of(root / "catalog.duckdb")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def _outputs(i: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    model, inputs = BUILDERS["mlp"]()
+    return model, tuple(x + i for x in inputs)
+
+
+_COUNT = """
+import sys
+import tracelake as tl
+store = tl.open(sys.argv[1], create=False)
+print(",".join(store.runs()["name"]))
+"""
+
+
+def _names_in_another_process(root: Path) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT, str(root)],
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return [n for n in done.stdout.strip().split(",") if n]
+
+
+def test_small_commits_stay_in_the_log_until_it_is_past_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the log is under its bound a run's commit leaves the catalog file and its
+    shadow as they were (no checkpoint); the transaction that takes the log past the
+    bound checkpoints it, and the log never stays past it. Every run is visible to a
+    reader of another process as soon as ``record`` returned."""
+    root = tmp_path / "s"
+    store = tl.open(root)
+    model, inputs = _outputs(0)
+    store.record(model, *inputs, name="r0")
+    one_run = _log_size(root)
+    assert one_run > 0  # the first run (and the schema) are in the log only
+    monkeypatch.setattr(catalog, "LOG_BYTES", one_run * 3)
+    catalog_file, shadow = root / "catalog.duckdb", root / "catalog.shadow"
+    logged = checkpoints = 0
+    for i in range(1, 12):
+        before = (catalog_file.read_bytes(), shadow.read_bytes(), _log_size(root))
+        model, inputs = _outputs(i)
+        store.record(model, *inputs, name=f"r{i}")
+        size = _log_size(root)
+        assert size <= catalog.LOG_BYTES
+        if size > before[2]:  # logged: neither the file nor its shadow was written
+            logged += 1
+            assert catalog_file.read_bytes() == before[0]
+            assert shadow.read_bytes() == before[1]
+        else:  # checkpointed: the shadow is the file again
+            checkpoints += 1
+            assert catalog_file.read_bytes() != before[0]
+            assert shadow.read_bytes() == catalog_file.read_bytes()
+        if i % 4 == 1:
+            assert _names_in_another_process(root) == [f"r{k}" for k in range(i + 1)]
+    assert logged >= 4 and checkpoints >= 2, (logged, checkpoints)
+    reader = tl.open(root, create=False)
+    for i in range(12):
+        model, inputs = _outputs(i)
+        assert_bitwise(reader[f"r{i}"]["output_1"].out, model(*inputs), f"r{i}")
+    assert reader.verify().ok
+
+
+def test_a_commit_larger_than_the_bound_is_checkpointed_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s"
+    store = tl.open(root)
+    model, inputs = _outputs(0)
+    store.record(model, *inputs, name="small")
+    assert _log_size(root) > 0
+    monkeypatch.setattr(catalog, "LOG_BYTES", 1)  # any run's rows are larger
+    store.record(model, *inputs, name="large")
+    assert _log_size(root) == 0  # checkpointed, with the log before it
+    assert (root / "catalog.shadow").read_bytes() == (root / "catalog.duckdb").read_bytes()
+    assert sorted(tl.open(root, create=False).runs()["name"]) == ["large", "small"]
+
+
+def test_queries_on_the_catalog_file_see_the_runs_in_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MIRROR_OPS, queries over every run read the catalog file itself (no copy of
+    every run into the mirror): DuckDB replays the log there too."""
+    root = tmp_path / "s"
+    store = tl.open(root)
+    for i in range(3):
+        model, inputs = _outputs(i)
+        store.record(model, *inputs, name=f"r{i}")
+    assert _log_size(root) > 0
+    monkeypatch.setattr(catalog, "MIRROR_OPS", 0)
+    reader = tl.open(root, create=False)
+    model, inputs = _outputs(0)
+    ops = len(tl.trace(model, *inputs))
+    got = reader.query("select run, count(*) as n from ops group by run order by run").df()
+    assert got["run"].tolist() == ["r0", "r1", "r2"] and set(got["n"]) == {ops}
+    assert int(reader.sql("select count(*) from ops").iloc[0, 0]) == 3 * ops
+    assert reader.catalog._direct  # (the file was read, not the mirror)
+    # a run committed after the reader's last look is seen by its next query
+    model, inputs = _outputs(3)
+    store.record(model, *inputs, name="r3")
+    assert int(reader.sql("select count(*) from ops").iloc[0, 0]) == 4 * ops
+
+
+def test_delete_and_gc_with_runs_in_the_log(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = tl.open(root)
+    for i in range(3):
+        model, inputs = _outputs(i)
+        store.record(model, *inputs, name=f"r{i}")
+    store.delete("r1")
+    assert _log_size(root) > 0  # the delete too
+    assert _names_in_another_process(root) == ["r0", "r2"]
+    collected = store.gc()
+    assert collected["runs"] == 1
+    reader = tl.open(root, create=False)
+    assert reader.runs(all=True)["name"].tolist() == ["r0", "r2"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == ["00000001", "00000003"]
+    assert reader.verify().ok
