@@ -110,8 +110,9 @@ class TensorWriter:
         workers: int = 2,
         sync: bool = True,
     ):
-        """``sync=False``: files are written and closed, never synced here (a batch of
-        runs makes them durable at once, ``Store.batch``)."""
+        """``sync=False``: files are written back and closed here, made durable by the
+        caller, many at once (a store's run at its commit, a batch of runs at the
+        batch's: ``layout.durable_trees``; ``local.Unsynced``)."""
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays
