@@ -116,7 +116,8 @@ class Unsynced:
                     self._cond.notify_all()
 
     def close(self, durable: bool = True) -> None:
-        """Make every file durable (or, not ``durable``: just close them)."""
+        """Make every file durable (``sync=False``: written back), or, not ``durable``,
+        just close them."""
         with self._cond:
             if not durable:
                 for fd in self._fds:
