@@ -23,7 +23,9 @@ round; each sample writes into a fresh directory that is synced (``os.sync``, so
 condition pays for another's dirty pages) and removed afterwards, untimed.
 Reported: median seconds, MiB each condition wrote, MiB/s (its MiB / its seconds),
 ``x raw`` (MiB/s over the raw write's MiB/s in the same round, median over rounds),
-and for tracelake ops per second. Targets from the store issue: large tensors (the wide
+and for tracelake ops per second; below the tables, the process's CPU time per sample
+(``getrusage``: every thread, the writer's included; steadier than wall time on a
+loaded machine). Targets from the store issue: large tensors (the wide
 model) >= 0.7x raw; >= 20,000 small ops per second end to end.
 
 Models: ``gpt2`` as in capture_overhead.py (GPT2Model, 4 layers, d=256, batch 4 x 128);
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -102,6 +105,7 @@ class Condition:
     name: str
     run: Callable[[Path], int]  # writes into a fresh directory; returns bytes written
     seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # the process's, every thread's
     nbytes: list[int] = field(default_factory=list)
     ops: int = 0
     after: Callable[[Path], None] | None = None  # untimed, before the directory goes
@@ -251,12 +255,18 @@ def build_conditions(
     return conds
 
 
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def sample(cond: Condition, root: Path) -> tuple[float, int]:
     where = Path(tempfile.mkdtemp(dir=root))
     try:
-        start = time.perf_counter()
+        cpu, start = _cpu(), time.perf_counter()
         nbytes = cond.run(where)
         seconds = time.perf_counter() - start
+        cond.cpu.append(_cpu() - cpu)
         if cond.after is not None:
             cond.after(where)
         return seconds, nbytes
@@ -275,6 +285,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
         for cond in conds:  # warm-up: also fixes the raw write's size to tracelake's
             sample(cond, root)
             cond.phases.clear()
+            cond.cpu.clear()
         ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         for r in range(repeats):
             order = conds[r % len(conds) :] + conds[: r % len(conds)]
@@ -300,6 +311,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
                 "MiB/s": mib / secs if mib else None,
                 "x raw": statistics.median(ratios[cond.name]) if ratios[cond.name] else None,
                 "ops/s": cond.ops / secs if cond.ops else None,
+                "cpu": statistics.median(cond.cpu),
                 "phases": {k: statistics.median(v) for k, v in cond.phases.items()},
             }
         )
@@ -370,6 +382,11 @@ def breakdown(rows: list[dict[str, Any]]) -> str:
             base = plain.get(row["model"])
             extra = f" (plain forward {base * 1e3:.0f})" if base and row["model"] != "chain" else ""
             out.append(f"{row['model']}: {row['condition']} ms by phase: {parts}{extra}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cpu = ", ".join(
+            f"{r['condition']} {r['cpu'] * 1e3:.0f}" for r in rows if r["model"] == model
+        )
+        out.append(f"{model}: CPU ms a sample (every thread): {cpu}")
     return "\n".join(out)
 
 
@@ -411,6 +428,7 @@ def write_json(path: str, rows: list[dict[str, Any]]) -> None:
     measures = []
     for r in rows:
         measures.append((f"{r['model']} {r['condition']}: s", r["seconds"], "lower"))
+        measures.append((f"{r['model']} {r['condition']}: CPU s", r["cpu"], "lower"))
         if r["condition"].startswith("tracelake"):
             measures.append((f"{r['model']} {r['condition']}: x raw", r["x raw"], "higher"))
             measures.append((f"{r['model']} {r['condition']}: ops/s", r["ops/s"], "higher"))

@@ -18,6 +18,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "_record.h" /* the row's fields by name, generated from recorder/record.py */
 
@@ -1123,21 +1125,25 @@ __attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *
  * run k starting step elements after run k - 1 (a dense tensor: one run; a dense tensor's
  * slice or permutation: rows of its innermost contiguous block). Each run is summed by
  * lanes from its own start, so the bits depend on the layout, never on the processor. */
-static void moments_f32(const float *x, Py_ssize_t run, Py_ssize_t count, Py_ssize_t step,
-                        double *out) {
-    Moments m = {{0}, {0}, {0}, {0}, 0};
-    for (int j = 0; j < LANES; j++) m.lo[j] = m.hi[j] = x[0];
+static void moments_start(const float *x, Moments *m) {
+    *m = (Moments){{0}, {0}, {0}, {0}, 0};
+    for (int j = 0; j < LANES; j++) m->lo[j] = m->hi[j] = x[0];
+}
+
+/* n contiguous float32s into m, lane j taking the elements i = j (mod LANES) counted from
+ * row: so rows cut at multiples of LANES elements give the bits of one row. */
+static int has_avx2 = 0; /* (set when the module loads) */
+
+static void moments_row(const float *row, Py_ssize_t n, Moments *m) {
+    Py_ssize_t done = 0;
 #ifdef HAVE_SIMD
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    done = has_avx2 ? moments_avx2(row, n, m) : moments_sse2(row, n, m);
 #endif
-    for (Py_ssize_t r = 0; r < count; r++) {
-        const float *row = x + r * step;
-        Py_ssize_t done = 0;
-#ifdef HAVE_SIMD
-        done = avx2 ? moments_avx2(row, run, &m) : moments_sse2(row, run, &m);
-#endif
-        moments_tail(row, done, run, &m);
-    }
+    moments_tail(row, done, n, m);
+}
+
+static void moments_end(const Moments *mm, double *out) {
+    Moments m = *mm;
     double sum = 0, sq = 0;
     float low = m.lo[0], high = m.hi[0];
     for (int j = 0; j < LANES; j++) {
@@ -1147,6 +1153,189 @@ static void moments_f32(const float *x, Py_ssize_t run, Py_ssize_t count, Py_ssi
         high = m.hi[j] > high ? m.hi[j] : high;
     }
     out[0] = sum, out[1] = sq, out[2] = low, out[3] = high, out[4] = (double)m.zeros;
+}
+
+static void moments_f32(const float *x, Py_ssize_t run, Py_ssize_t count, Py_ssize_t step,
+                        double *out) {
+    Moments m;
+    moments_start(x, &m);
+    for (Py_ssize_t r = 0; r < count; r++) moments_row(x + r * step, run, &m);
+    moments_end(&m, out);
+}
+
+/* ---- CRC32C (Castagnoli), as Zarr v3's crc32c codec checks it (store/codecs.py) ---------
+ * The value of a message, as google_crc32c.value gives it: reflected, initial value and
+ * final xor all ones. With SSE4.2 its crc32 instruction in three interleaved streams (one
+ * alone waits on the instruction's latency), the streams joined by the multiplication of
+ * a CRC by x^(8n) modulo the polynomial (zlib's crc32_combine); else a byte table. */
+#define CRC32C_POLY 0x82f63b78u
+static uint32_t crc32c_table[256];
+static uint32_t crc32c_x2n[32]; /* x^(2^k) modulo the polynomial */
+
+/* a(x) b(x) modulo the polynomial (reflected bits) */
+static uint32_t crc32c_mult(uint32_t a, uint32_t b) {
+    uint32_t m = (uint32_t)1 << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(8 n) modulo the polynomial: what appending n zero bytes multiplies a CRC by */
+static uint32_t crc32c_shift(size_t n) {
+    uint32_t p = (uint32_t)1 << 31; /* x^0 */
+    for (unsigned k = 3; n; n >>= 1, k++)
+        if (n & 1) p = crc32c_mult(crc32c_x2n[k & 31], p);
+    return p;
+}
+
+static void crc32c_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ CRC32C_POLY : c >> 1;
+        crc32c_table[n] = c;
+    }
+    uint32_t p = (uint32_t)1 << 30; /* x^1 */
+    crc32c_x2n[0] = p;
+    for (int k = 1; k < 32; k++) crc32c_x2n[k] = p = crc32c_mult(p, p);
+}
+
+static uint32_t crc32c_bytes(uint32_t crc, const unsigned char *p, size_t n) {
+    crc = ~crc;
+    while (n--) crc = crc32c_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+#ifdef HAVE_SIMD
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw_run(uint32_t reg,
+                                                                const unsigned char *p,
+                                                                size_t n) {
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        reg = (uint32_t)_mm_crc32_u64(reg, v);
+    }
+    for (; n; n--) reg = _mm_crc32_u8(reg, *p++);
+    return reg;
+}
+
+/* three streams of `third` bytes each (a multiple of 8), joined by `shift`, which is
+ * crc32c_shift(third), then the rest */
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw3(uint32_t crc,
+                                                             const unsigned char *p,
+                                                             size_t n, size_t third,
+                                                             uint32_t shift) {
+    const unsigned char *q = p + third, *r = q + third;
+    uint32_t a = ~crc, b = 0xffffffffu, c = 0xffffffffu;
+    for (size_t i = 0; i < third; i += 8) {
+        uint64_t u, v, w;
+        memcpy(&u, p + i, 8), memcpy(&v, q + i, 8), memcpy(&w, r + i, 8);
+        a = (uint32_t)_mm_crc32_u64(a, u);
+        b = (uint32_t)_mm_crc32_u64(b, v);
+        c = (uint32_t)_mm_crc32_u64(c, w);
+    }
+    crc = crc32c_mult(shift, crc32c_mult(shift, ~a) ^ ~b) ^ ~c;
+    return ~crc32c_hw_run(~crc, r + third, n - 3 * third);
+}
+#endif
+
+static int crc32c_hardware = 0; /* (set when the module loads) */
+#define CRC32C_STREAMS_FROM (3 * 8192) /* bytes: below, one stream */
+
+/* How crc32c_with cuts n bytes: the streams' length and the shift that joins them. */
+typedef struct {
+    size_t third;
+    uint32_t shift;
+} Cut;
+
+static Cut crc32c_cut(size_t n) {
+    Cut cut = {0, 0};
+    if (crc32c_hardware && n >= CRC32C_STREAMS_FROM) {
+        cut.third = (n / 3) & ~(size_t)7;
+        cut.shift = crc32c_shift(cut.third);
+    }
+    return cut;
+}
+
+static uint32_t crc32c_with(uint32_t crc, const unsigned char *p, size_t n, Cut cut) {
+#ifdef HAVE_SIMD
+    if (crc32c_hardware)
+        return cut.third ? crc32c_hw3(crc, p, n, cut.third, cut.shift)
+                         : ~crc32c_hw_run(~crc, p, n);
+#endif
+    return crc32c_bytes(crc, p, n);
+}
+
+static uint32_t crc32c(uint32_t crc, const unsigned char *p, size_t n) {
+    return crc32c_with(crc, p, n, crc32c_cut(n));
+}
+
+/* crc32c(address, nbytes[, hardware]): the CRC32C of the bytes at address, the GIL
+ * released meanwhile; hardware=False: the byte table's (tests compare both). */
+static PyObject *crc32c_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "crc32c(address, nbytes[, hardware])");
+        return NULL;
+    }
+    const unsigned char *address = PyLong_AsVoidPtr(a[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(a[1]);
+    int hardware = nargs == 3 ? PyObject_IsTrue(a[2]) : 1;
+    if (PyErr_Occurred()) return NULL;
+    if ((!address && n) || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "crc32c: no bytes there");
+        return NULL;
+    }
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = hardware ? crc32c(0, address, (size_t)n) : crc32c_bytes(0, address, (size_t)n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* crc_moments_f32(address, count, skip, blocks, block, crcs): moments_f32 of count
+ * contiguous float32s at address, and the CRC32C of each of `blocks` blocks of `block`
+ * bytes from byte `skip` on, into the uint32s at crcs, in one pass over memory: each
+ * block checksummed, then reduced while in cache (a store's worker writes a packed
+ * tensor's whole inner chunks from its memory). skip and block are multiples of
+ * LANES * 4 bytes, so the moments are moments_f32's, to the bit. */
+static PyObject *crc_moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "crc_moments_f32(address, count, skip, blocks, block, crcs)");
+        return NULL;
+    }
+    const float *x = PyLong_AsVoidPtr(a[0]);
+    Py_ssize_t count = PyLong_AsSsize_t(a[1]), skip = PyLong_AsSsize_t(a[2]);
+    Py_ssize_t blocks = PyLong_AsSsize_t(a[3]), block = PyLong_AsSsize_t(a[4]);
+    uint32_t *crcs = PyLong_AsVoidPtr(a[5]);
+    if (PyErr_Occurred()) return NULL;
+    const Py_ssize_t unit = LANES * (Py_ssize_t)sizeof(float);
+    if (!x || count <= 0 || skip < 0 || blocks < 0 || block <= 0 || skip % unit ||
+        block % unit || (blocks && !crcs) || skip + blocks * block > count * 4) {
+        PyErr_SetString(PyExc_ValueError, "crc_moments_f32: blocks outside the elements");
+        return NULL;
+    }
+    double out[5];
+    Py_BEGIN_ALLOW_THREADS
+    Moments m;
+    moments_start(x, &m);
+    const unsigned char *bytes = (const unsigned char *)x;
+    Py_ssize_t at = skip / 4, per = block / 4;
+    Cut cut = crc32c_cut((size_t)block);
+    moments_row(x, at, &m);
+    for (Py_ssize_t k = 0; k < blocks; k++, at += per) {
+        crcs[k] = crc32c_with(0, bytes + skip + k * block, (size_t)block, cut);
+        moments_row(x + at, per, &m);
+    }
+    moments_row(x + at, count - at, &m);
+    moments_end(&m, out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
 
 /* moments_f32(address, run, count, step): moments_f32's (sum, sum of squares, min, max,
@@ -1175,6 +1364,11 @@ static PyMethodDef hot_functions[] = {
     {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
      "moments_f32(address, run, count, step): one pass's moments of float32s "
      "(recorder/stats.py)."},
+    {"crc32c", (PyCFunction)(void (*)(void))crc32c_py, METH_FASTCALL,
+     "crc32c(address, nbytes[, hardware]): the CRC32C of the bytes at address."},
+    {"crc_moments_f32", (PyCFunction)(void (*)(void))crc_moments_f32_py, METH_FASTCALL,
+     "crc_moments_f32(address, count, skip, blocks, block, crcs): moments_f32 and the "
+     "CRC32C of each block in one pass (store/writer.py)."},
     {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
      "labels(rows, passes): every entry's final label (OpTable.finish)."},
     {"same_rows", (PyCFunction)(void (*)(void))same_rows, METH_FASTCALL,
@@ -1187,6 +1381,11 @@ static struct PyModuleDef hot_module = {
 };
 
 PyMODINIT_FUNC PyInit__hot(void) {
+    crc32c_init();
+#ifdef HAVE_SIMD
+    crc32c_hardware = __builtin_cpu_supports("sse4.2");
+    has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
 #define INTERN(var, text)                                                                  \
     if (!(var = PyUnicode_InternFromString(text))) return NULL;
     INTERN(str_shape, "shape")

@@ -184,9 +184,16 @@ def fused_layout(tensor: torch.Tensor) -> tuple[int, int, int, int] | None:
     return None if runs is None else (tensor.data_ptr(), *runs)
 
 
-def fused_stats(tensor: torch.Tensor, layout: tuple[int, int, int, int] | None) -> Stats:
-    """:func:`compute_stats` of ``tensor``, whose :func:`fused_layout` is ``layout``."""
-    fused = None if layout is None else _fused_partial(tensor, layout)
+def fused_stats(
+    tensor: torch.Tensor,
+    layout: tuple[int, int, int, int] | None,
+    moments: tuple[float, float, float, float, float] | None = None,
+) -> Stats:
+    """:func:`compute_stats` of ``tensor``, whose :func:`fused_layout` is ``layout``;
+    ``moments``: what the compiled pass over that layout gave, if it ran already (a
+    store's worker runs it with the checksums of the bytes it writes,
+    ``_hot.crc_moments_f32``)."""
+    fused = None if layout is None else _fused_partial(tensor, layout, moments)
     if fused is None:
         return compute_stats(tensor)
     total, l2, low, high, nonzero, m2, numel = fused
@@ -194,14 +201,18 @@ def fused_stats(tensor: torch.Tensor, layout: tuple[int, int, int, int] | None) 
 
 
 def _fused_partial(
-    x: torch.Tensor, layout: tuple[int, int, int, int]
+    x: torch.Tensor,
+    layout: tuple[int, int, int, int],
+    moments: tuple[float, float, float, float, float] | None = None,
 ) -> tuple[float, float, float, float, float, float, int] | None:
     """:func:`partial_stats` of ``x`` from the compiled pass over its ``layout``
-    (:func:`fused_layout`: the sum and the sum of squares in float64, min, max, zeros),
-    and a second pass only when its mean dwarfs its spread (:func:`_std`); ``None`` when
-    it meets a NaN or an Inf (the sums then say so): the caller's careful path counts
-    them."""
-    total, squares, min_, max_, zeros = compiled.hot().moments_f32(*layout)
+    (:func:`fused_layout`: the sum and the sum of squares in float64, min, max, zeros;
+    ``moments`` if it ran already), and a second pass only when its mean dwarfs its
+    spread (:func:`_std`); ``None`` when it meets a NaN or an Inf (the sums then say
+    so): the caller's careful path counts them."""
+    if moments is None:
+        moments = compiled.hot().moments_f32(*layout)
+    total, squares, min_, max_, zeros = moments
     if not (math.isfinite(total) and math.isfinite(squares)):
         return None
     numel = layout[1] * layout[2]

@@ -181,21 +181,29 @@ def pack_array_spec(name: str) -> dict[str, Any]:
     }
 
 
-def encode_shard(
-    data: np.ndarray, codec: Chain, sources: Sequence[tuple[int, np.ndarray]] = ()
-) -> list[Buffer]:
+#: Whole inner chunks read from elsewhere than a shard's buffer (``encode_shard``): their
+#: byte offset in the shard, their bytes, and their CRC32Cs if computed already (uint32,
+#: one per inner chunk) or None.
+Sources = Sequence[tuple[int, np.ndarray, np.ndarray | None]]
+
+
+def encode_shard(data: np.ndarray, codec: Chain, sources: Sources = ()) -> list[Buffer]:
     """Shard of a pack holding ``data`` (1-D uint8, up to CHUNK_BYTES): the inner chunks
     covering it (the last padded to full size), then the index and its checksum. A last,
-    partly filled shard simply has fewer inner chunks. ``sources``: (byte offset, bytes)
-    of whole inner chunks whose bytes are read there rather than from ``data`` (tensors
-    written from their own memory)."""
+    partly filled shard simply has fewer inner chunks. ``sources``: whole inner chunks
+    whose bytes are read there rather than from ``data`` (tensors written from their own
+    memory), with their checksums if known (a raw pack's: the payload is the bytes)."""
     index = np.full((INNER_PER_SHARD, 2), _ABSENT, dtype="<u8")
     count = -(-data.nbytes // INNER_BYTES)
     parts = [data[start : start + INNER_BYTES] for start in range(0, data.nbytes, INNER_BYTES)]
-    for offset, source in sources:
+    known: dict[int, memoryview] = {}
+    for offset, source, crcs in sources:
         first = offset // INNER_BYTES
+        given = None if crcs is None else memoryview(crcs.astype("<u4").tobytes())
         for k in range(source.nbytes // INNER_BYTES):
             parts[first + k] = source[k * INNER_BYTES : (k + 1) * INNER_BYTES]
+            if given is not None:
+                known[first + k] = given[4 * k : 4 * k + 4]
     if count and parts[-1].nbytes < INNER_BYTES:
         full = np.zeros(INNER_BYTES, dtype=np.uint8)
         full[: parts[-1].nbytes] = parts[-1]
@@ -205,10 +213,13 @@ def encode_shard(
         index[:count, 0] = np.arange(count, dtype="<u8") * stored
         index[:count, 1] = stored
         checksum = CRC32C.checksum
-        pieces = [piece for part in parts for piece in (part, checksum(part))]
+        pieces: list[Buffer] = []
+        for j, part in enumerate(parts):
+            crc = known.get(j)
+            pieces += (part, checksum(part) if crc is None else crc)
         table = index.tobytes()
         return [*pieces, table, checksum(table)]
-    pieces = []
+    pieces = []  # (the checksums are of the compressed payload: known ones are unused)
     offset = 0
     for j, part in enumerate(parts):
         encoded = codec.encode(part)

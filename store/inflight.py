@@ -8,6 +8,7 @@ they are done.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import sys
 import threading
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 
 from tracelake.recorder.forks import fork_safe_lock
+
+from .layout import libc_function
 
 __all__ = ["Buffers", "Live", "Overwritten", "Packed", "alias_version", "storage_holders"]
 
@@ -33,6 +36,22 @@ _ADVICE = tuple(
     )
     if a is not None
 )
+
+
+#: libc's madvise, through ctypes, which lets the GIL go for the call (``mmap.madvise``
+#: holds it: populating a 4 MiB buffer, zeroing it, then stalled the writer's threads
+#: behind the forward's).
+_MADVISE = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _advise(memory: mmap.mmap, array: np.ndarray) -> None:
+    """Give a fresh buffer ``_ADVICE`` (each may fail: older kernels, no huge pages)."""
+    for advice in _ADVICE:
+        if _MADVISE is not None:
+            _MADVISE(array.ctypes.data, array.nbytes, advice)  # (a failure: -1, ignored)
+        else:
+            with contextlib.suppress(OSError):
+                memory.madvise(advice)
 
 
 class Buffers:
@@ -114,13 +133,12 @@ class Buffers:
         if spare is not None:
             return spare
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        array = np.frombuffer(memory, dtype=np.uint8)
         # Huge pages, populated in one call rather than fault by fault (the second advice:
         # MADV_POPULATE_WRITE, Linux 5.14): huge pages faulted in one by one can make the
         # kernel compact memory for each, and 4 KiB pages faulted one by one cost most.
-        for advice in _ADVICE:
-            with contextlib.suppress(OSError):
-                memory.madvise(advice)
-        return np.frombuffer(memory, dtype=np.uint8)
+        _advise(memory, array)
+        return array
 
     def give(self, buffer: np.ndarray) -> None:
         with self._cond:
@@ -141,10 +159,12 @@ class Buffers:
 
 
 #: Pack-chunk buffers (4 MiB, ``format.CHUNK_BYTES``) the writers of this process let go,
-#: kept for the next writer (at most two: 8 MiB): a run of a few small tensors then
-#: costs no fresh map, which must be faulted in, a good part of a tiny run's time.
+#: kept for the next writer (at most eight: 32 MiB): a run of a few small tensors then
+#: costs no fresh map, which must be faulted in, a good part of a tiny run's time; nor
+#: does a run of mid-size ones (GPT-2's writer has six in use at once: with two kept it
+#: mapped and zeroed four a run, ~2 ms each on the forward thread).
 _SPARE_BYTES = 4 << 20
-_SPARE_KEPT = 2
+_SPARE_KEPT = 8
 _SPARE: list[np.ndarray] = []
 _SPARE_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 

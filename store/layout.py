@@ -62,6 +62,7 @@ __all__ = [
     "full_hint",
     "is_utf8",
     "keep_reserve",
+    "libc_function",
     "locked",
     "release_reserve",
     "remove_run_dir",
@@ -305,15 +306,22 @@ def _fsync_pool() -> ThreadPoolExecutor:
     return _FSYNC_POOL[1]
 
 
-def _find_syncfs() -> Any:
+def libc_function(name: str, *argtypes: Any) -> Any:
+    """Linux libc's function ``name`` through ctypes (which lets the GIL go for each
+    call; errno kept), returning an int, with ``argtypes`` if given; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syncfs
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+    if argtypes:
+        function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
-_syncfs = _find_syncfs() if sys.platform.startswith("linux") else None
+_syncfs = libc_function("syncfs")
 
 
 def fsync_tree(root: Path) -> int:

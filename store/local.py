@@ -5,14 +5,17 @@ payload and its checksum are separate pieces, never joined into a copy), its wri
 is started at once (``posix_fadvise``) so that the device writes while the workers
 encode the next chunks, and it is made durable with ``fdatasync`` either on the spot or
 by :class:`Unsynced`, a thread that syncs the oldest files first so that no worker waits
-on a device cache flush while it could encode. Names become durable in :meth:`commit`,
-which fsyncs every file and directory under the root; a run is committed to the catalog
-only after that.
+on a device cache flush while it could encode. Where the caller makes the whole tree
+durable at once (a store's run at its commit: one ``syncfs``), that thread only waits for
+each file's writeback (``sync_file_range``: no journal commit and device flush a file)
+and drops its pages. Names become durable in :meth:`commit`, which fsyncs every file and
+directory under the root; a run is committed to the catalog only after that.
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
 import os
 import shutil
 import stat
@@ -25,12 +28,24 @@ from typing import Any
 from tracelake.errors import ObjectNotFoundError, StoreError
 
 from .backend import ByteStore, Pending, check_key, check_prefix
-from .layout import fsync_tree
+from .layout import fsync_tree, libc_function
 
 __all__ = ["LocalBackend", "Unsynced"]
 
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
 _WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
+#: Files left to the caller's durability (``Unsynced(sync=False)``) from this size on are
+#: written back and dropped from the page cache as they go; smaller ones (metadata, a
+#: tiny run's shard) are just closed.
+_WRITEBACK_BYTES = 1 << 20
+
+
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+)
+#: SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER: the file's dirty pages written out,
+#: and waited for (its metadata and the device's cache are not: not durable).
+_WRITE_AND_WAIT = 1 | 2 | 4
 
 
 class Unsynced:
@@ -39,12 +54,17 @@ class Unsynced:
     ``fdatasync`` while it could encode; at most ``window`` wait, then ``add`` waits
     too. ``close`` makes them all durable and raises what syncing raised. Safe to share
     between threads; ``background=False``: the thread that adds one too many syncs the
-    oldest itself."""
+    oldest itself.
+
+    ``sync=False``: the caller makes the files durable later, many at once (a store's
+    run at its commit, a batch of runs at the batch's: ``layout.durable_trees``, one
+    ``syncfs``). Files of ``_WRITEBACK_BYTES`` or more are then only written back here
+    (their pages written out and waited for, not their metadata or the device's cache:
+    an ``fdatasync`` each cost GPT-2's run ~40 journal commits and device flushes) and
+    dropped from the page cache; smaller ones are closed at once."""
 
     def __init__(self, window: int = 16, background: bool = True, sync: bool = True):
         self.window = window
-        #: False: files are only written and closed here; the caller makes them durable
-        #: later, many at once (a batch of runs: ``layout.durable_trees``).
         self.sync = sync
         self._fds: deque[int] = deque()
         self._busy = 0  # being made durable now
@@ -53,8 +73,9 @@ class Unsynced:
         self._background = background
         self._thread: threading.Thread | None = None
 
-    def add(self, fd: int) -> None:
-        if not self.sync:
+    def add(self, fd: int, nbytes: int = _WRITEBACK_BYTES) -> None:
+        """Hand over ``fd``, a file just written (``nbytes`` long), to be closed here."""
+        if not self.sync and nbytes < _WRITEBACK_BYTES:
             os.close(fd)
             return
         if _START_WRITEBACK:  # on dirty pages: start their writeback, do not wait
@@ -74,7 +95,7 @@ class Unsynced:
                 self._cond.wait_for(
                     lambda: len(self._fds) + self._busy <= self.window or self._error is not None
                 )
-        _all_durable(due)
+        _all_durable(due, self.sync)
 
     def _run(self) -> None:
         while True:
@@ -85,7 +106,7 @@ class Unsynced:
                 fd = self._fds.popleft()
                 self._busy += 1
             try:
-                _durable(fd)
+                _durable(fd, self.sync)
             except BaseException as exc:  # any: a thread that ended would leave add() waiting
                 with self._cond:
                     self._error = self._error or exc
@@ -95,7 +116,8 @@ class Unsynced:
                     self._cond.notify_all()
 
     def close(self, durable: bool = True) -> None:
-        """Make every file durable (or, not ``durable``: just close them)."""
+        """Make every file durable (``sync=False``: written back), or, not ``durable``,
+        just close them."""
         with self._cond:
             if not durable:
                 for fd in self._fds:
@@ -110,15 +132,15 @@ class Unsynced:
             self._fds.clear()
             error, self._error = self._error, None
         if durable:
-            _all_durable(due)
+            _all_durable(due, self.sync)
         if error is not None and durable:
             raise error
 
 
-def _all_durable(fds: list[int]) -> None:
+def _all_durable(fds: list[int], sync: bool = True) -> None:
     try:
         for k, fd in enumerate(fds):
-            _durable(fd)
+            _durable(fd, sync)
             fds[k] = -1
     finally:
         for fd in fds:  # an error above: close the rest, durable or not
@@ -126,11 +148,17 @@ def _all_durable(fds: list[int]) -> None:
                 os.close(fd)
 
 
-def _durable(fd: int) -> None:
+def _durable(fd: int, sync: bool = True) -> None:
     """Wait for ``fd``'s data to be on disk, let the kernel drop its pages (a capture
-    larger than RAM stays cheap), close it."""
+    larger than RAM stays cheap; and a page the writer freed is reused at once, where a
+    new one costs a fault: in a VM, the host's too), close it. ``sync=False``: its pages
+    written out only (``Unsynced``), where the system can say so."""
     try:
-        os.fdatasync(fd)
+        if sync or _SYNC_FILE_RANGE is None:
+            os.fdatasync(fd)
+        elif _SYNC_FILE_RANGE(fd, 0, 0, _WRITE_AND_WAIT) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"writing a file back failed: {os.strerror(error)}")
         if _START_WRITEBACK:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
@@ -145,6 +173,7 @@ def _write_all(path: Path, pieces: Sequence[Any], pending: Unsynced | None = Non
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         views = [memoryview(p).cast("B") for p in pieces]
+        nbytes = sum(v.nbytes for v in views)
         while views:
             written = os.writev(fd, views[:_WRITEV_MAX])
             while views and written >= views[0].nbytes:  # short writes: finish them
@@ -158,7 +187,7 @@ def _write_all(path: Path, pieces: Sequence[Any], pending: Unsynced | None = Non
     if pending is None:
         _durable(fd)
     else:
-        pending.add(fd)
+        pending.add(fd, nbytes)
 
 
 class LocalBackend(ByteStore):

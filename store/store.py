@@ -361,7 +361,9 @@ class Recording:
                 arrays = RunArrays(
                     self.store._arrays_at(self._dir, new=True), self.name, create=True
                 )
-            self._writer = TensorWriter(arrays, self._max_inflight, sync=batch is None)
+            # (its files are made durable with the run's other files, at the commit:
+            # Store._durable, or the batch's, not one fdatasync each)
+            self._writer = TensorWriter(arrays, self._max_inflight, sync=False)
             if self._grad_selector is not None:
                 from tracelake.recorder.backward import BackwardCapture
 

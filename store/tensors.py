@@ -46,6 +46,7 @@ from .format import (
     INNER_BYTES,
     INNER_PER_SHARD,
     SHARD_INDEX_BYTES,
+    Sources,
     checked_codecs,
     chunk_grid,
     chunk_key,
@@ -219,7 +220,7 @@ class RunArrays:
         index: int,
         data: np.ndarray,
         pending: Pending | None = None,
-        sources: Sequence[tuple[int, np.ndarray]] = (),
+        sources: Sources = (),
     ) -> None:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in inner
         chunks, each encoded and checksummed, then the shard's index; the whole inner

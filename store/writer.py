@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tracelake.errors import StoreError
+from tracelake.recorder import compiled
 from tracelake.recorder.backward import GradEdges
 from tracelake.recorder.emit import SelectingEmitter, storage_address, tensor_version
 from tracelake.recorder.entries import SHAPE, OpTable
@@ -36,6 +37,7 @@ from tracelake.recorder.stats import (
     Stats,
     combine_stats,
     compute_stats,
+    fused_stats,
     gatherable,
     gathered_values,
     partial_stats,
@@ -110,8 +112,9 @@ class TensorWriter:
         workers: int = 2,
         sync: bool = True,
     ):
-        """``sync=False``: files are written and closed, never synced here (a batch of
-        runs makes them durable at once, ``Store.batch``)."""
+        """``sync=False``: files are written back and closed here, made durable by the
+        caller, many at once (a store's run at its commit, a batch of runs at the
+        batch's: ``layout.durable_trees``; ``local.Unsynced``)."""
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays
@@ -378,15 +381,19 @@ class TensorWriter:
             with contextlib.ExitStack() as locked:
                 for ref in refs:  # held still while read: statistics, checksums, write
                     locked.enter_context(ref.lock)
-                sources, tensors = [], {}
+                raw = not pack_codec(name).compressors  # (its checksums: of the bytes)
+                sources, tensors, known = [], {}, {}
                 for ref in refs:
                     now = ref.referenced()
                     if now is not None:
                         assert ref.source is not None
-                        sources.append((ref.start, now))
+                        crcs = None
+                        if raw and ref.source.dtype is torch.float32:
+                            crcs, known[ref.slot] = _checked_stats(ref.source, ref.skip, now)
+                        sources.append((ref.start, now, crcs))
                         tensors[ref.slot] = ref.source
                 batches, singles = _chunk_stats(
-                    buffer, chunk * CHUNK_BYTES, members, self.slots, tensors
+                    buffer, chunk * CHUNK_BYTES, members, self.slots, tensors, known
                 )
                 self._batches.extend(batches)
                 self.stats.update(singles)
@@ -521,6 +528,27 @@ class TensorWriter:
 
 
 _STAT_FIELDS = tuple(f.name for f in fields(Stats))
+
+
+def _checked_stats(
+    tensor: torch.Tensor, skip: int, whole: np.ndarray
+) -> tuple[np.ndarray | None, Stats]:
+    """The CRC32C of each inner chunk of ``whole`` (a contiguous float32 tensor's bytes
+    from ``skip`` on) and the tensor's statistics, in one compiled pass over its memory
+    (``_hot.crc_moments_f32``: each 64 KiB checksummed and reduced while in cache; two
+    passes cost a run's workers ~a quarter more CPU, memory read twice). The checksums
+    are None where the compiled pass is missing (``encode_shard`` computes them)."""
+    hot = compiled.hot()
+    if hot is None or not hasattr(hot, "crc_moments_f32"):
+        return None, compute_stats(tensor)
+    layout = (tensor.data_ptr(), tensor.numel(), 1, tensor.numel())
+    crcs = np.empty(whole.nbytes // INNER_BYTES, dtype=np.uint32)
+    moments = hot.crc_moments_f32(
+        layout[0], layout[1], skip, len(crcs), INNER_BYTES, crcs.ctypes.data
+    )
+    return crcs, fused_stats(tensor, layout, moments)
+
+
 # A chunk's statistics: (slots, their (k, 7) moments from segment_moments) per batch,
 # and the tensors computed one by one.
 _ChunkStats = tuple[list[tuple[np.ndarray, np.ndarray]], dict[int, Stats]]
@@ -532,17 +560,21 @@ def _chunk_stats(
     members: list[int],
     slots: list[tuple[str, int, int, Any, torch.dtype, int]],
     tensors: dict[int, torch.Tensor] | None = None,
+    known: dict[int, Stats] | None = None,
 ) -> _ChunkStats:
     """Statistics of every tensor packed in one chunk (the one at byte ``base`` of its
     pack): per dtype, one gather of all the tiny tensors' elements and a few segmented
     reductions (``segment_moments``); larger and odd ones (complex, empty, NaN/Inf,
     mean-dominated) one by one. The members' fields come out as arrays, not through a
     Python loop (a chunk holds up to 65,536 tensors). ``tensors``: members whose bytes
-    are not all in ``buffer`` (written from their own memory), by slot."""
+    are not all in ``buffer`` (written from their own memory), by slot; ``known``: members
+    whose statistics are computed already."""
     singles: dict[int, Stats] = {}
     raw = torch.from_numpy(buffer)
 
     def single(slot: int) -> Stats:
+        if known and slot in known:
+            return known[slot]
         _, offset, nbytes, shape, dtype, _ = slots[slot]
         if tensors and slot in tensors:
             return compute_stats(tensors[slot])

@@ -209,6 +209,62 @@ def test_ranges_are_slices_in_every_backend(data: bytes, start: int, length: int
 # -- codecs ---------------------------------------------------------------------------------
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=70_000), start=st.integers(0, 7))
+def test_the_compiled_crc32c_is_google_crc32c(data: bytes, start: int) -> None:
+    """The writer's compiled CRC32C (three interleaved streams of the crc32 instruction,
+    joined by multiplying by x^8n; or a byte table) gives the value Zarr's crc32c codec
+    checks, at any address and length."""
+    import google_crc32c
+
+    from tracelake.recorder import compiled
+
+    hot = compiled.hot()
+    assert hot is not None and hasattr(hot, "crc32c"), "the compiled extension is missing"
+    buffer = np.zeros(len(data) + 8, dtype=np.uint8)
+    buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    address = buffer.ctypes.data + start
+    want = google_crc32c.value(data)
+    assert hot.crc32c(address, len(data)) == want
+    assert hot.crc32c(address, len(data), False) == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.integers(0, 6),
+    block=st.sampled_from([8 << 10, 64 << 10]),  # one stream; three
+    skip=st.integers(0, 40),
+    tail=st.integers(0, 3000),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_checksums_with_statistics_are_each_alone(
+    chunks: int, block: int, skip: int, tail: int, seed: int
+) -> None:
+    """One pass for both (``crc_moments_f32``, what a store's worker runs over a packed
+    tensor's whole inner chunks): each block's CRC32C is google_crc32c's, and the moments
+    are moments_f32's to the bit, wherever the blocks start."""
+    import google_crc32c
+
+    from tracelake.recorder import compiled
+
+    hot = compiled.hot()
+    assert hot is not None and hasattr(hot, "crc_moments_f32"), "the extension is missing"
+    skip_bytes = skip * 32
+    count = (skip_bytes + chunks * block) // 4 + tail + 1
+    values = np.random.default_rng(seed).standard_normal(count).astype(np.float32)
+    values[:: 7 + seed % 5] = 0.0
+    crcs = np.zeros(chunks + 1, dtype=np.uint32)
+    moments = hot.crc_moments_f32(
+        values.ctypes.data, count, skip_bytes, chunks, block, crcs.ctypes.data
+    )
+    assert moments == hot.moments_f32(values.ctypes.data, count, 1, count)
+    raw = values.view(np.uint8)
+    for k in range(chunks):
+        at = skip_bytes + k * block
+        assert int(crcs[k]) == google_crc32c.value(raw[at : at + block].tobytes()), k
+    assert crcs[chunks] == 0, "a checksum past the blocks"
+
+
 def test_codecs_are_objects_that_know_their_metadata() -> None:
     assert codec_named("raw") is RAW and codec_named("zstd") is ZSTD
     assert set(CHAINS) == {"raw", "zstd"}

@@ -303,6 +303,68 @@ def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
     assert_bitwise(fresh["ok"]["relu_1_2"].out, torch.relu(model[0](inputs[0])), "intact run")
 
 
+class _MidSize(nn.Module):
+    """512 KiB float32 activations (GPT-2's), whose whole 64 KiB inner chunks the workers
+    checksum, reduce and write from the tensors' own memory; the 28-byte slice makes the
+    tensors after it start mid inner chunk."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * 2.0
+        s = a[:1, :7] + 1.0
+        b = torch.tanh(a)
+        return b + s.sum()
+
+
+def test_mid_size_tensors_round_trip_with_their_checksums_and_statistics(
+    tmp_path: Path,
+) -> None:
+    """Written from their own memory with the compiled pass's checksums and statistics:
+    reopened in a new process they equal a plain forward bit for bit; their statistics
+    are compute_stats' numbers to the bit; verify() (zarr-python checking every CRC32C)
+    finds nothing; a byte flipped inside one of those inner chunks is caught by a read
+    and by verify()."""
+    from tracelake.recorder.stats import compute_stats
+
+    store = tl.open(tmp_path / "s", create=True)
+    torch.manual_seed(0)
+    x = torch.randn(128, 1024)
+    run = store.record(_MidSize(), x, name="mid")
+    offsets = {op.label: op.array._slot.offset for op in run}
+    assert offsets["tanh_1_4"] % (64 << 10), "a tensor starting mid inner chunk"
+    run_python(
+        f"""
+        import torch
+        import tracelake as tl
+        from hook_capture import assert_bitwise
+        from test_store import _MidSize
+        torch.manual_seed(0)
+        x = torch.randn(128, 1024)
+        a = x * 2.0
+        s = a[:1, :7] + 1.0
+        b = torch.tanh(a)
+        want = {{"input_1": x, "mul_1_1": a, "getitem_1_2": a[:1, :7], "add_1_3": s,
+                 "tanh_1_4": b, "add_2_6": b + s.sum(), "output_1": _MidSize()(x)}}
+        run = tl.open({str(tmp_path / "s")!r}, create=False)["mid"]
+        for label, tensor in want.items():
+            assert_bitwise(run[label].out, tensor, label)
+        """
+    )
+    for label in ("input_1", "mul_1_1", "tanh_1_4", "add_2_6"):
+        assert run[label].stats == compute_stats(run[label].out), label
+    assert store.verify().ok
+    shard = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / "pack_raw" / "c" / "0"
+    data = bytearray(shard.read_bytes())
+    inner = offsets["tanh_1_4"] // (64 << 10) + 1  # its first whole inner chunk
+    data[inner * ((64 << 10) + 4) + 1000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    fresh = tl.open(tmp_path / "s", create=False)
+    with pytest.raises(tl.ChunkCorruptError, match="tanh_1_4"):
+        _ = fresh["mid"]["tanh_1_4"].out
+    assert_bitwise(fresh["mid"]["mul_1_1"].out, x * 2.0, "another chunk of the shard")
+    problems = fresh.verify().problems
+    assert problems and {p.label for p in problems} >= {"tanh_1_4"}
+
+
 # -- names, lifecycle -------------------------------------------------------------------
 
 
