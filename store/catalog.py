@@ -239,6 +239,7 @@ class _Engine:
         """The engine's connection; hold ``lock`` while using it."""
         pid = os.getpid()
         if self._con is None or self._con[0] != pid:
+            self._let_go()
             con = duckdb.connect(":memory:")
             # Checkpoints only where CatalogWriter._transaction asks for one.
             con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
@@ -259,10 +260,21 @@ class _Engine:
         if self._con is not None and self._con[0] == os.getpid():  # (not a parent's)
             with contextlib.suppress(duckdb.Error):
                 self._con[1].close()
+        self._let_go()
         self._con = None
+
+    def _let_go(self) -> None:
+        """Forget a connection a parent process made (this is a forked child): it is
+        kept, never freed here, since freeing it touches the parent's DuckDB threads
+        and locks, which the child does not have (a segmentation fault)."""
+        if self._con is not None and self._con[0] != os.getpid():
+            _INHERITED.append(self._con[1])
+            self._con = None
         self.attached = False
 
 
+#: Connections made by a parent process, in a forked child: never freed (_let_go).
+_INHERITED: list[Any] = []
 _ENGINE = _Engine()
 _T = TypeVar("_T")
 

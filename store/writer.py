@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import operator
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, NamedTuple
 
@@ -30,6 +31,7 @@ from tracelake.recorder import compiled
 from tracelake.recorder.backward import GradEdges
 from tracelake.recorder.emit import SelectingEmitter, storage_address, tensor_version
 from tracelake.recorder.entries import SHAPE, OpTable
+from tracelake.recorder.forks import fork_safe_lock
 from tracelake.recorder.selectors import Selector
 from tracelake.recorder.stats import (
     GATHER_MAX,
@@ -127,7 +129,7 @@ class TensorWriter:
         self.bytes_written = 0
         self._buffers = Buffers(max_inflight)
         self._unsynced = arrays.pending(sync)  # writes made durable by the end of close()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w")
+        self._pool = _worker_pool(workers)
         self._pending: set[Future[None]] = set()
         self._errors: list[BaseException] = []
         self._streams: dict[str, _Stream] = {}
@@ -358,13 +360,28 @@ class TensorWriter:
         future.add_done_callback(self._done)
 
     def _done(self, future: Future[None]) -> None:
+        # its error first: a future no longer pending has its error in _errors
+        exc = None if future.cancelled() else future.exception()  # (cancelled: abort())
+        if exc is not None and exc not in self._errors:
+            self._errors.append(exc)
         with self._lock:
             self._pending.discard(future)
-        if future.cancelled():  # (abort())
-            return
-        exc = future.exception()
-        if exc is not None:
-            self._errors.append(exc)
+
+    def _drain(self, cancel: bool = False) -> None:
+        """Wait for this writer's work in the shared pool (``cancel``: what has not
+        started is dropped), its errors then in ``_errors`` (``wait`` may return before
+        a future's done-callback ran: each future's error is read here too)."""
+        while True:
+            with self._lock:
+                futures = list(self._pending)
+            if not futures:
+                return
+            if cancel:
+                for future in futures:
+                    future.cancel()
+            wait(futures)
+            for future in futures:
+                self._done(future)
 
     # -- worker threads ---------------------------------------------------------------------
 
@@ -450,7 +467,7 @@ class TensorWriter:
     def close(self) -> None:
         """Write what is buffered, wait for the workers; raise if any write failed."""
         self.flush()
-        self._pool.shutdown(wait=True)
+        self._drain()
         self._buffers.clear()
         if not self._errors:
             try:
@@ -479,7 +496,7 @@ class TensorWriter:
 
     def abort(self) -> None:
         self._errors.append(_ENDED)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._drain(cancel=True)
         self._buffers.clear()
         self._unsynced.close(durable=False)
 
@@ -654,3 +671,21 @@ class StoreEmitter(SelectingEmitter):
     def _holds(self, slot: int, tensor: torch.Tensor) -> bool:
         version = self._versions.get(slot)
         return version is not None and version == tensor_version(tensor)
+
+
+#: The workers' threads, shared by the process's writers (by their number): a run's
+#: writer starting threads of its own cost ~1.5 ms a thread, most of a tiny run's
+#: writing in a batch. Made again in a forked child (the parent's have no threads there).
+_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOLS_LOCK = fork_safe_lock()
+
+
+def _worker_pool(workers: int) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        known = _POOLS.get(workers)
+        if known is None or known[0] != os.getpid():
+            known = _POOLS[workers] = (
+                os.getpid(),
+                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracelake-w"),
+            )
+        return known[1]

@@ -213,3 +213,30 @@ def test_a_fork_while_another_thread_holds_a_recorder_lock(tmp_path: Path) -> No
         "child": "refused",
         "labels": ["input_1", "relu_1_1", "output_1"],
     }
+
+
+def test_a_child_forked_after_a_run_records_runs_of_its_own(tmp_path: Path) -> None:
+    # A child forked after the parent recorded has a copy of the parent's catalog
+    # connection (store/catalog.py's engine), whose freeing in the child crashed it
+    # (SIGSEGV: the parent's DuckDB threads and locks), and of the writers' shared
+    # worker threads (store/writer.py), none of which it has: it makes its own.
+    out = _run(
+        f"""
+        import signal
+        store = tl.open({str(tmp_path / "parent.tl")!r}, create=True)
+        model, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+        store.record(model, x, name="p")  # the parent's worker threads, now idle
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # a child that hangs ends, with a status that fails the test
+            child = tl.open({str(tmp_path / "child.tl")!r}, create=True)
+            for k in range(3):
+                child.record(model, x, name=f"c{{k}}")
+            ok = torch.equal(tl.open(child.path)["c2"]["linear_1_1"].out, model(x))
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({{"status": status}}))
+        """,
+        timeout=120,
+    )
+    assert out == {"status": 0}
