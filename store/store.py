@@ -939,7 +939,7 @@ class Batch:
         self._staged.append((run, lock))
 
     def commit(self) -> None:
-        """Make every run of the batch durable (one ``syncfs``), then visible (one
+        """Make every run of the batch durable (``layout.durable_trees``), then visible (one
         transaction). Their locks are let go either way; what a failure leaves,
         ``gc()`` removes."""
         staged, self._staged = self._staged, []
