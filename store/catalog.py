@@ -83,6 +83,7 @@ from .layout import (
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
+    INCOMING,
     RUN_TABLES,
     TABLES,
     arrow_schema,
@@ -166,11 +167,16 @@ def check_objects(con: duckdb.DuckDBPyConnection, database: str | None = None) -
     tracelake reads or writes a table. ``None``: the connection's current database."""
     params = [database]
     views = [
-        r[0]
-        for r in con.execute(
-            "SELECT view_name FROM duckdb_views() WHERE NOT internal "
+        f"{kind} {name!r}"
+        for kind, name in con.execute(
+            "SELECT 'view', view_name FROM duckdb_views() WHERE NOT internal "
+            "AND database_name = coalesce(?, current_database()) "
+            # (a table named as what schema.insert reads its rows from would be read
+            # in their place: listed with the views)
+            "UNION ALL SELECT 'table', table_name FROM duckdb_tables() "
+            f"WHERE table_name = '{INCOMING}' "
             "AND database_name = coalesce(?, current_database())",
-            params,
+            params * 2,
         ).fetchall()
     ]
     macros = [
@@ -183,7 +189,7 @@ def check_objects(con: duckdb.DuckDBPyConnection, database: str | None = None) -
         ).fetchall()
     ]
     if views or macros:
-        named = [f"view {n!r}" for n in sorted(views)] + [f"macro {n!r}" for n in sorted(macros)]
+        named = sorted(views) + [f"macro {n!r}" for n in sorted(macros)]
         shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
         raise CatalogError(
             "refusing the catalog: it holds objects tracelake never creates "
@@ -1210,14 +1216,14 @@ class CatalogMirror:
         try:
             if table is not None:
                 con.execute("DELETE FROM runs")
-                insert(con, "runs", table)
+                insert(con, "runs", table, view=True)
             for name in RUN_TABLES:
                 if gone:
                     con.execute(
                         f"DELETE FROM {name} WHERE run_id IN ({', '.join('?' * len(gone))})", gone
                     )
                 if name in incoming:
-                    insert(con, name, incoming[name])
+                    insert(con, name, incoming[name], view=True)
             con.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(duckdb.Error):  # the first error says more

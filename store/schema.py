@@ -209,18 +209,35 @@ def select_list(table: Table, present: set[str]) -> str:
     return ", ".join(items)
 
 
-def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+#: The name :func:`insert` gives the rows it inserts, read by DuckDB's replacement scan
+#: (``catalog.check_objects`` refuses a catalog table of this name, which would be read
+#: in their place).
+INCOMING = "_incoming"
+
+
+def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, view: bool = False) -> None:
     """Insert an Arrow table's rows by column name (a column the rows lack gets its
-    default; a column the table lacks is an error)."""
-    if rows.num_rows:
-        con.register("_incoming", rows)
-        try:
-            con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
-        except BaseException:
-            # a failed (or interrupted) statement aborts the transaction, and so would
-            # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
-            # the first error is the one to report
-            with contextlib.suppress(Exception):
-                con.unregister("_incoming")
-            raise
-        con.unregister("_incoming")
+    default; a column the table lacks is an error). DuckDB finds the rows by its
+    replacement scan of this frame's variable :data:`INCOMING`; registering them as a
+    view instead makes and drops a catalog entry in the transaction, which doubles the
+    cost of a small insert (six tables a run). ``view``: register them all the same,
+    for a connection without external access (a reader's mirror), where DuckDB makes
+    no replacement scan of Python objects."""
+    if not rows.num_rows:
+        return
+    statement = f"INSERT INTO {ident(table)} BY NAME SELECT * FROM {INCOMING}"
+    if not view:
+        _incoming = rows  # (read by DuckDB, by name, from this frame)
+        con.execute(statement)
+        return
+    con.register(INCOMING, rows)
+    try:
+        con.execute(statement)
+    except BaseException:
+        # a failed (or interrupted) statement aborts the transaction, and so would
+        # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
+        # the first error is the one to report
+        with contextlib.suppress(Exception):
+            con.unregister(INCOMING)
+        raise
+    con.unregister(INCOMING)
