@@ -229,7 +229,7 @@ def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
     staged: list[catalog.StagedRun] = []
     commit_batch = store._catalog.commit_batch
 
-    def keep(runs: list[catalog.StagedRun]) -> list[int]:
+    def keep(runs: list[catalog.StagedRun]) -> list[dict[str, Any]]:
         staged.extend(runs)
         return commit_batch(runs)
 

@@ -697,8 +697,9 @@ class CatalogWriter:
         return change()
 
     @guarded("cannot commit the batch's runs to the catalog")
-    def commit_batch(self, runs: list[StagedRun]) -> list[int]:
-        """Make the runs of a batch visible, all in one transaction; return their ids.
+    def commit_batch(self, runs: list[StagedRun]) -> list[dict[str, Any]]:
+        """Make the runs of a batch visible, all in one transaction; return their
+        ``runs`` rows (every column, as inserted: what a read of them would return).
         Each run's directory (``runs/.batch-*``, durable already) is renamed to its id's
         name inside the transaction, before ``COMMIT``; a crash before the commit
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
@@ -769,13 +770,14 @@ class CatalogWriter:
             fsync_dir(self.paths.runs)  # the new names, durable before the rows are
             import pyarrow as pa  # (not at import: listing runs needs no Arrow)
 
-            insert(con, "runs", pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"])))
+            added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
+            insert(con, "runs", added)
             for table, parts in incoming.items():
                 if parts:
                     insert(con, table, _concat(parts))
             for run_id, run in zip(ids, runs, strict=True):
                 then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
-        return ids
+        return added.to_pylist()  # type: ignore[no-any-return]
 
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
@@ -1056,10 +1058,13 @@ def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyCo
     return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
-def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:
-    """Rows of the ``runs`` table (``where``: a condition on its columns), straight from
-    the catalog file: what listing runs needs, without a reader's mirror (no rows are
-    copied; the command line's ``tracelake runs`` is this and little else)."""
+def read_runs(
+    paths: StorePaths, where: str, params: list[Any], columns: str = "*"
+) -> list[dict[str, Any]]:
+    """Rows of the ``runs`` table (``where``: a condition on its columns; ``columns``:
+    what to select), straight from the catalog file: what listing runs needs, without
+    a reader's mirror (no rows are copied; the command line's ``tracelake runs`` is this
+    and little else)."""
     if FileChangeToken(paths).token() is None:  # no run ever committed
         return []
     with (
@@ -1068,7 +1073,8 @@ def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str
         read_source(paths) as (src, present),
     ):
         cursor = src.execute(
-            f"SELECT * FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs) "
+            f"SELECT {columns} FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
+            "FROM runs) "
             f"WHERE {where} ORDER BY id",
             params,
         )

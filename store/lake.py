@@ -432,7 +432,7 @@ class LakeCatalog(CatalogWriter):
         return values
 
     @guarded("cannot commit the batch's runs to the catalog")
-    def commit_batch(self, runs: list[Any]) -> list[int]:
+    def commit_batch(self, runs: list[Any]) -> list[dict[str, Any]]:
         raise StoreError("store.batch() is not available on a DuckLake catalog yet")
 
     @guarded("cannot change the run's status in the catalog")

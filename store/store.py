@@ -888,12 +888,13 @@ class Batch:
         return staged, lock
 
     def _complete(self) -> Collection[str]:
-        """The names of the store's complete runs when the batch began (read once;
-        a run committed by another writer since is caught by the batch's commit)."""
+        """The names of the store's complete runs when the batch began (read once,
+        from the catalog file: a reader's mirror would copy the rows of every run
+        committed since its last refresh; a run committed by another writer since is
+        caught by the batch's commit)."""
         if self._known is None:
-            mirror = self.store.catalog
-            mirror.refresh(())
-            self._known = set(mirror.run_ids)
+            rows = read_runs(self.store.paths, "status = ?", [COMPLETE], columns="name")
+            self._known = {row["name"] for row in rows}
         return self._known
 
     def pending(self, name: str) -> Run:
@@ -913,22 +914,12 @@ class Batch:
         self._pending.append(run)
         return run
 
-    def _bind_pending(self) -> None:
-        """Point the runs ``record`` returned at their committed rows (one query)."""
-        if not self._pending:
-            return
-        marks = ", ".join("?" * len(self._pending))
-        cursor = self.store._query(
-            f"SELECT * FROM runs WHERE status = ? AND name IN ({marks})",
-            [COMPLETE, *(run.name for run in self._pending)],
-            (),
-        )
-        columns = [d[0] for d in cursor.description]
-        rows = {
-            r[columns.index("name")]: dict(zip(columns, r, strict=True)) for r in cursor.fetchall()
-        }
+    def _bind_pending(self, rows: list[dict[str, Any]]) -> None:
+        """Point the runs ``record`` returned at their committed ``rows`` (a name
+        recorded twice: the later run)."""
+        named = {info["name"]: info for info in rows}
         for run in self._pending:
-            info = rows.get(run.name)
+            info = named.get(run.name)
             if info is not None:
                 arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
                 run._bind(info, arrays, self.store._run_query(info["id"]))
@@ -950,9 +941,9 @@ class Batch:
             with _os_errors("cannot make the batch's runs durable"):
                 for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
                     run.summary["bytes"] = nbytes
-            self.store._catalog.commit_batch(runs)
+            rows = self.store._catalog.commit_batch(runs)
             self.names += [run.name for run in runs]
-            self._bind_pending()
+            self._bind_pending(rows)
         finally:
             for _, lock in staged:
                 lock.close()

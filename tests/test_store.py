@@ -579,6 +579,7 @@ def test_a_batch_commits_its_runs_together(tmp_path: Path) -> None:
     assert batch.names == ["r0", "r1", "r2", "r3", "steps"]
     for k, run in enumerate(returned):  # what record returned is the committed run
         assert run.name == f"r{k}" and run.meta == {"k": k}
+        assert run.info == reader[f"r{k}"].info  # its row, every column, as read back
         assert_bitwise(run["output_1"].out, reader[f"r{k}"]["output_1"].out, f"r{k}")
     assert sorted(reader.runs()["name"]) == ["before", "r0", "r1", "r2", "r3", "steps"]
     assert "broken" not in reader.runs(all=True)["name"].tolist()
