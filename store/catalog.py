@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -85,6 +85,7 @@ from .points import OpIndex
 from .schema import (
     INCOMING,
     RUN_TABLES,
+    SCAN_FRAMES,
     TABLES,
     arrow_schema,
     create_schema,
@@ -257,6 +258,7 @@ class _Engine:
             # fsync, where a checkpoint takes three more) until the log is past
             # LOG_BYTES (CatalogWriter._transaction).
             con.execute("PRAGMA disable_checkpoint_on_shutdown")
+            con.execute(SCAN_FRAMES)
             self._con = (pid, con)
         return self._con[1]
 
@@ -697,15 +699,20 @@ class CatalogWriter:
         return change()
 
     @guarded("cannot commit the batch's runs to the catalog")
-    def commit_batch(self, runs: list[StagedRun]) -> list[dict[str, Any]]:
+    def commit_batch(
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
         """Make the runs of a batch visible, all in one transaction; return their
         ``runs`` rows (every column, as inserted: what a read of them would return).
         Each run's directory (``runs/.batch-*``, durable already) is renamed to its id's
         name inside the transaction, before ``COMMIT``; a crash before the commit
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
-        is in the catalog before this."""
+        is in the catalog before this. ``built``: tables of several of the runs at once
+        (``rows.runs_tables``), whose ``run_id`` holds each row's run's position in
+        ``runs``."""
         then: list[Callable[[], None]] = []
         size = sum(_nbytes(run.tables.values()) for run in runs)
+        size += sum(_nbytes(tables.values()) for tables in built)
         with self._transaction(then, size) as con:
             on_disk = self._check_disk(con)
             top, seq = con.execute(
@@ -770,6 +777,10 @@ class CatalogWriter:
             fsync_dir(self.paths.runs)  # the new names, durable before the rows are
             import pyarrow as pa  # (not at import: listing runs needs no Arrow)
 
+            for tables in built:
+                for table, data in tables.items():
+                    if data is not None and data.num_rows:
+                        incoming[table].append(_at_run_ids(data, ids))
             added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
             insert(con, "runs", added)
             for table, parts in incoming.items():
@@ -843,6 +854,10 @@ class StagedRun:
     info: dict[str, Any]
     tables: dict[str, Any]
     summary: dict[str, Any]
+    #: Its steps (``rows.RunSteps``), where its op tables are yet to be built: the
+    #: batch builds those of its small runs together (``built`` of
+    #: :meth:`CatalogWriter.commit_batch`).
+    steps: Any = None
 
 
 def _nbytes(tables: Collection[Any]) -> int:
@@ -856,6 +871,17 @@ def _with_run_id(table: Any, run_id: int) -> Any:
     k = table.schema.get_field_index("run_id")
     field = table.schema.field(k)
     return table.set_column(k, field, pa.array([run_id] * table.num_rows, field.type))
+
+
+def _at_run_ids(table: Any, ids: list[int]) -> Any:
+    """``table`` with each ``run_id`` (a position in ``ids``) replaced by the id there."""
+    import numpy as np
+    import pyarrow as pa
+
+    k = table.schema.get_field_index("run_id")
+    field = table.schema.field(k)
+    at = np.asarray(table.column(k).to_numpy(), dtype=np.int64)
+    return table.set_column(k, field, pa.array(np.asarray(ids, np.int64)[at], field.type))
 
 
 def _concat(parts: list[Any]) -> Any:

@@ -14,6 +14,7 @@ import json
 import math
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ __all__ = [
     "distinct_codes",
     "load_step",
     "run_tables",
+    "runs_tables",
     "stat_columns",
 ]
 
@@ -135,6 +137,33 @@ _TAKE_MIN = 128
 Written = Callable[[], tuple[tuple[np.ndarray, np.ndarray], Callable[[str], str]]]
 
 
+@dataclass
+class RunSteps:
+    """One run's recorded steps, as :func:`runs_tables` takes them: its id, its steps
+    (each an :class:`OpTable`, its module entries, and what the step's emitter kept:
+    ``op_slots`` and ``unsaved_stats``), its writer's slots (``TensorWriter.slots``),
+    and ``written`` (see :func:`run_tables`)."""
+
+    run_id: int
+    steps: Sequence[tuple[OpTable, list[ModuleEntry], Any]]
+    slots: list[Any]
+    written: Written
+
+    @property
+    def ops(self) -> int:
+        return sum(len(table.rows) for table, _, _ in self.steps)
+
+
+@dataclass
+class KeptOps:
+    """What :func:`runs_tables` reads of a step's emitter (``op_slots`` and
+    ``unsaved_stats``): kept in its place while a run waits for its batch's commit,
+    so that the emitter, its writer and selector go."""
+
+    op_slots: dict[int, int]
+    unsaved_stats: dict[int, Stats]
+
+
 def run_tables(
     run_id: int,
     steps: Sequence[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
@@ -145,25 +174,52 @@ def run_tables(
     steps. ``slots``: its writer's slots (``TensorWriter.slots``: an op's row carries its
     tensor's array and byte offset, so a query finds the bytes without another join);
     ``written()`` is asked for last, so that the writer's workers finish the run's last
-    chunks (statistics, encoding, writes) while the rest is built.
+    chunks (statistics, encoding, writes) while the rest is built."""
+    return runs_tables([RunSteps(run_id, steps, slots, written)])
 
-    Built column by column, all steps at once (this runs for every op of every stored
-    run, and each Arrow conversion has a fixed cost, which per step would dominate
-    runs of many small steps): what
-    rows share (module stacks, shapes, dtypes, layers, call sites) is converted once per
-    distinct value, and the tensor columns are gathered by slot."""
-    tensors, (arrays, array_of) = _tensor_columns(run_id, slots)
-    ops, slot_of, edges = _op_columns(run_id, steps, tensors)
-    modules = _modules(run_id, [(k, m) for k, (_, entries, _) in enumerate(steps) for m in entries])
-    stats, codec = written()
+
+def runs_tables(runs: Sequence[RunSteps]) -> dict[str, pa.Table]:
+    """:func:`run_tables` of several runs at once, their rows in one table each (a
+    batch's small runs: each Arrow conversion has a fixed cost, which per run would
+    dominate runs of a few ops).
+
+    Built column by column, all steps of all runs at once (this runs for every op of
+    every stored run, and per step the conversions' fixed cost would dominate runs of
+    many small steps): what rows share (module stacks, shapes, dtypes, layers, call
+    sites) is converted once per distinct value, and the tensor columns are gathered by
+    slot."""
+    steps = [step for run in runs for step in run.steps]
+    tensors, arrays, slot_start = _tensor_columns(runs)
+    ops, slot_of, edges = _op_columns(runs, steps, tensors, slot_start)
+    modules = _modules(
+        [
+            (run.run_id, k, m)
+            for run in runs
+            for k, (_, entries, _) in enumerate(run.steps)
+            for m in entries
+        ]
+    )
+    written = [run.written() for run in runs]  # last: the workers finish meanwhile
+    stats = (
+        _stacked([values for (values, _), _ in written]),
+        _stacked([valid for (_, valid), _ in written]),
+    )
     _add_stats(ops, steps, stats, slot_of)
-    tensors["codec"] = _taken([codec(name) for name in arrays], array_of, _STR)
+    tensors["codec"] = _codecs(arrays, [codec for _, codec in written])
     return {
         "ops": _assembled(arrow_schema(OPS), ops),
         "edges": edges,
         "modules": modules,
         "tensors": _assembled(arrow_schema(TENSORS), tensors),
     }
+
+
+def _stacked(matrices: list[np.ndarray]) -> np.ndarray:
+    """Runs' statistics matrices (``TensorWriter.stat_matrix``: a row a slot and one
+    last, undefined row) as one, slots in run order, with one last undefined row."""
+    if len(matrices) == 1:
+        return matrices[0]
+    return np.concatenate([m[:-1] for m in matrices] + [matrices[0][-1:]])
 
 
 def audit_tables(run_id: int, interventions: Any, calls: list[str]) -> dict[str, pa.Table]:
@@ -219,31 +275,45 @@ def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
 
 
 def _op_columns(
-    run_id: int,
-    steps: Sequence[tuple[OpTable, list[ModuleEntry], SelectingEmitter]],
+    runs: Sequence[RunSteps],
+    steps: Sequence[tuple[OpTable, list[ModuleEntry], Any]],
     tensors: dict[str, Any],
+    slot_start: np.ndarray,
 ) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
-    """The ``ops`` columns but the statistics, each op's tensor slot (-1: none), and the
-    ``edges`` table."""
+    """The ``ops`` columns but the statistics, each op's tensor slot among all the
+    runs' (-1: none; ``slot_start``: each run's first), and the ``edges`` table."""
     tables = [table for table, _, _ in steps]
     sizes = np.array([len(table.rows) for table in tables], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes  # each step's first row
     n = int(sizes.sum())
     rows = list(itertools.chain.from_iterable(table.rows for table in tables))
     columns = _transposed(rows, len(rows[0]) if n else ROW_WIDTH)
-    step_of = np.repeat(np.arange(len(steps), dtype=np.int32), sizes)
+    per_run = np.array([len(run.steps) for run in runs], dtype=np.int64)
+    step_run = np.repeat(np.arange(len(runs)), per_run)  # each step's run
+    local = np.arange(len(steps), dtype=np.int32) - np.repeat(
+        (np.cumsum(per_run) - per_run).astype(np.int32), per_run
+    )
+    step_of = np.repeat(local, sizes)  # each row's step within its run
+    run_of = np.repeat(np.array([run.run_id for run in runs], dtype=np.int32)[step_run], sizes)
     idx = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)  # the row within its step
-    slot_of = np.full(n, -1, dtype=np.int64)
-    for start, (_, _, emitter) in zip(starts.tolist(), steps, strict=True):
+    slot_of = np.full(n, -1, dtype=np.int64)  # among all the runs' slots
+    for start, first, (_, _, emitter) in zip(
+        starts.tolist(), slot_start[step_run].tolist(), steps, strict=True
+    ):
         op_slot = emitter.op_slots
         if op_slot:
-            slot_of[start + np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = np.fromiter(
-                op_slot.values(), np.int64, len(op_slot)
+            slot_of[start + np.fromiter(op_slot.keys(), np.int64, len(op_slot))] = first + (
+                np.fromiter(op_slot.values(), np.int64, len(op_slot))
             )
     saved = slot_of >= 0
-    tensor = pa.array(slot_of, mask=~saved, type=_I64)
+    tensor = pa.array(slot_of, mask=~saved, type=_I64)  # (its run's: below)
+    if len(runs) > 1:
+        first_slot = np.repeat(slot_start[step_run], sizes)
+        own = pa.array(slot_of - first_slot, mask=~saved, type=_I64)
+    else:
+        own = tensor
 
-    def local(rows_: list[int]) -> tuple[list[OpTable], list[int]]:
+    def local_rows(rows_: list[int]) -> tuple[list[OpTable], list[int]]:
         """The steps' tables and the rows within them of run-wide rows (two lists, not a
         tuple per row: as many objects as rows would wake the garbage collector)."""
         which = np.searchsorted(starts, rows_, side="right") - 1
@@ -269,11 +339,11 @@ def _op_columns(
             passes[k] = count
     _, site_of = distinct_codes(columns[SITE], identity=True)  # a site: (code, offset)
     first = np.unique(site_of, return_index=True)[1].tolist()  # each site's first row
-    where = [table.source(row) for table, row in zip(*local(first), strict=True)]
+    where = [table.source(row) for table, row in zip(*local_rows(first), strict=True)]
     numel = np.array([math.prod(sh) for sh in shapes], dtype=np.int64)
     itemsize = np.array([dt.itemsize for dt in dtypes], dtype=np.int64)
     cols: dict[str, Any] = {
-        "run_id": np.full(n, run_id, dtype=np.int32),
+        "run_id": run_of,
         "step": step_of,
         "idx": idx,
         "label": labels,
@@ -293,7 +363,7 @@ def _op_columns(
         "nbytes": numel[shape_of] * itemsize[dtype_of],
         "params": _taken([list(p) for p in params], params_of, pa.list_(_STR)),
         "saved": saved,
-        "tensor": tensor,
+        "tensor": own,
         "array": tensors["array"].take(tensor),
         "byte_offset": tensors["byte_offset"].take(tensor),
         "source_file": _taken([w.file if w else None for w in where], site_of, _STR),
@@ -307,7 +377,7 @@ def _op_columns(
         ops = OpRows(columns, labels, step_of, idx)
         for name, produce in PRODUCERS.items():
             cols[name] = produce(ops)
-    return cols, slot_of, _edges(run_id, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
+    return cols, slot_of, _edges(run_of, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
 
 
 def _call_args(tables: list[OpTable], n: int) -> list[str | None]:
@@ -378,7 +448,7 @@ _INTEGERS = {_I32: np.int32, _I64: np.int64}
 
 
 def _edges(
-    run_id: int,
+    run_of: np.ndarray,
     step_of: np.ndarray,
     idx: np.ndarray,
     parents: Sequence[tuple[int, ...]],
@@ -392,7 +462,7 @@ def _edges(
     )
     names, name_of = distinct_codes(list(itertools.chain.from_iterable(args)))
     columns = {
-        "run_id": np.full(total, run_id, dtype=np.int32),
+        "run_id": np.repeat(run_of, counts),
         "step": np.repeat(step_of, counts),
         "parent": list(itertools.chain.from_iterable(parents)),
         "child": np.repeat(idx, counts),
@@ -402,18 +472,18 @@ def _edges(
     return _assembled(arrow_schema(EDGES), columns)
 
 
-def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
-    """The module entries of a run's steps, as (step, entry)."""
+def _modules(modules: list[tuple[int, int, ModuleEntry]]) -> pa.Table:
+    """The module entries of runs' steps, as (run id, step, entry)."""
 
     def column(value: Callable[[ModuleEntry], Any]) -> list[Any]:
-        return [value(m) for _, m in modules]
+        return [value(m) for _, _, m in modules]
 
     def saved(value: Callable[[ModuleEntry], Any]) -> list[Any]:
-        return [None if m.output_slots is None else value(m) for _, m in modules]
+        return [None if m.output_slots is None else value(m) for _, _, m in modules]
 
     columns = {
-        "run_id": [run_id] * len(modules),
-        "step": [step for step, _ in modules],
+        "run_id": [run_id for run_id, _, _ in modules],
+        "step": [step for _, step, _ in modules],
         "idx": column(lambda m: m.index),
         "label": column(lambda m: m.label),
         "path": column(lambda m: m.path),
@@ -434,28 +504,61 @@ def _modules(run_id: int, modules: list[tuple[int, ModuleEntry]]) -> pa.Table:
 
 
 def _tensor_columns(
-    run_id: int, slots: list[Any]
-) -> tuple[dict[str, Any], tuple[list[str], np.ndarray]]:
-    """The ``tensors`` columns but the codec, from a writer's slots (slot = position):
-    (array, byte offset or -1, nbytes, shape, dtype, step) tuples; and the distinct
-    array names with each slot's index into them (for the codecs, known once written)."""
+    runs: Sequence[RunSteps],
+) -> tuple[dict[str, Any], list[tuple[list[str], np.ndarray]], np.ndarray]:
+    """The ``tensors`` columns but the codec, from the runs' writers' slots (slot =
+    position): (array, byte offset or -1, nbytes, shape, dtype, step) tuples; each
+    run's distinct array names with its slots' indexes into them (for the codecs, known
+    once written); and each run's first slot among all."""
+    counts = np.array([len(run.slots) for run in runs], dtype=np.int64)
+    slot_start = np.cumsum(counts) - counts
+    slots = runs[0].slots if len(runs) == 1 else [s for run in runs for s in run.slots]
     n = len(slots)
     array, offset, nbytes, shape, dtype, step = _transposed(slots, 6)
     offsets = np.array(offset, dtype=np.int64)
-    arrays, array_of = distinct_codes(array)
+    arrays = (
+        [distinct_codes(array)]
+        if len(runs) == 1
+        else [
+            distinct_codes(array[int(first) : int(first + count)])
+            for first, count in zip(slot_start, counts, strict=True)
+        ]
+    )
     shapes, shape_of = distinct_codes(shape)
     dtypes, dtype_of = distinct_codes(dtype)
     columns = {
-        "run_id": np.full(n, run_id, dtype=np.int32),
+        "run_id": np.repeat(np.array([run.run_id for run in runs], dtype=np.int32), counts),
         "step": step,
-        "slot": np.arange(n, dtype=np.int32),
-        "array": _taken(arrays, array_of, _STR),
+        "slot": np.arange(n, dtype=np.int32) - np.repeat(slot_start.astype(np.int32), counts),
+        "array": _codes_taken(arrays, lambda _, names: names),
         "byte_offset": pa.array(offsets, mask=offsets < 0),
         "nbytes": nbytes,
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),
     }
-    return columns, (arrays, array_of)
+    return columns, arrays, slot_start
+
+
+def _codes_taken(
+    parts: list[tuple[list[str], np.ndarray]], values: Callable[[int, list[str]], list[str]]
+) -> pa.Array:
+    """A string column of the runs' slots from each run's distinct array names and its
+    slots' indexes into them: ``values(k, names)`` is what run ``k``'s names become."""
+    if len(parts) == 1:
+        return _taken(values(0, parts[0][0]), parts[0][1], _STR)
+    distinct: list[str] = []
+    codes = []
+    for k, (names, of) in enumerate(parts):
+        codes.append(of + len(distinct))
+        distinct += values(k, names)
+    return _taken(distinct, np.concatenate(codes) if codes else np.zeros(0, np.int32), _STR)
+
+
+def _codecs(
+    arrays: list[tuple[list[str], np.ndarray]], codecs: list[Callable[[str], str]]
+) -> pa.Array:
+    """The ``codec`` column: each slot's array's codec, by its run's writer."""
+    return _codes_taken(arrays, lambda k, names: [codecs[k](name) for name in names])
 
 
 class StoredOpTable(OpTable):

@@ -213,6 +213,10 @@ def select_list(table: Table, present: set[str]) -> str:
 #: (``catalog.check_objects`` refuses a catalog table of this name, which would be read
 #: in their place).
 INCOMING = "_incoming"
+#: What a connection :func:`insert` uses runs once: DuckDB looks for :data:`INCOMING`
+#: in every caller's frame, not only in the frame that called ``execute`` (a wrapper of
+#: the connection, a tracer's or a test's, would otherwise hide it).
+SCAN_FRAMES = "SET python_scan_all_frames = true"
 
 
 def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, view: bool = False) -> None:

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from .compare import Comparison
     from .grads import StoreGrads
     from .remote import RemoteArrays
+    from .rows import RunSteps, Written
     from .run import Run
     from .tensors import RunArrays
     from .writer import StoreEmitter, TensorWriter
@@ -713,9 +714,13 @@ class Recording:
                 "model (or rec.record(model, ...)) inside the block"
             )
 
+        done: list[tuple[tuple[Any, Any], Any]] = []
+
         def written() -> tuple[tuple[Any, Any], Any]:
-            writer.close()  # the last chunks' statistics, writes and syncs: done by now
-            return writer.stat_matrix(), writer.codec
+            if not done:  # (once: asked again where a small run of a batch is built now)
+                writer.close()  # the last chunks' statistics, writes and syncs: done now
+                done.append((writer.stat_matrix(), writer.codec))
+            return done[0]
 
         if self._selector.constant is None:  # a name in save= that matched nothing
             from tracelake.recorder import TraceView
@@ -729,7 +734,10 @@ class Recording:
                 stacklevel=3,
             )
         writer.flush()  # the workers finish the last chunks while the tables are built
-        merged = run_tables(self.run_id, self._steps, writer.slots, written)
+        steps = self._deferred(written)
+        merged = (
+            {} if steps is not None else run_tables(self.run_id, self._steps, writer.slots, written)
+        )
         merged.update(audit_tables(self.run_id, self.interventions, self._calls))
         self.interventions.warn_unused(stacklevel=4)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
@@ -760,7 +768,7 @@ class Recording:
                     writer.arrays.delete(array)
         summary = {
             "steps": len(self._steps),
-            "op_count": merged["ops"].num_rows,
+            "op_count": steps.ops if steps is not None else merged["ops"].num_rows,
             "bytes": 0,
             "device": self._device,
             **self._fingerprints,
@@ -776,6 +784,7 @@ class Recording:
                     self._info,
                     merged,
                     summary,
+                    steps,
                 ),
                 self._lock,
             )
@@ -791,6 +800,27 @@ class Recording:
         self._steps = []
         for edges in self._grad_steps:
             edges.clear()  # the autograd graph is the user's again
+
+    def _deferred(self, written: Written) -> RunSteps | None:
+        """A small run of a batch: its steps, closed, for the batch to build its op
+        tables with its other small runs' (``rows.runs_tables``); None for any other
+        run (built now, as is one whose writer lost tensors or that has gradients or
+        failed steps: the rarer paths below work on its built tables)."""
+        from .rows import KeptOps, RunSteps
+
+        if self._batch is None or self._grads is not None or self._discarded:
+            return None
+        if sum(len(table.rows) for table, _, _ in self._steps) > DEFERRED_RUN_OPS:
+            return None
+        written()  # (the writer closes: what it lost is known)
+        if self._writer is None or self._writer.lost:
+            return None
+        return RunSteps(
+            -1,
+            [(t, m, KeptOps(e.op_slots, e.unsaved_stats)) for t, m, e in self._steps],
+            self._writer.slots,
+            written,
+        )
 
     def _drop(self, lost: set[int]) -> None:
         """Record the entries of tensors written in place, unseen, while being stored as
@@ -853,6 +883,13 @@ class Recording:
                 lock.close()
 
 
+#: A batch builds the op tables of its runs of up to this many ops together (each
+#: Arrow conversion has a fixed cost, which per run dominates a run of a few ops)...
+DEFERRED_RUN_OPS = 2_000
+#: ... this many ops at a time (the rows wait as Python objects, ~1 KB an op).
+DEFERRED_OPS = 20_000
+
+
 class Batch:
     """The runs of one ``store.batch()`` block: each recorded into a directory of its
     own under ``runs/.batch-*`` (its ``writing.lock`` held), their files written but not
@@ -862,6 +899,11 @@ class Batch:
     def __init__(self, store: Store):
         self.store = store
         self._staged: list[tuple[StagedRun, io.FileIO]] = []
+        #: Small runs' op tables, built together (``rows.runs_tables``; ``run_id``: the
+        #: run's position in ``_staged``), and the positions of those not built yet.
+        self._built: list[dict[str, Any]] = []
+        self._waiting: list[int] = []
+        self._waiting_ops = 0
         self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
         self._known: set[str] | None = None
@@ -927,24 +969,51 @@ class Batch:
     def add(self, run: StagedRun, lock: io.FileIO) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
         directory's writing lock, released after the commit)."""
+        if run.steps is not None:
+            self._waiting.append(len(self._staged))
+            self._waiting_ops += run.summary["op_count"]
         self._staged.append((run, lock))
+        if self._waiting_ops > DEFERRED_OPS:
+            self._build()
+
+    def _build(self) -> None:
+        """Build the op tables of the small runs waiting, together (so that no more than
+        about :data:`DEFERRED_OPS` ops wait as Python rows)."""
+        from .rows import runs_tables
+
+        waiting, self._waiting, self._waiting_ops = self._waiting, [], 0
+        if waiting:
+            runs = [self._staged[k][0] for k in waiting]
+            self._built.append(
+                runs_tables(
+                    [
+                        dataclasses.replace(run.steps, run_id=k)
+                        for k, run in zip(waiting, runs, strict=True)
+                    ]
+                )
+            )
+            for run in runs:
+                run.steps = None
 
     def commit(self) -> None:
         """Make every run of the batch durable (``layout.durable_trees``), then visible (one
         transaction). Their locks are let go either way; what a failure leaves,
         ``gc()`` removes."""
-        staged, self._staged = self._staged, []
+        staged = self._staged
         if not staged:
             return
         try:
+            self._build()
+            built = self._built
             runs = [run for run, _ in staged]
             with _os_errors("cannot make the batch's runs durable"):
                 for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
                     run.summary["bytes"] = nbytes
-            rows = self.store._catalog.commit_batch(runs)
+            rows = self.store._catalog.commit_batch(runs, built)
             self.names += [run.name for run in runs]
             self._bind_pending(rows)
         finally:
+            self._staged, self._built, self._waiting, self._waiting_ops = [], [], [], 0
             for _, lock in staged:
                 lock.close()
 

@@ -598,3 +598,56 @@ def test_a_batch_commits_its_runs_together(tmp_path: Path) -> None:
     assert reader["r0"].meta == {"again": 1}
     assert reader.gc()["runs"] == 1  # the replaced r0
     assert reader.verify().ok
+
+
+@pytest.mark.parametrize("deferred", [None, (12, 15)], ids=["one-build", "several-builds"])
+def test_runs_of_a_batch_have_the_rows_they_have_recorded_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deferred: tuple[int, int] | None
+) -> None:
+    """A batch builds its small runs' catalog rows together, several runs in one set of
+    tables: each run's rows, every table and column but the run id, are the ones it
+    gets recorded on its own (saved and unsaved ops, statistics of both, packs and
+    own arrays, module entries, several steps, calls). ``deferred``: bounds on a run's
+    ops and on the ops built at once that some runs pass (each built on its own) and
+    the batch passes several times (built in groups)."""
+    if deferred is not None:
+        import tracelake.store.store as store_module
+
+        monkeypatch.setattr(store_module, "DEFERRED_RUN_OPS", deferred[0])
+        monkeypatch.setattr(store_module, "DEFERRED_OPS", deferred[1])
+    cases = [
+        ("mlp", "mlp", {}),
+        ("cnn", "cnn", {"stats": "all", "save": tl.func("relu")}),
+        ("block", "repeated_block", {"save": tl.none(), "stats": "all"}),
+        ("lstm", "lstm", {}),
+        ("mlp-2", "mlp", {"save": tl.func("linear")}),
+    ]
+    stores = {"alone": tl.open(tmp_path / "alone"), "batched": tl.open(tmp_path / "batched")}
+
+    def record_all(store: tl.Store) -> None:
+        for name, builder, options in cases:
+            model, inputs = BUILDERS[builder]()
+            torch.manual_seed(0)
+            store.record(model, *inputs, name=name, **options)
+        model, inputs = BUILDERS["mlp"]()
+        with store.recording("steps", model, stats="all") as rec:
+            model(*inputs)
+            rec.record(model, *(x * 2 for x in inputs))
+
+    torch.manual_seed(1)
+    record_all(stores["alone"])
+    torch.manual_seed(1)
+    with stores["batched"].batch():
+        record_all(stores["batched"])
+    tables = ("ops", "edges", "modules", "tensors", "rules", "calls")
+    for table in tables:
+        frames = {}
+        for kind, store in stores.items():
+            frame = store.sql(
+                f"SELECT r.name, t.* EXCLUDE (run_id) FROM {table} t JOIN runs r ON r.id = t.run_id"
+            )
+            frames[kind] = frame.sort_values(list(frame.columns[:3])).reset_index(drop=True)
+        assert len(frames["alone"]) > 0 or table == "rules", table
+        assert frames["alone"].equals(frames["batched"]), table
+    for store in stores.values():
+        assert store.verify().ok
