@@ -361,6 +361,7 @@ class CatalogWriter:
         then: list[Callable[[], None]] | None = None,
         size: int = 0,
         durable: bool = True,
+        read: bool = False,
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
@@ -376,7 +377,9 @@ class CatalogWriter:
         written once, not to the log and again); one that took the log past it anyway
         is followed by a ``CHECKPOINT``. So the log stays small: every opener replays it
         (writers' ``ATTACH``, readers in memory); a restore from the shadow keeps it
-        (``duckfile.py``). ``durable``: see :meth:`_bound_log`.
+        (``duckfile.py``). ``durable``: see :meth:`_bound_log`. ``read``: the block only
+        reads, so readers are told of a change only if the files did change (a log
+        checkpointed, a schema completed).
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -424,13 +427,16 @@ class CatalogWriter:
                             con.execute("ROLLBACK")
                         raise
                     self._has_schema = True
-                    self.changes.bump()
+                    if not read:
+                        self.changes.bump()
                     self._bound_log(con, durable)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
                 self._checked = _file_state(self.paths)
+                if read and self._checked != seen:
+                    self.changes.bump()
                 self._keep_shadow()
                 # What the change lets happen on disk happens only now that the shadow
                 # holds it (with the log, which a restore keeps): a catalog restored
@@ -600,6 +606,17 @@ class CatalogWriter:
             raise
         assert held is not None
         return run_id, held
+
+    @guarded("cannot read the catalog")
+    def complete_names(self) -> set[str]:
+        """The names of the complete runs, read as a writer reads (no new DuckDB, and
+        the file checked only if another writer changed it since this one's last
+        transaction: a reader's open costs several times more)."""
+        if _file_state(self.paths) is None:
+            return set()
+        with self._transaction(read=True) as con:
+            rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
+        return {name for (name,) in rows}
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection, cached: bool = False) -> int:
         """The highest run directory id on disk, after making sure the catalog knows
@@ -1084,13 +1101,10 @@ def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyCo
     return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
-def read_runs(
-    paths: StorePaths, where: str, params: list[Any], columns: str = "*"
-) -> list[dict[str, Any]]:
-    """Rows of the ``runs`` table (``where``: a condition on its columns; ``columns``:
-    what to select), straight from the catalog file: what listing runs needs, without
-    a reader's mirror (no rows are copied; the command line's ``tracelake runs`` is this
-    and little else)."""
+def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:
+    """Rows of the ``runs`` table (``where``: a condition on its columns), straight from
+    the catalog file: what listing runs needs, without a reader's mirror (no rows are
+    copied; the command line's ``tracelake runs`` is this and little else)."""
     if FileChangeToken(paths).token() is None:  # no run ever committed
         return []
     with (
@@ -1099,8 +1113,7 @@ def read_runs(
         read_source(paths) as (src, present),
     ):
         cursor = src.execute(
-            f"SELECT {columns} FROM (SELECT {select_list(TABLES['runs'], present['runs'])} "
-            "FROM runs) "
+            f"SELECT * FROM (SELECT {select_list(TABLES['runs'], present['runs'])} FROM runs) "
             f"WHERE {where} ORDER BY id",
             params,
         )

@@ -930,13 +930,12 @@ class Batch:
         return staged, lock
 
     def _complete(self) -> Collection[str]:
-        """The names of the store's complete runs when the batch began (read once,
-        from the catalog file: a reader's mirror would copy the rows of every run
+        """The names of the store's complete runs when the batch began (read once, by
+        the store's writer: a reader's mirror would copy the rows of every run
         committed since its last refresh; a run committed by another writer since is
         caught by the batch's commit)."""
         if self._known is None:
-            rows = read_runs(self.store.paths, "status = ?", [COMPLETE], columns="name")
-            self._known = {row["name"] for row in rows}
+            self._known = self.store._catalog.complete_names()
         return self._known
 
     def pending(self, name: str) -> Run:

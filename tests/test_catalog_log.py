@@ -147,3 +147,24 @@ def test_delete_and_gc_with_runs_in_the_log(tmp_path: Path) -> None:
     assert reader.runs(all=True)["name"].tolist() == ["r0", "r2"]
     assert sorted(p.name for p in (root / "runs").iterdir()) == ["00000001", "00000003"]
     assert reader.verify().ok
+
+
+def test_a_batch_reads_the_names_it_checks_without_telling_readers_of_a_change(
+    tmp_path: Path,
+) -> None:
+    """A batch reads the complete runs' names once, as a writer (no reader's open, no
+    mirror): readers see no change from that read, and a name taken in the store is
+    still refused when its run begins."""
+    root = tmp_path / "s"
+    store = tl.open(root)
+    model, inputs = _outputs(0)
+    store.record(model, *inputs, name="r0")
+    store.delete("r0")
+    store.record(model, *inputs, name="r1")
+    token = catalog.FileChangeToken(store.paths).token()
+    with store.batch():
+        with pytest.raises(tl.RunExistsError):
+            store.record(model, *inputs, name="r1")
+        assert catalog.FileChangeToken(store.paths).token() == token
+        store.record(model, *inputs, name="r0")  # (deleted: free again)
+    assert sorted(_names_in_another_process(root)) == ["r0", "r1"]
