@@ -148,6 +148,9 @@ class RunSteps:
     steps: Sequence[tuple[OpTable, list[ModuleEntry], Any]]
     slots: list[Any]
     written: Written
+    #: Its intervention rules (``Interventions.audit()``) and calls, where the ``rules``
+    #: and ``calls`` tables are built with the others (:func:`audit_tables` otherwise).
+    audit: tuple[list[dict[str, Any]], list[str]] | None = None
 
     @property
     def ops(self) -> int:
@@ -206,12 +209,17 @@ def runs_tables(runs: Sequence[RunSteps]) -> dict[str, pa.Table]:
     )
     _add_stats(ops, steps, stats, slot_of)
     tensors["codec"] = _codecs(arrays, [codec for _, codec in written])
-    return {
+    tables = {
         "ops": _assembled(arrow_schema(OPS), ops),
         "edges": edges,
         "modules": modules,
         "tensors": _assembled(arrow_schema(TENSORS), tensors),
     }
+    audits = [(run.run_id, *run.audit) for run in runs if run.audit is not None]
+    if audits:
+        assert len(audits) == len(runs), "every run's audit, or none"
+        tables.update(_audit_tables(audits))
+    return tables
 
 
 def _stacked(matrices: list[np.ndarray]) -> np.ndarray:
@@ -225,18 +233,29 @@ def _stacked(matrices: list[np.ndarray]) -> np.ndarray:
 def audit_tables(run_id: int, interventions: Any, calls: list[str]) -> dict[str, pa.Table]:
     """The ``rules`` table (the run's intervention rules: ``Interventions.audit()``) and
     the ``calls`` table (how each step called the model) of a run."""
-    rules = interventions.audit()
+    return _audit_tables([(run_id, interventions.audit(), calls)])
+
+
+def _audit_tables(runs: list[tuple[int, list[dict[str, Any]], list[str]]]) -> dict[str, pa.Table]:
+    """:func:`audit_tables` of several runs: (run id, rules, calls) each."""
+    rules = [(run_id, rule) for run_id, run_rules, _ in runs for rule in run_rules]
     return {
         "rules": _assembled(
             arrow_schema(RULES),
             {
-                name: [run_id] * len(rules) if name == "run_id" else [r[name] for r in rules]
+                name: [run_id for run_id, _ in rules]
+                if name == "run_id"
+                else [r[name] for _, r in rules]
                 for name in RULES.column_names
             },
         ),
         "calls": _assembled(
             arrow_schema(CALLS),
-            {"run_id": [run_id] * len(calls), "step": list(range(len(calls))), "call": calls},
+            {
+                "run_id": [run_id for run_id, _, calls in runs for _ in calls],
+                "step": [k for _, _, calls in runs for k in range(len(calls))],
+                "call": [call for _, _, calls in runs for call in calls],
+            },
         ),
     }
 

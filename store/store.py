@@ -735,10 +735,11 @@ class Recording:
             )
         writer.flush()  # the workers finish the last chunks while the tables are built
         steps = self._deferred(written)
-        merged = (
-            {} if steps is not None else run_tables(self.run_id, self._steps, writer.slots, written)
-        )
-        merged.update(audit_tables(self.run_id, self.interventions, self._calls))
+        if steps is None:
+            merged = run_tables(self.run_id, self._steps, writer.slots, written)
+            merged.update(audit_tables(self.run_id, self.interventions, self._calls))
+        else:  # (built by the batch, with its other small runs')
+            merged = {}
         self.interventions.warn_unused(stacklevel=4)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
@@ -820,6 +821,7 @@ class Recording:
             [(t, m, KeptOps(e.op_slots, e.unsaved_stats)) for t, m, e in self._steps],
             self._writer.slots,
             written,
+            (self.interventions.audit(), list(self._calls)),
         )
 
     def _drop(self, lost: set[int]) -> None:
