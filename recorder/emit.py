@@ -43,13 +43,14 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
 
 
 def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached, contiguous copy that shares nothing with ``tensor``."""
+    """A detached, contiguous copy that shares nothing with ``tensor``. (Copies of a
+    detached tensor record no graph, so no ``torch.no_grad()`` either: a Ctrl-C landing
+    inside its ``__enter__``, after grad was turned off, would leave it off for the
+    thread, ``__exit__`` never run.)"""
     try:
-        with torch.no_grad():
-            return tensor.detach().clone(memory_format=torch.contiguous_format)
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
     except RuntimeError:  # layouts without memory formats (sparse, ...)
-        with torch.no_grad():
-            return tensor.detach().clone()
+        return tensor.detach().clone()
 
 
 def copy_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -57,15 +58,14 @@ def copy_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     layout (one copy of the bytes, however many views); per-tensor copies where that
     cannot be done (tensor subclasses, unusual layouts)."""
     if len(tensors) > 1 and all(type(t) is torch.Tensor for t in tensors):
-        try:
-            with torch.no_grad():
-                storage = tensors[0].untyped_storage().clone()
-                return [
-                    torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                        storage, t.storage_offset(), t.size(), t.stride()
-                    )
-                    for t in tensors
-                ]
+        try:  # (storages and new tensors: nothing autograd records; see copy_tensor)
+            storage = tensors[0].untyped_storage().clone()
+            return [
+                torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    storage, t.storage_offset(), t.size(), t.stride()
+                )
+                for t in tensors
+            ]
         except (RuntimeError, TypeError):
             pass
     return [copy_tensor(t) for t in tensors]

@@ -81,18 +81,17 @@ def compute_stats(tensor: torch.Tensor) -> Stats:
         if fused is not None:
             total, l2, low, high, nonzero, m2, numel = fused
             return _finish(tensor, numel, total, l2, low, high, nonzero, m2)
-    with torch.no_grad():
-        x = tensor.detach()
-        numel = x.numel()
-        if numel == 0 or x.device.type == "meta":
-            return _EMPTY
-        if x.is_complex():
-            return _complex_stats(x.abs(), numel)
-        x = _real(x)
-        if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
-            return _small_stats(x.reshape(-1).tolist())
-        total, l2, low, high, nonzero, m2, _ = partial_stats(x)
-        return _finish(x, numel, total, l2, low, high, nonzero, m2)
+    x = tensor.detach()  # (reductions of it record no graph: no torch.no_grad(), whose
+    numel = x.numel()  # __enter__ a Ctrl-C can leave half done; emit.copy_tensor)
+    if numel == 0 or x.device.type == "meta":
+        return _EMPTY
+    if x.is_complex():
+        return _complex_stats(x.abs(), numel)
+    x = _real(x)
+    if numel <= _SMALL and x.device.type == "cpu" and type(x) is torch.Tensor:
+        return _small_stats(x.reshape(-1).tolist())
+    total, l2, low, high, nonzero, m2, _ = partial_stats(x)
+    return _finish(x, numel, total, l2, low, high, nonzero, m2)
 
 
 def combine_stats(tensor: torch.Tensor, partials: list[tuple[float, ...]]) -> Stats:
@@ -102,23 +101,20 @@ def combine_stats(tensor: torch.Tensor, partials: list[tuple[float, ...]]) -> St
     instead of five; a part's spread about its own mean too, so that ``std`` needs no
     second pass over the tensor however its mean dwarfs its spread). Complex and empty
     tensors: compute_stats itself."""
-    with torch.no_grad():
-        x = tensor.detach()
-        numel = x.numel()
-        if numel <= _SMALL or x.is_complex() or not partials:
-            return compute_stats(x)
-        totals, norms, lows, highs, nonzeros, spreads, counts = zip(*partials, strict=True)
-        total = math.fsum(totals)
-        mean = total / numel
-        # Chan et al.'s pairwise update: the parts' squared deviations about their own
-        # means, plus what their means' distances from the whole's add.
-        m2 = math.fsum(spreads) + math.fsum(
-            n * (t / n - mean) ** 2 for t, n in zip(totals, counts, strict=True)
-        )
-        l2 = math.sqrt(math.fsum(n * n for n in norms))
-        return _finish(
-            x, numel, total, l2, _nan_or(min, lows), _nan_or(max, highs), sum(nonzeros), m2
-        )
+    x = tensor.detach()
+    numel = x.numel()
+    if numel <= _SMALL or x.is_complex() or not partials:
+        return compute_stats(x)
+    totals, norms, lows, highs, nonzeros, spreads, counts = zip(*partials, strict=True)
+    total = math.fsum(totals)
+    mean = total / numel
+    # Chan et al.'s pairwise update: the parts' squared deviations about their own
+    # means, plus what their means' distances from the whole's add.
+    m2 = math.fsum(spreads) + math.fsum(
+        n * (t / n - mean) ** 2 for t, n in zip(totals, counts, strict=True)
+    )
+    l2 = math.sqrt(math.fsum(n * n for n in norms))
+    return _finish(x, numel, total, l2, _nan_or(min, lows), _nan_or(max, highs), sum(nonzeros), m2)
 
 
 def _nan_or(pick: Any, values: tuple[float, ...]) -> float:
@@ -132,34 +128,33 @@ def partial_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, f
     a real tensor, with one host sync (and a second pass over ``x`` while it is in cache
     when its mean dwarfs its spread): the sum accumulated in float64, min and max NaN
     when there is one (the deviations then NaN too)."""
-    with torch.no_grad():
-        x = _real(x.detach())
-        numel = x.numel()
-        layout = fused_layout(x)
-        fused = None if layout is None else _fused_partial(x, layout)
-        if fused is not None:
-            return fused
-        low, high = torch.aminmax(x)
-        f64 = torch.float64
-        parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64)]
-        total, nonzero = _numpy_sum64(x), _numpy_nonzero(x)
-        if nonzero is None:
-            parts.append(torch.count_nonzero(x).to(f64))
-        if total is None:
-            parts.append(x.sum(dtype=f64))
-        l2, min_, max_, *rest = torch.stack(parts).tolist()
-        if nonzero is None:
-            nonzero = rest.pop(0)
-        if total is None:
-            total = rest[0]
-        m2 = math.nan
-        if math.isfinite(min_) and math.isfinite(max_):
-            if not math.isfinite(l2):  # squares overflowed a float dtype
-                l2 = torch.linalg.vector_norm(x, dtype=f64).item()
-            if not math.isfinite(total):
-                total = x.sum(dtype=f64).item()
-            m2 = _std(x, numel, total / numel, l2) ** 2 * numel
-        return total, l2, min_, max_, nonzero, m2, numel
+    x = _real(x.detach())
+    numel = x.numel()
+    layout = fused_layout(x)
+    fused = None if layout is None else _fused_partial(x, layout)
+    if fused is not None:
+        return fused
+    low, high = torch.aminmax(x)
+    f64 = torch.float64
+    parts = [torch.linalg.vector_norm(x).to(f64), low.to(f64), high.to(f64)]
+    total, nonzero = _numpy_sum64(x), _numpy_nonzero(x)
+    if nonzero is None:
+        parts.append(torch.count_nonzero(x).to(f64))
+    if total is None:
+        parts.append(x.sum(dtype=f64))
+    l2, min_, max_, *rest = torch.stack(parts).tolist()
+    if nonzero is None:
+        nonzero = rest.pop(0)
+    if total is None:
+        total = rest[0]
+    m2 = math.nan
+    if math.isfinite(min_) and math.isfinite(max_):
+        if not math.isfinite(l2):  # squares overflowed a float dtype
+            l2 = torch.linalg.vector_norm(x, dtype=f64).item()
+        if not math.isfinite(total):
+            total = x.sum(dtype=f64).item()
+        m2 = _std(x, numel, total / numel, l2) ** 2 * numel
+    return total, l2, min_, max_, nonzero, m2, numel
 
 
 def fused_layout(tensor: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -221,8 +216,7 @@ def _fused_partial(
     if spread >= _EXACT_SQUARES * squares / numel:
         m2 = spread * numel
     else:
-        with torch.no_grad():
-            m2 = _std(x.detach(), numel, mean, l2) ** 2 * numel
+        m2 = _std(x.detach(), numel, mean, l2) ** 2 * numel
     return total, l2, min_, max_, numel - zeros, m2, numel
 
 

@@ -166,7 +166,8 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
     import torch
 
     h = hashlib.blake2b(digest_size=12)
-    with torch.no_grad(), torch._C.DisableTorchFunction():
+    # (of detached tensors: no torch.no_grad(), see recorder.emit.copy_tensor)
+    with torch._C.DisableTorchFunction():
         for name, tensor in named:
             h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
             if tensor.layout is not torch.strided or tensor.is_meta:

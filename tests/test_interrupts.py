@@ -35,6 +35,8 @@ def _clean(where: object = None) -> None:
     see no op) and no global module hook left behind. ``where``: what was interrupted."""
     assert _get_current_function_mode_stack() == [], where
     assert torch._C._is_torch_function_enabled(), where
+    # nor grad mode off (a torch.no_grad() whose __enter__ or __exit__ was cut short)
+    assert torch.is_grad_enabled(), where
     assert not nn_module._global_forward_pre_hooks
     assert not nn_module._global_forward_hooks
     assert not nn_module._global_forward_hooks_always_called
