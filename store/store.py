@@ -777,21 +777,13 @@ class Recording:
         }
         if self._batch is not None:  # durable and visible when the batch commits
             assert self._lock is not None
-            self._batch.add(
-                StagedRun(
-                    self._dir,
-                    self.name,
-                    self._overwrite,
-                    self._created,
-                    self._info,
-                    merged,
-                    summary,
-                    steps,
-                ),
-                self._lock,
+            staged = StagedRun(
+                self._dir, self.name, self._overwrite, self._created, self._info, merged, summary
             )
-            self._lock = None  # the batch's now
+            staged.steps = steps
+            lock, self._lock = self._lock, None  # the batch's now (it lets it go)
             self._steps = []
+            self._batch.add(staged, lock)
             return
         with _os_errors(f"cannot make run {self.name!r} durable"):
             summary["bytes"] = self.store._durable(self._dir)  # durable before visible
@@ -971,10 +963,10 @@ class Batch:
     def add(self, run: StagedRun, lock: io.FileIO) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
         directory's writing lock, released after the commit)."""
+        self._staged.append((run, lock))  # (first: a Ctrl-C after it leaves it the batch's)
         if run.steps is not None:
-            self._waiting.append(len(self._staged))
+            self._waiting.append(len(self._staged) - 1)
             self._waiting_ops += run.summary["op_count"]
-        self._staged.append((run, lock))
         if self._waiting_ops > DEFERRED_OPS:
             self._build()
 
@@ -983,19 +975,18 @@ class Batch:
         about :data:`DEFERRED_OPS` ops wait as Python rows)."""
         from .rows import runs_tables
 
-        waiting, self._waiting, self._waiting_ops = self._waiting, [], 0
-        if waiting:
-            runs = [self._staged[k][0] for k in waiting]
-            self._built.append(
-                runs_tables(
-                    [
-                        dataclasses.replace(run.steps, run_id=k)
-                        for k, run in zip(waiting, runs, strict=True)
-                    ]
-                )
-            )
-            for run in runs:
-                run.steps = None
+        waiting = self._waiting
+        if not waiting:
+            return
+        runs = [self._staged[k][0] for k in waiting]
+        built = runs_tables(
+            [dataclasses.replace(run.steps, run_id=k) for k, run in zip(waiting, runs, strict=True)]
+        )
+        # In one statement with no call in it (so no Ctrl-C between): the runs are built
+        # once, never twice and never not at all.
+        self._built, self._waiting, self._waiting_ops = [*self._built, built], [], 0
+        for run in runs:
+            run.steps = None  # (their Python rows go)
 
     def commit(self) -> None:
         """Make every run of the batch durable (``layout.durable_trees``), then visible (one

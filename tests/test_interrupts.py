@@ -344,6 +344,52 @@ def test_ctrl_c_anywhere_leaves_nothing_installed(tmp_path: Path, how: Any) -> N
     assert not [p for p in (tmp_path / "s" / "runs").iterdir() if p.name.startswith(".trash")]
 
 
+def test_ctrl_c_anywhere_in_a_batch_commits_whole_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch builds its small runs' rows together, some while it records (the bound
+    set low here) and the rest when it commits: a Ctrl-C anywhere commits each run with
+    all its rows, once, or not at all, and leaves nothing installed."""
+    import tracelake.store.store as store_module
+
+    monkeypatch.setattr(store_module, "DEFERRED_OPS", 8)  # a build every second run or so
+    model, x = _net()
+    store = tl.open(tmp_path / "s")
+
+    def batch() -> None:
+        with store.batch():
+            for k in range(3):
+                store.record(model, x, name=f"b{k}", overwrite=True)
+
+    batch()
+    total = _lines(batch)
+    points = sorted({*range(1, total, max(1, total // 60)), 1, 2, total - 1, total})
+    for point in points:
+        where: list[str] = []
+        try:
+            with _interrupt_at(point, where):
+                batch()
+        except KeyboardInterrupt:
+            pass
+        _clean(where)
+        rows = store.sql(
+            "SELECT r.name, r.op_count, count(o.run_id) AS n, count(DISTINCT o.idx) AS d "
+            "FROM runs r LEFT JOIN ops o ON o.run_id = r.id "
+            "WHERE r.status = 'complete' GROUP BY r.name, r.op_count"
+        )
+        assert sorted(rows["name"]) == ["b0", "b1", "b2"], where
+        assert (rows["n"] == rows["op_count"]).all() and (rows["d"] == rows["n"]).all(), where
+        assert not [
+            fd
+            for fd in os.listdir("/proc/self/fd")
+            if _is_lock(f"/proc/self/fd/{fd}", str(tmp_path))
+        ], where
+    store.gc()
+    assert store.verify().ok
+    for k in range(3):
+        assert_bitwise(store[f"b{k}"]["output_1"].out, model(x), f"b{k}")
+
+
 def _catalog_commit(code: CodeType) -> bool:
     return code.co_name == "commit" and "catalog" in code.co_filename
 
