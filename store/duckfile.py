@@ -33,12 +33,13 @@ import mmap
 import os
 import re
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+from tracelake.recorder.forks import fork_safe_lock
 
 #: The file's own header and DuckDB's two alternating database headers, 4 KiB each.
 HEADER_BYTES = 3 * 4096
@@ -50,9 +51,11 @@ _ITERATION_AT = 8
 _BLOCK_SIZE_AT = 8 + 4 * 8
 #: Each block starts with the checksum of the rest of it.
 _CHECKSUM_BYTES = 8
-#: How many blocks one memory map of a file covers (:class:`_Maps`): 16 MiB at DuckDB's
-#: 256 KiB. A file with fewer has no map (its checksums: a ``pread`` each).
+#: A file's blocks are mapped (:class:`_Maps`) in whole multiples of this many: 16 MiB
+#: at DuckDB's 256 KiB. A file with fewer has no map (its checksums: a ``pread`` each).
 SEGMENT_BLOCKS = 64
+#: How many maps a file may have before they are made one (each holds a descriptor).
+_MAPS_EACH = 8
 #: How many files' maps a process keeps (a store's catalog and its shadow, twice).
 _MAPPED_FILES = 4
 
@@ -147,34 +150,37 @@ def _state(fd: int) -> tuple[int, ...]:
 
 
 class _Maps:
-    """Read-only memory maps of one file, each of :data:`SEGMENT_BLOCKS` whole blocks,
-    through which every block's leading checksum is read without a system call (the
-    blocks past the last whole map: a ``pread`` each). A process keeps them between
-    syncs (:func:`_checksums`), so a block's page is faulted in once, not read by a
-    system call at every sync. The pages the kernel maps around a faulting one (its
-    "fault-around", 64 KiB) are given back at once (``MADV_DONTNEED``): a map holds one
-    page a block, so the writer's resident set grows by 1/64 of the file, not 1/4.
+    """Read-only memory maps of one file's blocks, from the first, in whole multiples of
+    :data:`SEGMENT_BLOCKS`, through which every block's leading checksum is read without
+    a system call (the blocks past the maps: a ``pread`` each). A process keeps them
+    between syncs (:func:`_checksums`), so a block's page is faulted in once, not read
+    by a system call at every sync; the file's growth adds a map, and past
+    :data:`_MAPS_EACH` of them one map replaces them all (each holds a file descriptor).
+    The pages the kernel maps around a faulting one (its "fault-around", 64 KiB) are
+    given back at once (``MADV_DONTNEED``): a map holds one page a block, so the
+    writer's resident set grows by 1/64 of the file, not 1/4.
 
-    A map is read only below the file's length as just measured under the exclusive
-    catalog lock (reading a mapped page past a file's end is a ``SIGBUS``): a map past
-    it is dropped first. A file under another name (a restore puts a copy in the
-    catalog's place) is mapped anew."""
+    A block is read only if it starts below the file's end as just measured under the
+    exclusive catalog lock (reading a mapped page wholly past a file's end is a
+    ``SIGBUS``), so a map outlives the file's trimming (DuckDB trims free blocks off its
+    end) and serves again once it grew back. A file under another name (a restore puts a
+    copy in the catalog's place) is mapped anew."""
 
     def __init__(self) -> None:
         self.identity: tuple[int, int, int] | None = None
-        self.maps: list[tuple[mmap.mmap, np.ndarray]] = []
+        #: (map, a view of its blocks' checksums, its first block), consecutive.
+        self.maps: list[tuple[mmap.mmap, np.ndarray, int]] = []
+        self.blocks = 0  # (how many the maps cover)
         #: Whether ``mmap`` was refused (a filesystem without it): ``pread`` only.
         self.refused = False
 
     def close(self) -> None:
         while self.maps:
-            self._drop()
-
-    def _drop(self) -> None:
-        mm, sums = self.maps.pop()
-        del sums  # (the view holds the map's buffer)
-        with contextlib.suppress(BufferError):  # (never read again either way)
-            mm.close()
+            mm, sums, _ = self.maps.pop()
+            del sums  # (the view holds the map's buffer)
+            with contextlib.suppress(BufferError):  # (never read again either way)
+                mm.close()
+        self.blocks = 0
 
     def read(self, fd: int, st: os.stat_result, size: int) -> np.ndarray:
         """The leading checksum of every block of the file open at ``fd`` (``st``: its
@@ -184,31 +190,35 @@ class _Maps:
         if identity != self.identity:
             self.close()
             self.identity, self.refused = identity, False
-        span = SEGMENT_BLOCKS * size
-        whole = max(0, (st.st_size - HEADER_BYTES) // span)
-        while len(self.maps) > whole:
-            self._drop()
-        while not self.refused and len(self.maps) < whole:
-            self._map(fd, HEADER_BYTES + len(self.maps) * span, size)
+        present = max(0, -(-(st.st_size - HEADER_BYTES) // size))  # (starting below the end)
+        whole = max(0, (st.st_size - HEADER_BYTES) // size) // SEGMENT_BLOCKS * SEGMENT_BLOCKS
+        if whole > self.blocks and not self.refused:
+            if len(self.maps) >= _MAPS_EACH:
+                self.close()
+            self._map(fd, whole - self.blocks, size)
+        parts = [sums[: max(0, present - first)] for _, sums, first in self.maps]
         tail = b"".join(
-            os.pread(fd, _CHECKSUM_BYTES, at).ljust(_CHECKSUM_BYTES, b"\0")
-            for at in range(HEADER_BYTES + len(self.maps) * span, st.st_size, size)
+            os.pread(fd, _CHECKSUM_BYTES, HEADER_BYTES + k * size).ljust(_CHECKSUM_BYTES, b"\0")
+            for k in range(self.blocks, present)
         )
-        return np.concatenate([sums for _, sums in self.maps] + [_sums(tail)])
+        return np.concatenate([*parts, _sums(tail)])
 
-    def _map(self, fd: int, at: int, size: int) -> None:
-        span = SEGMENT_BLOCKS * size
+    def _map(self, fd: int, blocks: int, size: int) -> None:
+        """Map ``blocks`` more blocks, after those mapped."""
         try:
-            mm = mmap.mmap(fd, span, prot=mmap.PROT_READ, offset=at)
+            mm = mmap.mmap(
+                fd, blocks * size, prot=mmap.PROT_READ, offset=HEADER_BYTES + self.blocks * size
+            )
         except (OSError, ValueError):
             self.refused = True
             return
         sums = np.frombuffer(mm, dtype=np.uint64)[:: size // 8]
         sums.copy()  # (each block's first page faulted in, and the pages around it:)
         page = mmap.PAGESIZE
-        for start in range(page, span, size):
+        for start in range(page, blocks * size, size):
             mm.madvise(mmap.MADV_DONTNEED, start, size - page)
-        self.maps.append((mm, sums))
+        self.maps.append((mm, sums, self.blocks))
+        self.blocks += blocks
 
 
 def _sums(data: bytes) -> np.ndarray:
@@ -217,13 +227,13 @@ def _sums(data: bytes) -> np.ndarray:
 
 #: The maps each file has (by its path), the most recently read last; and their lock.
 _MAPPED: dict[str, _Maps] = {}
-_MAPPED_LOCK = threading.Lock()
+_MAPPED_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 
 
 def _checksums(path: Path, fd: int, size: int) -> np.ndarray:
     """The leading checksum of every block of ``path``, open at ``fd`` (see
-    :class:`_Maps`: through the maps this process keeps of the file, once it has a
-    whole :data:`SEGMENT_BLOCKS` blocks)."""
+    :class:`_Maps`: through the maps this process keeps of the file, once it has
+    :data:`SEGMENT_BLOCKS` blocks)."""
     key = str(path)
     with _MAPPED_LOCK:
         maps = _MAPPED.pop(key, None) or _Maps()

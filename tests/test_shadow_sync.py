@@ -77,9 +77,10 @@ class Source:
 
 @pytest.fixture(autouse=True)
 def small_maps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Maps of two blocks (8 KiB), so files of a few blocks have several; none kept from
-    another test."""
+    """Maps of two blocks (8 KiB), so files of a few blocks have several (three at most
+    before they are made one); none kept from another test."""
     monkeypatch.setattr(duckfile, "SEGMENT_BLOCKS", 2)
+    monkeypatch.setattr(duckfile, "_MAPS_EACH", 3)
     for path in list(duckfile._MAPPED):
         duckfile._forget_maps(Path(path))
 
@@ -177,3 +178,17 @@ def test_a_map_holds_one_page_a_block(tmp_path: Path, monkeypatch: pytest.Monkey
             name = None
     # two maps of 8 blocks of each file, one 4 KiB page a block
     assert resident == {str(source): 16 * 4, str(shadow): 16 * 4}
+
+
+def test_a_growing_catalog_holds_a_bounded_number_of_descriptors(tmp_path: Path) -> None:
+    """Each map holds a file descriptor: a file that grows by a map's worth at every
+    checkpoint still has a few, not one per growth."""
+    source, shadow = Source(tmp_path / "catalog.duckdb"), tmp_path / "catalog.shadow"
+    heads = duckfile.Heads()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(40):
+        source.checkpoint([0], grow=2, trim=0)
+        duckfile.sync_shadow(source.path, shadow, heads)
+        duckfile.sync_shadow(source.path, shadow, duckfile.Heads())  # (the shadow's too)
+    assert shadow.read_bytes() == source.path.read_bytes()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2 * duckfile._MAPS_EACH
