@@ -56,6 +56,11 @@ _CHECKSUM_BYTES = 8
 SEGMENT_BLOCKS = 64
 #: How many maps a file may have before they are made one (each holds a descriptor).
 _MAPS_EACH = 8
+#: How many times a process reads a file's checksums by ``pread`` before it maps the
+#: file: a map costs ~4x a ``pread`` a block once (its page faults, and giving back the
+#: pages faulted around them), so a process that syncs once or twice (records a run and
+#: exits) does not pay it.
+_PREAD_READS = 2
 #: How many files' maps a process keeps (a store's catalog and its shadow, twice).
 _MAPPED_FILES = 4
 
@@ -154,7 +159,8 @@ class _Maps:
     :data:`SEGMENT_BLOCKS`, through which every block's leading checksum is read without
     a system call (the blocks past the maps: a ``pread`` each). A process keeps them
     between syncs (:func:`_checksums`), so a block's page is faulted in once, not read
-    by a system call at every sync; the file's growth adds a map, and past
+    by a system call at every sync (from the process's third read of the file on,
+    :data:`_PREAD_READS`); the file's growth adds a map, and past
     :data:`_MAPS_EACH` of them one map replaces them all (each holds a file descriptor).
     The pages the kernel maps around a faulting one (its "fault-around", 64 KiB) are
     given back at once (``MADV_DONTNEED``): a map holds one page a block, so the
@@ -171,6 +177,7 @@ class _Maps:
         #: (map, a view of its blocks' checksums, its first block), consecutive.
         self.maps: list[tuple[mmap.mmap, np.ndarray, int]] = []
         self.blocks = 0  # (how many the maps cover)
+        self.reads = 0
         #: Whether ``mmap`` was refused (a filesystem without it): ``pread`` only.
         self.refused = False
 
@@ -189,10 +196,11 @@ class _Maps:
         identity = (st.st_ino, st.st_dev, size)
         if identity != self.identity:
             self.close()
-            self.identity, self.refused = identity, False
+            self.identity, self.refused, self.reads = identity, False, 0
+        self.reads += 1
         present = max(0, -(-(st.st_size - HEADER_BYTES) // size))  # (starting below the end)
         whole = max(0, (st.st_size - HEADER_BYTES) // size) // SEGMENT_BLOCKS * SEGMENT_BLOCKS
-        if whole > self.blocks and not self.refused:
+        if whole > self.blocks and not self.refused and self.reads > _PREAD_READS:
             if len(self.maps) >= _MAPS_EACH:
                 self.close()
             self._map(fd, whole - self.blocks, size)
@@ -240,10 +248,9 @@ def _checksums(path: Path, fd: int, size: int) -> np.ndarray:
         try:
             return maps.read(fd, os.fstat(fd), size)
         finally:
-            if maps.maps:
-                _MAPPED[key] = maps
-                while len(_MAPPED) > _MAPPED_FILES:
-                    _MAPPED.pop(next(iter(_MAPPED))).close()
+            _MAPPED[key] = maps
+            while len(_MAPPED) > _MAPPED_FILES:
+                _MAPPED.pop(next(iter(_MAPPED))).close()
 
 
 def _forget_maps(path: Path) -> None:
