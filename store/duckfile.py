@@ -37,8 +37,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from tracelake.recorder.forks import fork_safe_lock
 
 #: The file's own header and DuckDB's two alternating database headers, 4 KiB each.
@@ -144,7 +142,8 @@ class Heads:
     def __init__(self) -> None:
         self.state: tuple[int, ...] | None = None
         self.size = 0
-        self.sums: np.ndarray = np.zeros(0, dtype=np.uint64)
+        #: Each block's 8-byte checksum, one after the other.
+        self.sums = b""
         #: The source's identity, length and headers the shadow was brought up to.
         self.source: tuple[int, int, int, bytes] | None = None
 
@@ -175,7 +174,7 @@ class _Maps:
     def __init__(self) -> None:
         self.identity: tuple[int, int, int] | None = None
         #: (map, a view of its blocks' checksums, its first block), consecutive.
-        self.maps: list[tuple[mmap.mmap, np.ndarray, int]] = []
+        self.maps: list[tuple[mmap.mmap, memoryview, int]] = []
         self.blocks = 0  # (how many the maps cover)
         self.reads = 0
         #: Whether ``mmap`` was refused (a filesystem without it): ``pread`` only.
@@ -184,15 +183,15 @@ class _Maps:
     def close(self) -> None:
         while self.maps:
             mm, sums, _ = self.maps.pop()
-            del sums  # (the view holds the map's buffer)
+            sums.release()  # (the view holds the map's buffer)
             with contextlib.suppress(BufferError):  # (never read again either way)
                 mm.close()
         self.blocks = 0
 
-    def read(self, fd: int, st: os.stat_result, size: int) -> np.ndarray:
+    def read(self, fd: int, st: os.stat_result, size: int) -> bytes:
         """The leading checksum of every block of the file open at ``fd`` (``st``: its
-        stat now), blocks of ``size`` bytes; a block the file's end cuts short counts,
-        what it has of a checksum padded with zero bytes."""
+        stat now), blocks of ``size`` bytes, one after the other; a block the file's end
+        cuts short counts, what it has of a checksum padded with zero bytes."""
         identity = (st.st_ino, st.st_dev, size)
         if identity != self.identity:
             self.close()
@@ -204,12 +203,12 @@ class _Maps:
             if len(self.maps) >= _MAPS_EACH:
                 self.close()
             self._map(fd, whole - self.blocks, size)
-        parts = [sums[: max(0, present - first)] for _, sums, first in self.maps]
-        tail = b"".join(
+        parts = [sums[: max(0, present - first)].tobytes() for _, sums, first in self.maps]
+        parts.extend(
             os.pread(fd, _CHECKSUM_BYTES, HEADER_BYTES + k * size).ljust(_CHECKSUM_BYTES, b"\0")
             for k in range(self.blocks, present)
         )
-        return np.concatenate([*parts, _sums(tail)])
+        return b"".join(parts)
 
     def _map(self, fd: int, blocks: int, size: int) -> None:
         """Map ``blocks`` more blocks, after those mapped."""
@@ -220,8 +219,8 @@ class _Maps:
         except (OSError, ValueError):
             self.refused = True
             return
-        sums = np.frombuffer(mm, dtype=np.uint64)[:: size // 8]
-        sums.copy()  # (each block's first page faulted in, and the pages around it:)
+        sums = memoryview(mm).cast("Q")[:: size // 8]
+        sums.tobytes()  # (each block's first page faulted in, and the pages around it:)
         page = mmap.PAGESIZE
         for start in range(page, blocks * size, size):
             mm.madvise(mmap.MADV_DONTNEED, start, size - page)
@@ -229,8 +228,23 @@ class _Maps:
         self.blocks += blocks
 
 
-def _sums(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=np.uint64)
+def _changed(new: bytes, old: bytes, blocks: int) -> list[int]:
+    """The blocks among the first ``blocks`` whose checksum differs between ``new`` and
+    ``old`` (:func:`_checksums`' bytes): compared 64 at once, one by one only where those
+    differ."""
+    found: list[int] = []
+    step = 64 * _CHECKSUM_BYTES
+    end = blocks * _CHECKSUM_BYTES
+    for at in range(0, end, step):
+        stop = min(at + step, end)
+        if new[at:stop] != old[at:stop]:
+            found.extend(
+                k
+                for k in range(at // _CHECKSUM_BYTES, stop // _CHECKSUM_BYTES)
+                if new[k * _CHECKSUM_BYTES : (k + 1) * _CHECKSUM_BYTES]
+                != old[k * _CHECKSUM_BYTES : (k + 1) * _CHECKSUM_BYTES]
+            )
+    return found
 
 
 #: The maps each file has (by its path), the most recently read last; and their lock.
@@ -238,8 +252,9 @@ _MAPPED: dict[str, _Maps] = {}
 _MAPPED_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 
 
-def _checksums(path: Path, fd: int, size: int) -> np.ndarray:
-    """The leading checksum of every block of ``path``, open at ``fd`` (see
+def _checksums(path: Path, fd: int, size: int) -> bytes:
+    """The leading checksum of every block of ``path``, open at ``fd``, one after the
+    other (see
     :class:`_Maps`: through the maps this process keeps of the file, once it has
     :data:`SEGMENT_BLOCKS` blocks)."""
     key = str(path)
@@ -290,7 +305,7 @@ def sync_shadow(source: Path, shadow: Path, known: Heads | None = None) -> int:
         dst = _open(shadow, os.O_RDWR | os.O_CREAT)
         try:
             have = os.fstat(dst).st_size
-            old: np.ndarray | None = None
+            old: bytes | None = None
             if known is not None and was is not None and was == _state(dst):
                 if known.source == identity:  # no checkpoint since: the shadow holds it
                     known.state = was
@@ -300,10 +315,10 @@ def sync_shadow(source: Path, shadow: Path, known: Heads | None = None) -> int:
             if old is None:
                 old = _checksums(shadow, dst, size)
             # a block the shadow holds whole whose checksum is the source's is there
-            same = min(len(old), len(sums), max(0, (have - HEADER_BYTES) // size))
-            changed = np.flatnonzero(sums[:same] != old[:same]).tolist()
+            blocks = len(sums) // _CHECKSUM_BYTES
+            same = min(len(old) // _CHECKSUM_BYTES, blocks, max(0, (have - HEADER_BYTES) // size))
             copied = 0
-            for k in changed + list(range(same, len(sums))):
+            for k in _changed(sums, old, same) + list(range(same, blocks)):
                 at = HEADER_BYTES + k * size
                 block = os.pread(src, size, at)
                 # the checksum last: a copy cut short keeps the old one, so the next
