@@ -2,18 +2,24 @@
 every sync the shadow is the source, byte for byte, whatever happened to the source
 between syncs (blocks rewritten, the file grown, trimmed, replaced by another file,
 another writer), and a writer that syncs again finds the changed blocks through the
-memory maps it keeps rather than a read of every block's checksum."""
+memory maps it keeps rather than a read of every block's checksum; a writer SIGKILLed
+in a sync through its maps loses nothing."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from model_zoo import BUILDERS
 
-from tracelake.store import duckfile
+import tracelake as tl
+from tracelake.store import catalog, duckfile
 
 #: A block size DuckDB's header may state (the smallest), to keep the files small.
 BLOCK = 4096
@@ -194,3 +200,64 @@ def test_a_growing_catalog_holds_a_bounded_number_of_descriptors(tmp_path: Path)
         duckfile.sync_shadow(source.path, shadow, duckfile.Heads())  # (the shadow's too)
     assert shadow.read_bytes() == source.path.read_bytes()
     assert len(os.listdir("/proc/self/fd")) <= before + 2 * duckfile._MAPS_EACH
+
+
+# A child that records runs "a" and "b", then "c", with every transaction checkpointed
+# and the catalog mapped from its first sync, and SIGKILLs itself half way through a
+# block's copy into the shadow during "c" (its body written, its checksum not).
+_DIE_IN_SYNC = """
+import os, signal, sys
+import tracelake as tl
+from tracelake.store import catalog, duckfile
+from model_zoo import BUILDERS
+
+catalog.LOG_BYTES = 0
+duckfile.SEGMENT_BLOCKS, duckfile._PREAD_READS = 1, 0
+store = tl.open(sys.argv[1])
+for name, builder in (("a", "mlp"), ("b", "repeated_block")):
+    model, inputs = BUILDERS[builder]()
+    store.record(model, *inputs, name=name)
+assert duckfile._MAPPED[str(store.paths.catalog)].maps  # (the sync reads through maps)
+write, writes = duckfile._write, []
+
+def dying(fd, data, offset):
+    writes.append(offset)
+    if len(writes) == 2:  # the second write: a block's checksum, after its body
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(fd, data, offset)
+
+duckfile._write = dying
+model, inputs = BUILDERS["cnn"]()
+store.record(model, *inputs, name="c")
+"""
+
+
+def test_a_writer_killed_in_the_shadows_sync_through_its_maps_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL half way through the sync that reads the catalog through memory maps:
+    the catalog holds every committed run, the next writer brings the shadow up to the
+    file, and a catalog spoilt after that is restored from the shadow with every run."""
+    root = tmp_path / "s"
+    done = subprocess.run(
+        [sys.executable, "-c", _DIE_IN_SYNC, str(root)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    catalog_file, shadow = root / "catalog.duckdb", root / "catalog.shadow"
+    names = set(tl.open(root).runs()["name"])
+    assert {"a", "b"} <= names <= {"a", "b", "c"}  # ("c": killed before it returned)
+    assert shadow.read_bytes() != catalog_file.read_bytes()  # (the sync was cut short)
+    monkeypatch.setattr(catalog, "LOG_BYTES", 0)  # (the next run checkpointed too)
+    model, inputs = BUILDERS["mlp"]()
+    tl.open(root).record(model, *inputs, name="d")
+    assert shadow.read_bytes() == catalog_file.read_bytes()
+    with catalog_file.open("r+b") as f:  # a metadata block spoilt, as a killed writer did
+        f.seek(3 * 4096 + 5000)
+        f.write(b"\x00killed\x00" * 8)
+    with pytest.warns(tl.TraceLakeWarning, match="restored from catalog.shadow"):
+        tl.open(root).record(model, *inputs, name="e")
+    assert set(tl.open(root).runs()["name"]) == names | {"d", "e"}
