@@ -282,9 +282,8 @@ _MAPPED_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 
 def _checksums(path: Path, fd: int, size: int) -> bytes:
     """The leading checksum of every block of ``path``, open at ``fd``, one after the
-    other (see
-    :class:`_Maps`: through the maps this process keeps of the file, once it has
-    :data:`SEGMENT_BLOCKS` blocks)."""
+    other (see :class:`_Maps`: through the maps this process keeps of the file, once it
+    has :data:`SEGMENT_BLOCKS` blocks and was read twice)."""
     key = str(path)
     with _MAPPED_LOCK:
         maps = _MAPPED.pop(key, None) or _Maps()
