@@ -136,7 +136,7 @@ MIRROR_OPS = 1_000_000
 #: How large DuckDB's log (``catalog.duckdb.wal``) may grow before a writer's transaction
 #: checkpoints it into the file. A change that fits is committed by appending it to the
 #: log (one fsync); a checkpoint writes blocks and headers (four fsyncs) and brings the
-#: shadow up to the file (one read a block: it grows with the catalog), so it is paid
+#: shadow up to the file (each block's checksum compared: ``duckfile.py``), so it is paid
 #: once per this many bytes of changes (three or four tiny runs), not per change. Small,
 #: because everyone who opens the file replays the log first: each writer's ``ATTACH``
 #: (two a run; ~0.5-1 ms a logged tiny run, where a checkpoint costs ~15-20 ms), each
@@ -370,7 +370,7 @@ class CatalogWriter:
 
         The change stays in DuckDB's log (``catalog.duckdb.wal``): its ``COMMIT``
         appends it there and fsyncs that, no checkpoint (which fsyncs three more times,
-        writes the file's blocks and headers, and makes the shadow sync read every
+        writes the file's blocks and headers, and makes the shadow sync compare every
         block's checksum). A change that would take the log past :data:`LOG_BYTES`
         (``size``: about how many bytes it adds, its rows' Arrow size) is checkpointed
         into the file at its ``COMMIT``, with the log before it (the change's rows
