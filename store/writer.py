@@ -601,6 +601,8 @@ def _chunk_stats(
         return compute_stats(raw[start : start + nbytes].view(dtype).view(shape))
 
     rows = list(map(slots.__getitem__, members))
+    if not any(0 < row[NBYTES] <= GATHER_MAX for row in rows):  # none to gather (mid-size
+        return [], {slot: single(slot) for slot in members}  # ones: GPT-2's chunks)
     count = len(rows)
     offsets = np.fromiter(map(_OFFSET, rows), np.int64, count) - base
     sizes = np.fromiter(map(_NBYTES, rows), np.int64, count)
