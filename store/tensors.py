@@ -22,6 +22,7 @@ chunk constants, ``Unsynced``, ``choose_codec``) are re-exported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -159,9 +160,11 @@ def _template(kind: str) -> bytes:
     return data
 
 
+@functools.lru_cache(maxsize=64)
 def _pack_metadata(name: str, nbytes: int) -> bytes:
     """Pack ``name``'s ``zarr.json`` for a length of ``nbytes``: zarr-python's own
-    metadata of a new pack, its shape changed as ``resize`` changes it."""
+    metadata of a new pack, its shape changed as ``resize`` changes it (kept: every run
+    writes its packs' first, and most runs' lengths repeat)."""
     metadata = json.loads(_template(name))
     metadata["shape"] = [nbytes]
     return json.dumps(metadata, indent=2).encode()
