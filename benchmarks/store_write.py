@@ -30,9 +30,11 @@ already (stored once, an alias: GPT-2's views), and their rate over the raw writ
 fall while the run gets faster: ``x raw, saved`` is the rate of keeping the activations,
 a dump of every one of them being what the raw write stands for); below the tables,
 the process's CPU time per sample (``getrusage``: every thread, the writer's included;
-steadier than wall time on a loaded machine). Targets from the store issue: large
-tensors (the wide model) >= 0.7x raw; >= 20,000 small ops per second end to end;
-mid-size tensors (GPT-2) >= 0.8x raw (printed for both rates).
+steadier than wall time on a loaded machine), and a tracelake sample's by thread (the
+forward thread, the writer's workers, the rest: ``/proc/self/task/*/schedstat``).
+Targets from the store issue: large tensors (the wide model) >= 0.7x raw; >= 20,000
+small ops per second end to end; mid-size tensors (GPT-2) >= 0.8x raw (printed for
+both rates).
 
 Models: ``gpt2`` as in capture_overhead.py (GPT2Model, 4 layers, d=256, batch 4 x 128);
 ``wide`` = 12 elementwise ops (4 x mul, add, sin) on a (2048, 4096) float32 input
@@ -50,6 +52,7 @@ import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -118,6 +121,7 @@ class Condition:
     ops: int = 0
     after: Callable[[Path], None] | None = None  # untimed, before the directory goes
     phases: dict[str, list[float]] = field(default_factory=dict)  # tracelake's, by phase
+    threads: dict[str, list[float]] = field(default_factory=dict)  # CPU s, by thread
 
 
 def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
@@ -272,13 +276,55 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of each of this process's threads now, by native id (Linux's
+    ``/proc/self/task/*/schedstat``; empty elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError):
+            pass  # (a thread that ended meanwhile)
+    return out
+
+
+def _by_thread(before: dict[int, float], after: dict[int, float], total: float) -> dict:
+    """A sample's CPU by thread: the forward's (the main thread: registration, forward,
+    commit), the writer's workers, and the rest (threads that ended during the sample:
+    the writer's sync thread, the fsync pool; DuckDB's): the process's total less both."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    parts = {"forward thread": 0.0, "workers": 0.0}
+    for tid, seconds in after.items():
+        name = names.get(tid, "")
+        key = (
+            "forward thread"
+            if name == "MainThread"
+            else "workers"
+            if "tracelake-w" in name
+            else None
+        )
+        if key is not None:
+            parts[key] += seconds - before.get(tid, 0.0)
+    parts["other threads"] = max(total - parts["forward thread"] - parts["workers"], 0.0)
+    return parts
+
+
 def sample(cond: Condition, root: Path) -> tuple[float, int]:
     where = Path(tempfile.mkdtemp(dir=root))
     try:
+        threads = _thread_cpu()
         cpu, start = _cpu(), time.perf_counter()
         nbytes = cond.run(where)
         seconds = time.perf_counter() - start
         cond.cpu.append(_cpu() - cpu)
+        if threads and cond.name.startswith("tracelake"):
+            for key, used in _by_thread(threads, _thread_cpu(), cond.cpu[-1]).items():
+                cond.threads.setdefault(key, []).append(used)
         if cond.after is not None:
             cond.after(where)
         return seconds, nbytes
@@ -299,6 +345,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
             cond.phases.clear()
             cond.cpu.clear()
             cond.saved.clear()
+            cond.threads.clear()
         ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         saved_ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         for r in range(repeats):
@@ -333,6 +380,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
                 "ops/s": cond.ops / secs if cond.ops else None,
                 "cpu": statistics.median(cond.cpu),
                 "phases": {k: statistics.median(v) for k, v in cond.phases.items()},
+                "threads": {k: statistics.median(v) for k, v in cond.threads.items()},
             }
         )
     return rows
@@ -401,6 +449,10 @@ def breakdown(rows: list[dict[str, Any]]) -> str:
             base = plain.get(row["model"])
             extra = f" (plain forward {base * 1e3:.0f})" if base and row["model"] != "chain" else ""
             out.append(f"{row['model']}: {row['condition']} ms by phase: {parts}{extra}")
+    for row in rows:
+        if row["threads"]:
+            parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in row["threads"].items())
+            out.append(f"{row['model']}: {row['condition']} CPU ms by thread: {parts}")
     for model in dict.fromkeys(r["model"] for r in rows):
         cpu = ", ".join(
             f"{r['condition']} {r['cpu'] * 1e3:.0f}" for r in rows if r["model"] == model
