@@ -1360,6 +1360,136 @@ static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t
     return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* A raw pack's shard, written: its inner chunks each followed by its CRC32C, a last
+ * partial one padded with zeros, then the index ((offset, nbytes) little-endian uint64
+ * per slot, all ones where absent) and the index's CRC32C: format.encode_shard's bytes,
+ * without a Python object per piece. */
+#define SHARD_ZEROS (1 << 16)
+static const unsigned char shard_zeros[SHARD_ZEROS];
+
+static void put_le32(unsigned char *p, uint32_t v) {
+    for (int k = 0; k < 4; k++) p[k] = (unsigned char)(v >> (8 * k));
+}
+
+static void put_le64(unsigned char *p, uint64_t v) {
+    for (int k = 0; k < 8; k++) p[k] = (unsigned char)(v >> (8 * k));
+}
+
+/* Write every iovec (short writes finished, EINTR retried): 0, or -1 with errno set. */
+static int writev_all(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        ssize_t done = writev(fd, iov, n > 1024 ? 1024 : n);
+        if (done < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        while (n > 0 && (size_t)done >= iov->iov_len) done -= (ssize_t)iov->iov_len, iov++, n--;
+        if (n > 0) iov->iov_base = (char *)iov->iov_base + done, iov->iov_len -= (size_t)done;
+    }
+    return 0;
+}
+
+/* write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs): write the shard of
+ * the nbytes at address (inner chunks of `inner` bytes, at most `slots` of them) to fd;
+ * return the bytes written. refs: the address of nrefs rows of four int64s (first
+ * inner chunk, how many, their bytes' address, the address of their uint32 CRC32Cs or
+ * 0): whole inner chunks read there instead. The GIL is released meanwhile. */
+static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs)");
+        return NULL;
+    }
+    int fd = PyLong_AsLong(a[0]);
+    const unsigned char *data = PyLong_AsVoidPtr(a[1]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(a[2]), inner = PyLong_AsSsize_t(a[3]);
+    Py_ssize_t slots = PyLong_AsSsize_t(a[4]);
+    const int64_t *refs = PyLong_AsVoidPtr(a[5]);
+    Py_ssize_t nrefs = PyLong_AsSsize_t(a[6]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t count = inner > 0 ? (nbytes + inner - 1) / inner : 0;
+    if (fd < 0 || nbytes < 0 || (nbytes && !data) || inner <= 0 || inner > SHARD_ZEROS ||
+        slots <= 0 || slots > 4096 || count > slots || nrefs < 0 || (nrefs && !refs)) {
+        PyErr_SetString(PyExc_ValueError, "write_raw_shard: bad shard");
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < nrefs; r++) {
+        const int64_t *row = refs + 4 * r;
+        if (row[0] < 0 || row[1] < 0 || (row[0] + row[1]) * inner > nbytes || !row[2]) {
+            PyErr_SetString(PyExc_ValueError, "write_raw_shard: a reference past the shard");
+            return NULL;
+        }
+    }
+    const unsigned char **at = malloc(sizeof(*at) * (size_t)(count + 1));
+    unsigned char *crcs = malloc(4 * (size_t)(count + 1));
+    unsigned char *known = calloc((size_t)count + 1, 1);
+    unsigned char *table = malloc(16 * (size_t)slots + 4);
+    struct iovec *iov = malloc(sizeof(*iov) * (size_t)(2 * count + 3));
+    if (!at || !crcs || !known || !table || !iov) {
+        free(at), free(crcs), free(known), free(table), free(iov);
+        return PyErr_NoMemory();
+    }
+    int failed = 0, error = 0;
+    Py_ssize_t total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < count; j++) at[j] = data + j * inner;
+    for (Py_ssize_t r = 0; r < nrefs; r++) {
+        const int64_t *row = refs + 4 * r;
+        const unsigned char *src = (const unsigned char *)(intptr_t)row[2];
+        const uint32_t *given = (const uint32_t *)(intptr_t)row[3];
+        for (int64_t k = 0; k < row[1]; k++) {
+            at[row[0] + k] = src + k * inner;
+            if (given) put_le32(crcs + 4 * (row[0] + k), given[k]), known[row[0] + k] = 1;
+        }
+    }
+    Py_ssize_t last = nbytes - (count - 1) * inner; /* bytes of the last inner chunk */
+    Cut cut = crc32c_cut((size_t)inner);
+    int n = 0;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        Py_ssize_t size = j == count - 1 ? last : inner;
+        if (!known[j]) {
+            uint32_t crc = size == inner ? crc32c_with(0, at[j], (size_t)inner, cut)
+                                         : crc32c(0, at[j], (size_t)size);
+            if (size < inner) crc = crc32c(crc, shard_zeros, (size_t)(inner - size));
+            put_le32(crcs + 4 * j, crc);
+        }
+        iov[n].iov_base = (void *)at[j], iov[n++].iov_len = (size_t)size;
+        if (size < inner)
+            iov[n].iov_base = (void *)shard_zeros, iov[n++].iov_len = (size_t)(inner - size);
+        iov[n].iov_base = crcs + 4 * j, iov[n++].iov_len = 4;
+        total += inner + 4;
+    }
+    for (Py_ssize_t j = 0; j < slots; j++) {
+        int here = j < count;
+        put_le64(table + 16 * j, here ? (uint64_t)(j * (inner + 4)) : UINT64_MAX);
+        put_le64(table + 16 * j + 8, here ? (uint64_t)(inner + 4) : UINT64_MAX);
+    }
+    put_le32(table + 16 * slots, crc32c(0, table, 16 * (size_t)slots));
+    iov[n].iov_base = table, iov[n++].iov_len = 16 * (size_t)slots + 4;
+    total += 16 * slots + 4;
+    if (writev_all(fd, iov, n) < 0) failed = 1, error = errno;
+    Py_END_ALLOW_THREADS
+    free(at), free(crcs), free(known), free(table), free(iov);
+    if (failed) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(total);
+}
+#define WRITE_RAW_SHARD                                                                    \
+    {"write_raw_shard", (PyCFunction)(void (*)(void))write_raw_shard_py, METH_FASTCALL,    \
+     "write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs): a raw pack's "    \
+     "shard written to fd (store/format.py)."},
+#else
+#define WRITE_RAW_SHARD
+#endif
+
 static PyMethodDef hot_functions[] = {
     {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
      "moments_f32(address, run, count, step): one pass's moments of float32s "
@@ -1369,6 +1499,7 @@ static PyMethodDef hot_functions[] = {
     {"crc_moments_f32", (PyCFunction)(void (*)(void))crc_moments_f32_py, METH_FASTCALL,
      "crc_moments_f32(address, count, skip, blocks, block, crcs): moments_f32 and the "
      "CRC32C of each block in one pass (store/writer.py)."},
+    WRITE_RAW_SHARD
     {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
      "labels(rows, passes): every entry's final label (OpTable.finish)."},
     {"same_rows", (PyCFunction)(void (*)(void))same_rows, METH_FASTCALL,

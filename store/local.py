@@ -21,7 +21,7 @@ import shutil
 import stat
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,22 +166,35 @@ def _durable(fd: int, sync: bool = True) -> None:
         os.close(fd)
 
 
-def _write_all(path: Path, pieces: Sequence[Any], pending: Unsynced | None = None) -> None:
-    """Write ``pieces`` as the file ``path``, made durable here (on the calling worker
-    thread, while the forward pass goes on) or handed to ``pending``. ``O_NOFOLLOW``: a
-    symbolic link planted at the name is refused (ELOOP), never written through."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+def _writev_all(fd: int, pieces: Sequence[Any]) -> int:
+    """Write ``pieces`` one after the other at ``fd``; return how many bytes."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    nbytes = sum(v.nbytes for v in views)
+    at = 0
+    while at < len(views):
+        written = os.writev(fd, views[at : at + _WRITEV_MAX])
+        while at < len(views) and written >= views[at].nbytes:  # short writes: finish them
+            written -= views[at].nbytes
+            at += 1
+        if written:
+            views[at] = views[at][written:]
+    return nbytes
+
+
+def _write_with(path: Path, write: Callable[[int], int], pending: Unsynced | None) -> None:
+    """Create the file ``path`` (its directory if missing), ``write(fd)`` its bytes
+    (returning how many), then make it durable here (on the calling worker thread, while
+    the forward pass goes on) or hand it to ``pending``.
+    ``O_NOFOLLOW``: a symbolic link planted at the name is refused (ELOOP), never
+    written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     try:
-        views = [memoryview(p).cast("B") for p in pieces]
-        nbytes = sum(v.nbytes for v in views)
-        while views:
-            written = os.writev(fd, views[:_WRITEV_MAX])
-            while views and written >= views[0].nbytes:  # short writes: finish them
-                written -= views[0].nbytes
-                views.pop(0)
-            if written:
-                views[0] = views[0][written:]
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:  # (its directory made only then: no mkdir a shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o644)
+    try:
+        nbytes = write(fd)
     except BaseException:
         os.close(fd)
         raise
@@ -238,11 +251,18 @@ class LocalBackend(ByteStore):
         )
 
     def put(self, key: str, pieces: Sequence[Any], pending: Pending | None = None) -> None:
+        self.put_with(key, lambda fd: _writev_all(fd, pieces), pending)
+
+    def put_with(
+        self, key: str, write: Callable[[int], int], pending: Pending | None = None
+    ) -> None:
+        """``put`` of the bytes ``write(fd)`` writes into the new file (returning how
+        many): a writer that needs no list of pieces (``format.shard_writer``)."""
         if pending is not None and not isinstance(pending, Unsynced):
             raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
         path = Path(self._file(key))  # (refuses a key under a linked directory)
         try:
-            _write_all(path, pieces, pending)
+            _write_with(path, write, pending)
         except OSError as exc:
             if path.is_symlink():
                 raise self._link_error(key) from exc

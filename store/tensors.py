@@ -22,6 +22,7 @@ chunk constants, ``Unsynced``, ``choose_codec``) are re-exported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -61,6 +62,7 @@ from .format import (
     pack_stream,
     parse_shard_index,
     selection_chunks,
+    shard_writer,
 )
 from .local import LocalBackend, Unsynced
 
@@ -158,9 +160,11 @@ def _template(kind: str) -> bytes:
     return data
 
 
+@functools.lru_cache(maxsize=64)
 def _pack_metadata(name: str, nbytes: int) -> bytes:
     """Pack ``name``'s ``zarr.json`` for a length of ``nbytes``: zarr-python's own
-    metadata of a new pack, its shape changed as ``resize`` changes it."""
+    metadata of a new pack, its shape changed as ``resize`` changes it (kept: every run
+    writes its packs' first, and most runs' lengths repeat)."""
     metadata = json.loads(_template(name))
     metadata["shape"] = [nbytes]
     return json.dumps(metadata, indent=2).encode()
@@ -224,16 +228,22 @@ class RunArrays:
     ) -> None:
         """Write shard ``index`` of pack ``name``: ``data`` (up to CHUNK_BYTES) in inner
         chunks, each encoded and checksummed, then the shard's index; the whole inner
-        chunks at ``sources``' offsets are read from their bytes instead (``encode_shard``).
-        Durable on return, or once ``pending`` closes."""
+        chunks at ``sources``' offsets are read from their bytes instead (``encode_shard``;
+        on the local disk a raw shard's bytes are written by one compiled call,
+        ``shard_writer``). Durable on return, or once ``pending`` closes."""
         grow = self._pack(name)
         end = (index + 1) * CHUNK_BYTES
         with grow:  # packs only ever grow, so concurrent writers cannot lose shards
             if self._pack_length[name] < end:
                 self._pack_length[name] = end
-        self.backend.put(
-            chunk_key(name, index), encode_shard(data, pack_codec(name), sources), pending
-        )
+        key, codec = chunk_key(name, index), pack_codec(name)
+        # a local raw shard in one compiled call (no Python object an inner chunk)
+        local = self.backend if isinstance(self.backend, LocalBackend) else None
+        write = shard_writer(data, codec, sources) if local is not None else None
+        if local is not None and write is not None:
+            local.put_with(key, write, pending)
+        else:
+            self.backend.put(key, encode_shard(data, codec, sources), pending)
 
     def finish_packs(self) -> None:
         """Write the ``zarr.json`` of every pack that grew past its first shard, with its

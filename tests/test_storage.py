@@ -265,6 +265,54 @@ def test_checksums_with_statistics_are_each_alone(
     assert crcs[chunks] == 0, "a checksum past the blocks"
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(0, 7 * (64 << 10)),
+    refs=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 3), st.booleans()), max_size=3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_raw_shard_written_in_one_call_is_the_encoded_shard(
+    tmp_path_factory: pytest.TempPathFactory,
+    size: int,
+    refs: list[tuple[int, int, bool]],
+    seed: int,
+) -> None:
+    """``format.shard_writer`` (one compiled call: checksums, index, writev) writes the
+    bytes ``encode_shard`` makes, whatever the shard's length (a last inner chunk padded)
+    and wherever whole inner chunks come from elsewhere, with their checksums given or
+    not."""
+    import google_crc32c
+
+    from tracelake.store.format import INNER_BYTES, encode_shard, shard_writer
+
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    whole = size // INNER_BYTES
+    sources, taken = [], set()
+    for first, count, with_crcs in refs:
+        span = set(range(first, first + count))
+        if first + count > whole or span & taken:
+            continue
+        taken |= span
+        own = rng.integers(0, 256, count * INNER_BYTES, dtype=np.uint8)
+        crcs = None
+        if with_crcs:
+            parts = own.reshape(count, INNER_BYTES)
+            crcs = np.array([google_crc32c.value(p.tobytes()) for p in parts], dtype=np.uint32)
+        sources.append((first * INNER_BYTES, own, crcs))
+    want = b"".join(bytes(memoryview(p).cast("B")) for p in encode_shard(data, RAW, sources))
+    write = shard_writer(data, RAW, sources)
+    assert write is not None, "the compiled extension is missing"
+    assert shard_writer(data, ZSTD, sources) is None  # (compressed: encode_shard's)
+    path = tmp_path_factory.mktemp("shard") / "0"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        assert write(fd) == len(want)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == want
+
+
 def test_codecs_are_objects_that_know_their_metadata() -> None:
     assert codec_named("raw") is RAW and codec_named("zstd") is ZSTD
     assert set(CHAINS) == {"raw", "zstd"}

@@ -37,11 +37,13 @@ model, inputs = BUILDERS["cnn"]()
 if moment == "mid-forward":
     model.features[4].register_forward_hook(die)
 elif moment == "mid-write":  # a worker thread dies half way through writing a file
-    def half(path, pieces, *_rest):
+    def half(path, write, *_rest):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"".join(bytes(p) for p in pieces)[:100])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write(fd)
+        os.ftruncate(fd, 100)
         die()
-    local._write_all = half
+    local._write_with = half
 elif moment == "before-commit":  # tensors durable, catalog untouched
     catalog.CatalogWriter.commit = die
 elif moment == "mid-commit":  # rows inserted, the status update and COMMIT not yet run

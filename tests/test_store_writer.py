@@ -175,6 +175,56 @@ def test_a_later_in_place_op_cannot_change_a_stored_value(tmp_path: Path, rows: 
     assert_bitwise(run["output_1"].out, InPlaceAfter()(x), "the output")
 
 
+class Reshapes(nn.Module):
+    """A linear layer's ``view`` of its input and output (as GPT-2's Conv1D), then the
+    output written in place after its view was recorded, and a view made after an
+    in-place write of what it views."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        flat = y.view(-1, y.shape[-1])  # the bytes of y, saved already
+        out = flat.view(y.shape)  # again
+        y.mul_(3)  # after both views: they are stored as they were
+        later = y.view(-1)  # after the write: bytes y's slot does not hold
+        return out + later.view(y.shape)
+
+
+@pytest.mark.parametrize("rows", [4, 128, 1100], ids=["small", "mid-size", "own-array"])
+def test_a_reshape_of_saved_bytes_is_stored_once_and_reads_as_it_was(
+    tmp_path: Path, rows: int
+) -> None:
+    """A recorded tensor that only reshapes the bytes of one saved earlier in the step,
+    with no write between, is stored as an alias of its slot (same array and offset, no
+    bytes written again) when packed and at least an inner chunk; every tensor reads back
+    as it was when recorded, in a new process's view of the store, and its statistics are
+    its own."""
+    x = torch.randn(rows, 1024)
+    store = tl.open(tmp_path / "s")
+    run = store.record(Reshapes(), x, name="r")
+    y = x * 2
+    assert_bitwise(run["mul_1_1"].out, y, "y, before mul_")
+    assert_bitwise(run["view_1_2"].out, y.view(-1, 1024), "its view, before mul_")
+    assert_bitwise(run["view_2_3"].out, y, "the view of the view, before mul_")
+    assert_bitwise(run["view_3_5"].out, (y * 3).view(-1), "the view after mul_")
+    assert_bitwise(run["output_1"].out, Reshapes()(x), "the output")
+    rows_of = (
+        tl.open(tmp_path / "s")
+        .sql(
+            "SELECT o.label, t.array, t.byte_offset, t.nbytes FROM ops o JOIN tensors t "
+            "ON o.run_id = t.run_id AND o.tensor = t.slot"
+        )
+        .set_index("label")
+    )
+    where = rows_of[["array", "byte_offset"]].astype(str).apply(tuple, axis=1)
+    aliased = rows == 128  # packed and past ALIAS_BYTES (small: copied; large: own array)
+    assert (where["view_1_2"] == where["mul_1_1"]) == aliased
+    assert (where["view_2_3"] == where["mul_1_1"]) == aliased
+    assert where["view_3_5"] != where["mul_1_1"], "bytes written in place since: saved anew"
+    stats = store.sql("SELECT label, max FROM ops").set_index("label")
+    assert stats.loc["view_2_3", "max"] == stats.loc["mul_1_1", "max"] == y.max().item()
+    assert stats.loc["view_3_5", "max"] == (y * 3).max().item()
+
+
 def test_stored_ops_carry_their_tensors_location(tmp_path: Path) -> None:
     """An op row's array and byte offset are those of its tensor's row, packed or not."""
     x = torch.randn(4096, 1024)
