@@ -895,9 +895,9 @@ class Batch:
         self.store = store
         self._staged: list[tuple[StagedRun, io.FileIO]] = []
         #: Small runs' op tables, built together (``rows.runs_tables``; ``run_id``: the
-        #: run's position in ``_staged``), and the positions of those not built yet.
-        self._built: list[dict[str, Any]] = []
-        self._waiting: list[int] = []
+        #: run's position in ``_staged``), with those positions; and about how many ops
+        #: wait to be built (a run whose ``steps`` are set and no group holds).
+        self._built: list[tuple[list[int], dict[str, Any]]] = []
         self._waiting_ops = 0
         self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
@@ -965,7 +965,6 @@ class Batch:
         directory's writing lock, released after the commit)."""
         self._staged.append((run, lock))  # (first: a Ctrl-C after it leaves it the batch's)
         if run.steps is not None:
-            self._waiting.append(len(self._staged) - 1)
             self._waiting_ops += run.summary["op_count"]
         if self._waiting_ops > DEFERRED_OPS:
             self._build()
@@ -975,16 +974,20 @@ class Batch:
         about :data:`DEFERRED_OPS` ops wait as Python rows)."""
         from .rows import runs_tables
 
-        waiting = self._waiting
+        done = {k for positions, _ in self._built for k in positions}
+        waiting = [
+            k for k, (run, _) in enumerate(self._staged) if run.steps is not None and k not in done
+        ]
+        self._waiting_ops = 0
         if not waiting:
             return
         runs = [self._staged[k][0] for k in waiting]
         built = runs_tables(
             [dataclasses.replace(run.steps, run_id=k) for k, run in zip(waiting, runs, strict=True)]
         )
-        # In one statement with no call in it (so no Ctrl-C between): the runs are built
-        # once, never twice and never not at all.
-        self._built, self._waiting, self._waiting_ops = [*self._built, built], [], 0
+        # One statement with no call in it (no Ctrl-C inside): the runs are built once,
+        # never twice and never not at all (what is built is what a group holds).
+        self._built = [*self._built, (waiting, built)]
         for run in runs:
             run.steps = None  # (their Python rows go)
 
@@ -997,7 +1000,7 @@ class Batch:
             return
         try:
             self._build()
-            built = self._built
+            built = [tables for _, tables in self._built]
             runs = [run for run, _ in staged]
             with _os_errors("cannot make the batch's runs durable"):
                 for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
@@ -1006,7 +1009,7 @@ class Batch:
             self.names += [run.name for run in runs]
             self._bind_pending(rows)
         finally:
-            self._staged, self._built, self._waiting, self._waiting_ops = [], [], [], 0
+            self._staged, self._built, self._waiting_ops = [], [], 0
             for _, lock in staged:
                 lock.close()
 
@@ -1153,8 +1156,12 @@ class Store:
         try:
             yield batch
         finally:
-            self._batch = None
-            batch.commit()
+            # (nested: a Ctrl-C as either line starts still lets the other run; one as
+            # the commit starts loses the batch's runs, and its locks go with the batch)
+            try:
+                self._batch = None  # first: no later run is staged into this batch
+            finally:
+                batch.commit()
 
     def record(
         self,
