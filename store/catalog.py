@@ -83,9 +83,7 @@ from .layout import (
 from .points import FIELDS as POINT_FIELDS
 from .points import OpIndex
 from .schema import (
-    INCOMING,
     RUN_TABLES,
-    SCAN_FRAMES,
     TABLES,
     arrow_schema,
     create_schema,
@@ -168,16 +166,11 @@ def check_objects(con: duckdb.DuckDBPyConnection, database: str | None = None) -
     tracelake reads or writes a table. ``None``: the connection's current database."""
     params = [database]
     views = [
-        f"{kind} {name!r}"
-        for kind, name in con.execute(
-            "SELECT 'view', view_name FROM duckdb_views() WHERE NOT internal "
-            "AND database_name = coalesce(?, current_database()) "
-            # (a table named as what schema.insert reads its rows from would be read
-            # in their place: listed with the views)
-            "UNION ALL SELECT 'table', table_name FROM duckdb_tables() "
-            f"WHERE table_name = '{INCOMING}' "
+        r[0]
+        for r in con.execute(
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal "
             "AND database_name = coalesce(?, current_database())",
-            params * 2,
+            params,
         ).fetchall()
     ]
     macros = [
@@ -190,7 +183,7 @@ def check_objects(con: duckdb.DuckDBPyConnection, database: str | None = None) -
         ).fetchall()
     ]
     if views or macros:
-        named = sorted(views) + [f"macro {n!r}" for n in sorted(macros)]
+        named = [f"view {n!r}" for n in sorted(views)] + [f"macro {n!r}" for n in sorted(macros)]
         shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
         raise CatalogError(
             "refusing the catalog: it holds objects tracelake never creates "
@@ -258,7 +251,6 @@ class _Engine:
             # fsync, where a checkpoint takes three more) until the log is past
             # LOG_BYTES (CatalogWriter._transaction).
             con.execute("PRAGMA disable_checkpoint_on_shutdown")
-            con.execute(SCAN_FRAMES)
             self._con = (pid, con)
         return self._con[1]
 
@@ -1261,14 +1253,14 @@ class CatalogMirror:
         try:
             if table is not None:
                 con.execute("DELETE FROM runs")
-                insert(con, "runs", table, view=True)
+                insert(con, "runs", table)
             for name in RUN_TABLES:
                 if gone:
                     con.execute(
                         f"DELETE FROM {name} WHERE run_id IN ({', '.join('?' * len(gone))})", gone
                     )
                 if name in incoming:
-                    insert(con, name, incoming[name], view=True)
+                    insert(con, name, incoming[name])
             con.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(duckdb.Error):  # the first error says more

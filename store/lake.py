@@ -65,7 +65,7 @@ from .catalog import (
     run_table_views,
 )
 from .layout import StorePaths
-from .schema import SCAN_FRAMES, TABLES, create_schema, insert, present_columns, select_list
+from .schema import TABLES, create_schema, insert, present_columns, select_list
 from .store import Store
 
 __all__ = ["LEASE_SECONDS", "LakeCatalog", "LakeMirror", "LakeStore", "open_lake"]
@@ -166,7 +166,6 @@ def open_lake(url: str, catalog: str, options: Mapping[str, Any]) -> duckdb.Duck
         con.execute("SET ducklake_retry_backoff = 1.2")
         con.execute("SET threads = 2")
         con.execute("SET enable_progress_bar = false")
-        con.execute(SCAN_FRAMES)
         data = url.rstrip("/") + "/catalog/"
         con.execute(f"ATTACH 'ducklake:postgres:{_libpq(catalog)}' AS {_LAKE} (DATA_PATH '{data}')")
         con.execute(f"USE {_LAKE}")

@@ -209,39 +209,22 @@ def select_list(table: Table, present: set[str]) -> str:
     return ", ".join(items)
 
 
-#: The name :func:`insert` gives the rows it inserts, read by DuckDB's replacement scan
-#: (``catalog.check_objects`` refuses a catalog table of this name, which would be read
-#: in their place).
-INCOMING = "_incoming"
-#: What a connection :func:`insert` uses runs once: DuckDB looks for :data:`INCOMING`
-#: in every caller's frame, not only in the frame that called ``execute`` (a wrapper of
-#: the connection, a tracer's or a test's, would otherwise hide it).
-SCAN_FRAMES = "SET python_scan_all_frames = true"
-
-
-def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, view: bool = False) -> None:
+def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     """Insert an Arrow table's rows by column name (a column the rows lack gets its
-    default; a column the table lacks is an error). DuckDB finds the rows by its
-    replacement scan of this frame's variable :data:`INCOMING`; registering them as a
-    view instead makes and drops a catalog entry in the transaction, which doubles the
-    cost of a small insert (six tables a run). ``view``: register them all the same,
-    for a connection without external access (a reader's mirror), where DuckDB makes
-    no replacement scan of Python objects."""
+    default; a column the table lacks is an error). The rows are registered as a view:
+    DuckDB's replacement scan of a Python variable would cost about half as much, but a
+    Ctrl-C landing while it looks the variable up comes out as 'table does not exist'
+    (``test_interrupts``), not as an interrupt."""
     if not rows.num_rows:
         return
-    statement = f"INSERT INTO {ident(table)} BY NAME SELECT * FROM {INCOMING}"
-    if not view:
-        _incoming = rows  # (read by DuckDB, by name, from this frame)
-        con.execute(statement)
-        return
-    con.register(INCOMING, rows)
+    con.register("_incoming", rows)
     try:
-        con.execute(statement)
+        con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
     except BaseException:
         # a failed (or interrupted) statement aborts the transaction, and so would
         # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
         # the first error is the one to report
         with contextlib.suppress(Exception):
-            con.unregister(INCOMING)
+            con.unregister("_incoming")
         raise
-    con.unregister(INCOMING)
+    con.unregister("_incoming")
