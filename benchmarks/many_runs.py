@@ -15,8 +15,8 @@ makes a store of N runs in minutes (copies of one run's catalog rows) for ``--ag
 * **Growth**: ``--runs`` runs of the query benchmark's chain (``--ops`` elementwise ops
   on a (32, 32) tensor, all saved: ``benchmarks/query_latency.py``'s store), recorded
   one by one. Printed: for the first and the last hundred runs, the median wall time of
-  ``store.record`` and of its catalog commit (``CatalogWriter.commit``: the one
-  transaction that inserts the run's rows) with the share of it that the ``DETACH``
+  ``store.record`` and of its catalog commit (``CatalogWriter.commit_run``: the run's
+  one transaction, which inserts its rows) with the share of it that the ``DETACH``
   ending it takes (meant as DuckDB's checkpoint; measured ~1 ms, so the writing happens
   at ``COMMIT``), and runs/s.
 """
@@ -86,18 +86,21 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
 
 @contextmanager
 def _timed() -> Iterator[dict[str, list[float]]]:
-    """Times every ``CatalogWriter.commit`` and ``CatalogWriter.reserve`` (the run's
-    registration) (wall time, and the calling thread's CPU time: DuckDB runs the writers'
-    statements on it) and every ``_detach`` while the block runs."""
+    """Times every ``CatalogWriter.commit_run`` (the run's one transaction) and
+    ``CatalogWriter.complete_names`` (the names a new run's is checked against: a
+    transaction only where another writer changed the catalog since this one's last)
+    (wall time, and the calling thread's CPU time: DuckDB runs the writers' statements on
+    it), and every ``_detach`` while the block runs (``commit_detach``: the commit's)."""
     times: dict[str, list[float]] = {
         "commit": [],
         "commit_cpu": [],
-        "reserve_cpu": [],
+        "names_cpu": [],
         "detach": [],
+        "commit_detach": [],
     }
-    commit, reserve, detach = (
-        catalog.CatalogWriter.commit,
-        catalog.CatalogWriter.reserve,
+    commit, names, detach = (
+        catalog.CatalogWriter.commit_run,
+        catalog.CatalogWriter.complete_names,
         catalog._detach,
     )
 
@@ -108,13 +111,14 @@ def _timed() -> Iterator[dict[str, list[float]]]:
         finally:
             times["commit"].append(time.perf_counter() - start)
             times["commit_cpu"].append(time.thread_time() - cpu)
+            times["commit_detach"].append(times["detach"][-1])
 
-    def timed_reserve(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
+    def timed_names(self: catalog.CatalogWriter) -> set[str]:
         cpu = time.thread_time()
         try:
-            return reserve(self, *args, **kwargs)  # type: ignore[arg-type]
+            return names(self)
         finally:
-            times["reserve_cpu"].append(time.thread_time() - cpu)
+            times["names_cpu"].append(time.thread_time() - cpu)
 
     def timed_detach(*args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -123,14 +127,14 @@ def _timed() -> Iterator[dict[str, list[float]]]:
         finally:
             times["detach"].append(time.perf_counter() - start)
 
-    catalog.CatalogWriter.commit = timed_commit  # type: ignore[method-assign]
-    catalog.CatalogWriter.reserve = timed_reserve  # type: ignore[method-assign]
+    catalog.CatalogWriter.commit_run = timed_commit  # type: ignore[method-assign]
+    catalog.CatalogWriter.complete_names = timed_names  # type: ignore[method-assign]
     catalog._detach = timed_detach
     try:
         yield times
     finally:
-        catalog.CatalogWriter.commit = commit  # type: ignore[method-assign]
-        catalog.CatalogWriter.reserve = reserve  # type: ignore[method-assign]
+        catalog.CatalogWriter.commit_run = commit  # type: ignore[method-assign]
+        catalog.CatalogWriter.complete_names = names  # type: ignore[method-assign]
         catalog._detach = detach
 
 
@@ -146,7 +150,7 @@ def growth(root: Path, runs: int, ops: int, tensors: bool = True) -> dict[str, f
 def _growth(
     root: Path, runs: int, ops: int, tensors: bool, times: dict[str, list[float]]
 ) -> dict[str, float]:
-    commits, detaches = times["commit"], times["detach"]
+    commits = times["commit"]
     store = tl.open(root)
     model = Chain(ops)
     options = _options(tensors)
@@ -167,7 +171,7 @@ def _growth(
                 )
     n = min(100, runs)
     ms = 1e3
-    checkpoints = detaches[1::2]  # (reserve, commit) per run: the commit's DETACH
+    checkpoints = times["commit_detach"]
     cpu = times["commit_cpu"]
     return {
         "first_checkpoint_ms": statistics.median(checkpoints[:n]) * ms,
@@ -189,8 +193,8 @@ def interleaved(
     """``rounds`` runs into each of two stores, alternately (so the machine's load falls
     on both alike): ``big``, an existing store (the growth part's, 10,000 runs), and
     ``small``, a new one. Medians of ``store.record`` and of its catalog commit (wall
-    and CPU time), and the CPU time of both its catalog transactions (registration and
-    commit: where a registration that checkpointed moved its work)."""
+    and CPU time), and the CPU time of its catalog work (the names read, where not
+    known, and the commit)."""
     model, options = Chain(ops), _options(tensors)
     stores = {"big": tl.open(big, create=False), "small": tl.open(small)}
     found: dict[str, dict[str, list[float]]] = {k: {} for k in stores}
@@ -209,7 +213,7 @@ def interleaved(
                 got.setdefault("commit", []).append(times["commit"][before])
                 got.setdefault("commit_cpu", []).append(times["commit_cpu"][before])
                 got.setdefault("catalog_cpu", []).append(
-                    times["commit_cpu"][before] + times["reserve_cpu"][before]
+                    times["commit_cpu"][before] + times["names_cpu"][before]
                 )
     # (means too: a checkpoint every few small runs, which the median passes over)
     return {
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  {int(r['runs'][which]):>6} runs in the store: record {m['record']:7.2f} ms, "
                 f"commit {m['commit']:6.2f} ms (CPU {m['commit_cpu']:6.2f} ms), "
-                f"registration + commit CPU {m['catalog_cpu']:6.2f} ms (medians; its mean "
+                f"names + commit CPU {m['catalog_cpu']:6.2f} ms (medians; its mean "
                 f"{m['catalog_cpu_mean']:6.2f} ms)"
             )
         ratio = r["big"]["commit"] / r["small"]["commit"]
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         both = r["big"]["catalog_cpu"] / r["small"]["catalog_cpu"]
         mean = r["big"]["catalog_cpu_mean"] / r["small"]["catalog_cpu_mean"]
         print(
-            f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x); registration + commit "
+            f"  big/small commit: {ratio:.2f}x (CPU {cpu:.2f}x); names + commit "
             f"CPU {both:.2f}x (means {mean:.2f}x)"
         )
         print(f"load {os.getloadavg()[0]:.2f} at the end")

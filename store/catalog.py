@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import io
 import json
 import os
 import re
@@ -74,9 +73,9 @@ from .layout import (
     disk_full,
     fsync_dir,
     keep_reserve,
+    lock_held,
     locked,
     release_reserve,
-    try_lock,
     write_new,
     write_run_marker,
 )
@@ -198,11 +197,7 @@ def _now() -> datetime:
 
 def writer_alive(paths: StorePaths, run_id: int) -> bool:
     """Whether the process recording run ``run_id`` still holds its writing lock."""
-    held = try_lock(paths.writing_lock(run_id))
-    if held is None:
-        return paths.writing_lock(run_id).exists()
-    held.close()
-    return False
+    return lock_held(paths.writing_lock(run_id))
 
 
 def _refuse_links(paths: StorePaths, reading: bool = False) -> None:
@@ -327,6 +322,11 @@ class CatalogWriter:
     (checkpointed once past :data:`LOG_BYTES`) and detaches it (no handle left) before
     letting the lock go."""
 
+    #: A run is recorded into a staged directory and committed in one transaction
+    #: (:meth:`commit_run`), with no catalog row before (DuckLake's catalog registers
+    #: it first: ``reserve``).
+    stages_runs = True
+
     def __init__(self, paths: StorePaths):
         self.paths = paths
         self._has_schema = False
@@ -346,6 +346,9 @@ class CatalogWriter:
         self._heads = Heads()
         #: The log file (inode, device) whose name this writer made durable.
         self._durable_log: tuple[int, int] | None = None
+        #: The complete runs' names as this writer's last transaction left them (None:
+        #: not known); trusted while the files are as that transaction left them.
+        self._names: set[str] | None = None
 
     @contextmanager
     def _transaction(
@@ -404,6 +407,8 @@ class CatalogWriter:
                     # (listing DuckDB's functions for macros costs more than a small
                     # commit: ~35 ms, a sixth of a GPT-2 run recorded into a new store).
                     self._unchanged = seen is not None and seen == self._checked
+                    if not self._unchanged:
+                        self._names = None
                     if not made and not self._unchanged:
                         check_objects(con, _ATTACHED)
                     self._checked = None
@@ -529,86 +534,21 @@ class CatalogWriter:
         except OSError:
             drop_shadow(self.paths.shadow)
 
-    def _live_names(self, con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[int, str]]:
-        rows = con.execute(
-            "SELECT id, status FROM runs WHERE name = ? AND status IN (?, ?)",
-            [name, COMPLETE, RECORDING],
-        ).fetchall()
-        return [(i, s) for i, s in rows if s == COMPLETE or writer_alive(self.paths, i)]
-
-    @guarded("cannot register the run in the catalog")
-    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, io.FileIO]:
-        """Register a run as ``recording``; return its id and the open file of its
-        writing lock, taken before the catalog lock is let go (so that no ``gc()`` can
-        ever see the new run without a live writer). A complete run (or a live
-        recording) of the same name is an error unless ``overwrite``."""
-        then: list[Callable[[], None]] = []
-        held: io.FileIO | None = None
-        try:
-            with self._transaction(then, durable=False) as con:
-                clash = self._live_names(con, name)
-                if clash and not overwrite:
-                    raise RunExistsError(
-                        f"the store already has a run named {name!r} ({clash[0][1]}); choose "
-                        "another name, or pass overwrite=True to replace it"
-                    )
-                on_disk = self._check_disk(con, cached=True)
-                created = _now()
-                row = con.execute(
-                    "INSERT INTO runs (id, name, status, created, steps, op_count, bytes, "
-                    "model_class, torch_version, device, meta, host, pid) "
-                    "SELECT greatest(coalesce(max(id), 0), ?) + 1, ?, ?, ?, 0, 0, 0, ?, ?, ?, ?, "
-                    "?, ? FROM runs RETURNING id",
-                    [
-                        on_disk,
-                        name,
-                        RECORDING,
-                        created,
-                        info.get("model_class"),
-                        info.get("torch_version"),
-                        info.get("device"),
-                        json.dumps(info.get("meta")),
-                        socket.gethostname(),
-                        os.getpid(),
-                    ],
-                ).fetchone()
-                assert row is not None  # one row inserted, always
-                run_id = int(row[0])
-                run_dir = self.paths.run_dir(run_id)
-                listed, self._listing = self._listing, None
-                try:  # a directory already there is never reused (nor removed): its data
-                    run_dir.mkdir(parents=True)  # may be a run the catalog lost
-                except OSError as exc:
-                    raise StoreError(
-                        f"cannot create the run directory {str(run_dir)!r}: {exc}"
-                    ) from exc
-                if listed is not None:  # the listing, with the new directory (the highest)
-                    listed[1].append(run_id)
-                    self._listing = (_dir_state(self.paths.runs), listed[1])
-                held = try_lock(self.paths.writing_lock(run_id))
-                if held is None:
-                    raise StoreError(f"run directory {self.paths.run_dir(run_id)} is in use")
-                # The identity marker is written only once the run's row is committed, so a
-                # marked directory the catalog does not know means a catalog that lost runs,
-                # never a registration that died half-way.
-                then.append(lambda: write_run_marker(self.paths, run_id, created))
-        except BaseException:  # the lock goes with the registration (an interrupt
-            if held is not None:  # after it was taken: no handle left for the GC to find)
-                held.close()
-            raise
-        assert held is not None
-        return run_id, held
-
     @guarded("cannot read the catalog")
     def complete_names(self) -> set[str]:
         """The names of the complete runs, read as a writer reads (no new DuckDB, and
         the file checked only if another writer changed it since this one's last
-        transaction: a reader's open costs several times more)."""
-        if _file_state(self.paths) is None:
+        transaction: a reader's open costs several times more); without a transaction
+        where this writer's last one left the files as they are and knew the names."""
+        state = _file_state(self.paths)
+        if state is None:
             return set()
+        if self._names is not None and state == self._checked:
+            return set(self._names)
         with self._transaction(read=True) as con:
             rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
-        return {name for (name,) in rows}
+            self._names = {name for (name,) in rows}
+        return set(self._names)
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection, cached: bool = False) -> int:
         """The highest run directory id on disk, after making sure the catalog knows
@@ -643,58 +583,11 @@ class CatalogWriter:
         return ids[-1]
 
     @guarded("cannot commit the run to the catalog")
-    def commit(
-        self,
-        run_id: int,
-        name: str,
-        overwrite: bool,
-        tables: dict[str, Any],
-        summary: dict[str, Any],
-    ) -> dict[str, Any]:
-        """Make run ``run_id`` visible, with all its rows, in one transaction; return its
-        ``runs`` row."""
-        with self._transaction(size=_nbytes(tables.values())) as con:
-            clash = [i for i, s in self._live_names(con, name) if s == COMPLETE]
-            if clash and not overwrite:
-                raise RunExistsError(
-                    f"a run named {name!r} was committed while this one was recording; "
-                    "pass overwrite=True to replace it"
-                )
-            for table in RUN_TABLES:
-                data = tables.get(table)
-                if data is not None:
-                    insert(con, table, data)
-            if clash:
-                con.execute(
-                    f"UPDATE runs SET status = '{DELETED}' WHERE id IN "
-                    f"({', '.join('?' * len(clash))})",
-                    clash,
-                )
-            cursor = con.execute(
-                "UPDATE runs SET status = ?, finished = ?, steps = ?, op_count = ?, bytes = ?, "
-                "param_fingerprint = ?, input_fingerprint = ?, device = coalesce(?, device), "
-                "seq = (SELECT coalesce(max(seq), 0) + 1 FROM runs) WHERE id = ? RETURNING *",
-                [
-                    COMPLETE,
-                    _now(),
-                    summary["steps"],
-                    summary["op_count"],
-                    summary["bytes"],
-                    summary.get("param_fingerprint"),
-                    summary.get("input_fingerprint"),
-                    summary.get("device"),
-                    run_id,
-                ],
-            )
-            values = cursor.fetchone()
-            if values is None:  # (a catalog restored without the log that held it)
-                raise StoreError(
-                    f"run {name!r} (id {run_id}) is no longer registered in the catalog of "
-                    f"{str(self.paths.root)!r}, which was restored while it recorded; its "
-                    "data is not committed (gc() removes it): record it again"
-                )
-            info = dict(zip([d[0] for d in cursor.description], values, strict=True))
-        return info
+    def commit_run(self, run: StagedRun) -> dict[str, Any]:
+        """Make the staged run ``run`` visible, with all its rows, in one transaction
+        (its only one: nothing of it is in the catalog before); return its ``runs`` row.
+        See :meth:`commit_batch`."""
+        return self._commit_staged([run])[0]
 
     def _freeing(self, change: Callable[[], _T]) -> _T:
         """Run ``change`` (a catalog transaction that lets space be reclaimed); if the
@@ -713,17 +606,22 @@ class CatalogWriter:
     ) -> list[dict[str, Any]]:
         """Make the runs of a batch visible, all in one transaction; return their
         ``runs`` rows (every column, as inserted: what a read of them would return).
-        Each run's directory (``runs/.batch-*``, durable already) is renamed to its id's
-        name inside the transaction, before ``COMMIT``; a crash before the commit
+        Each run's directory (``runs/.staging/*``, durable already) is renamed to its
+        id's name inside the transaction, before ``COMMIT``; a crash before the commit
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
         is in the catalog before this. ``built``: tables of several of the runs at once
         (``rows.runs_tables``), whose ``run_id`` holds each row's run's position in
         ``runs``."""
+        return self._commit_staged(runs, built)
+
+    def _commit_staged(
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
         then: list[Callable[[], None]] = []
         size = sum(_nbytes(run.tables.values()) for run in runs)
         size += sum(_nbytes(tables.values()) for tables in built)
         with self._transaction(then, size) as con:
-            on_disk = self._check_disk(con)
+            on_disk = self._check_disk(con, cached=True)
             top, seq = con.execute(
                 "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
             ).fetchone() or (0, 0)
@@ -747,7 +645,7 @@ class CatalogWriter:
                 clash += [named[run.name]] if run.name in named else []
                 if clash and not run.overwrite:
                     raise RunExistsError(
-                        f"a run named {run.name!r} was committed while this batch was "
+                        f"a run named {run.name!r} was committed while this one was "
                         "recording; pass overwrite=True to replace it"
                     )
                 named[run.name] = run_id
@@ -781,9 +679,7 @@ class CatalogWriter:
                 for table, data in run.tables.items():
                     if data is not None and data.num_rows:
                         incoming[table].append(_with_run_id(data, run_id))
-                os.rename(run.staged, self.paths.run_dir(run_id))
                 ids.append(run_id)
-            fsync_dir(self.paths.runs)  # the new names, durable before the rows are
             import pyarrow as pa  # (not at import: listing runs needs no Arrow)
 
             for tables in built:
@@ -791,25 +687,33 @@ class CatalogWriter:
                     if data is not None and data.num_rows:
                         incoming[table].append(_at_run_ids(data, ids))
             added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
-            insert(con, "runs", added)
-            for table, parts in incoming.items():
-                if parts:
-                    insert(con, table, _concat(parts))
+            moved: list[tuple[Path, Path]] = []
+            try:
+                for run, run_id in zip(runs, ids, strict=True):
+                    os.rename(run.staged, self.paths.run_dir(run_id))
+                    moved.append((run.staged, self.paths.run_dir(run_id)))
+                # the listing, with the new directories (the highest; only a writer
+                # under the exclusive lock makes a run id's directory)
+                listed = self._listing
+                if listed is not None:
+                    self._listing = (_dir_state(self.paths.runs), listed[1] + ids)
+                fsync_dir(self.paths.runs)  # the new names, durable before the rows are
+                insert(con, "runs", added)
+                for table, parts in incoming.items():
+                    if parts:
+                        insert(con, table, _concat(parts))
+            except BaseException:
+                # nothing is committed (the COMMIT comes after this block): the runs
+                # are staged again, as they were (listed failed; gc() removes them)
+                for staged, run_dir in reversed(moved):
+                    with contextlib.suppress(OSError):
+                        os.rename(run_dir, staged)
+                raise
             for run_id, run in zip(ids, runs, strict=True):
                 then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
+            if self._names is not None:  # (known as this writer's last transaction left them)
+                self._names.update(named)
         return added.to_pylist()  # type: ignore[no-any-return]
-
-    @guarded("cannot change the run's status in the catalog")
-    def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
-        """Set run ``run_id``'s status (``error``: why it failed, for ``failed``)."""
-        self._freeing(lambda: self._set_status(run_id, status, error))
-
-    def _set_status(self, run_id: int, status: str, error: str | None) -> None:
-        with self._transaction() as con:
-            con.execute(
-                "UPDATE runs SET status = ?, finished = ?, error = ? WHERE id = ?",
-                [status, _now(), error, run_id],
-            )
 
     @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
@@ -827,6 +731,8 @@ class CatalogWriter:
                 "UPDATE runs SET status = ?, seq = (SELECT max(seq) + 1 FROM runs) WHERE id = ?",
                 [DELETED, row[0]],
             )
+            if self._names is not None:
+                self._names.discard(name)
             return int(row[0])
 
     @guarded("cannot collect runs in the catalog")

@@ -257,7 +257,10 @@ class Lease:
 
 class LakeCatalog(CatalogWriter):
     """The writers' side of a DuckLake catalog: the same operations as the local
-    catalog's :class:`CatalogWriter`, each one DuckLake transaction of inserts."""
+    catalog's :class:`CatalogWriter`, each one DuckLake transaction of inserts; a run
+    is registered first (:meth:`reserve`, with a lease), then committed."""
+
+    stages_runs = False
 
     def __init__(self, url: str, catalog: str, options: Mapping[str, Any]):
         self.url, self._catalog_url, self._options = url, catalog, dict(options)

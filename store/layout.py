@@ -13,8 +13,11 @@
       runs/<id>/            one directory per run, named by its numeric id, never by its name
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
-      runs/.batch-<pid>-*   a run of a batch not yet committed (renamed to runs/<id>
-                            by the batch's commit; gc() removes one whose writer died)
+      runs/.staging/<pid>-*/  a run not yet committed (renamed to runs/<id> by its
+                            commit, or its batch's; gc() removes one whose writer died)
+        staged.json         {"name", "created", ...}: what listing it shows (with "error"
+                            once its recording failed)
+        writing.lock        flock held by the live writing process
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
@@ -80,8 +83,14 @@ DEFAULT_MAX_INFLIGHT = 256 << 20
 #: The on-disk format this code writes; a store with a larger number is refused.
 FORMAT = 1
 _MARKER = "tracelake.json"
-#: How the directories of runs of a batch not yet committed begin (under ``runs/``).
-STAGING = ".batch-"
+#: Where the directories of runs not yet committed are made (under ``runs/``): a
+#: directory of their own, so that making one leaves ``runs/`` (whose stat tells a
+#: writer its listing of run ids still holds) untouched.
+STAGING = ".staging"
+#: How such directories began in stores written before (directly under ``runs/``).
+_OLD_STAGING = ".batch-"
+#: In a staged run's directory: its name and what ``runs(all=True)`` lists of it.
+STAGED_FILE = "staged.json"
 #: In the store's directory and in each run's: where the arrays live when they are on
 #: object storage (``store/remote.py``); absent, they are under ``tensors/``.
 ARRAYS_FILE = "arrays.json"
@@ -149,13 +158,38 @@ class StorePaths:
             return []
 
     def staging(self) -> Path:
-        """A new directory name for a run of an open batch (``Store.batch``): it becomes
-        ``runs/<id>`` when the batch commits."""
-        return self.runs / f"{STAGING}{os.getpid()}-{os.urandom(6).hex()}"
+        """A new directory name for a run being recorded: it becomes ``runs/<id>`` when
+        the run (or its batch) commits."""
+        return self.runs / STAGING / f"{os.getpid()}-{os.urandom(6).hex()}"
 
-    def staging_dirs(self) -> list[Path]:
-        """Directories of runs of batches, committed by none yet."""
-        return [self.runs / n for n in self._run_entries() if n.startswith(STAGING)]
+    def new_staging(self) -> Path:
+        """Make a new directory for a run being recorded (:meth:`staging`); ``runs/`` and
+        ``runs/.staging`` are made if missing, and refused where either is a symbolic
+        link (``mkdir`` would follow it out of the store)."""
+        staged = self.staging()
+        for place in (self.runs, staged.parent):
+            if place.is_symlink():
+                raise StoreError(
+                    f"refusing to write to the store at {str(self.root)!r}: "
+                    f"{place.relative_to(self.root)} is a symbolic link, which may lead "
+                    "outside the store"
+                )
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.mkdir()
+        return staged
+
+    def staging_dirs(self, old: bool = False) -> list[Path]:
+        """Directories of runs being recorded, or whose writer died before committing
+        them (``old``: also those of stores written before, directly under ``runs/``,
+        which takes a listing of every run directory)."""
+        staging = self.runs / STAGING
+        try:
+            found = [staging / n for n in sorted(os.listdir(staging))]
+        except (FileNotFoundError, NotADirectoryError):
+            found = []
+        if old:
+            found += [self.runs / n for n in self._run_entries() if n.startswith(_OLD_STAGING)]
+        return found
 
     def trash_dirs(self) -> list[Path]:
         """Run directories a ``gc()`` began to remove and did not finish."""
@@ -350,14 +384,15 @@ def _walk_tree(root: Path, files: list[str], dirs: list[str]) -> int:
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
 
 
-def _open_lock(path: Path) -> io.FileIO:
+def _open_lock(path: Path, create: bool = True) -> io.FileIO:
     """Open (creating) lock file ``path``; ``O_NOFOLLOW``: a symbolic link planted at
     its name is refused with ``StoreError``, never created or written through. A file
     object, not a bare descriptor: its descriptor is owned from the moment it exists, so
     an interrupt (Ctrl-C) between there and its holder leaks no lock (collected, it
     closes)."""
     try:
-        return io.FileIO(path, "r+", opener=lambda p, _: os.open(p, _LOCK_FLAGS, 0o644))
+        flags = _LOCK_FLAGS if create else _LOCK_FLAGS & ~os.O_CREAT
+        return io.FileIO(path, "r+", opener=lambda p, _: os.open(p, flags, 0o644))
     except OSError as exc:
         if path.is_symlink():
             raise StoreError(
@@ -451,11 +486,28 @@ def locked(path: Path, exclusive: bool) -> Iterator[None]:
         yield
 
 
-def try_lock(path: Path) -> io.FileIO | None:
-    """Take an exclusive flock without waiting: the open lock file (close it to release),
-    or ``None`` if another process holds it."""
+def lock_held(path: Path) -> bool:
+    """Whether a process holds the flock of lock file ``path`` (False: it is free, or
+    there is no such file; none is made, and the lock is not kept)."""
     try:
-        file = _open_lock(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def try_lock(path: Path, create: bool = True) -> io.FileIO | None:
+    """Take an exclusive flock without waiting: the open lock file (close it to release),
+    or ``None`` if another process holds it (``create=False``: or there is no such
+    file)."""
+    try:
+        file = _open_lock(path, create)
     except FileNotFoundError:
         return None
     try:
@@ -477,6 +529,11 @@ def micros(value: Any) -> int:
     if hasattr(value, "to_pydatetime"):
         value = value.to_pydatetime()
     return int((value.replace(tzinfo=None) - _EPOCH) // timedelta(microseconds=1))
+
+
+def from_micros(value: int) -> datetime:
+    """The ``created`` timestamp :func:`micros` gave ``value`` for."""
+    return _EPOCH + timedelta(microseconds=value)
 
 
 def write_run_marker(paths: StorePaths, run_id: int, created: datetime) -> None:
@@ -516,6 +573,28 @@ def check_run_marker(paths: StorePaths, run_id: int, name: str, created: Any) ->
         )
 
 
+def write_staged(staged: Path, about: dict[str, Any]) -> None:
+    """Write what listing the staged run in ``staged`` shows (its name, created time,
+    model class, ..., and once its recording failed its ``error``), replacing what was
+    there in one rename. Not synced: lost, the run lists as interrupted."""
+    tmp = staged / f".{STAGED_FILE}.{os.getpid()}"
+    write_new(tmp, json.dumps(about).encode())
+    os.replace(tmp, staged / STAGED_FILE)
+
+
+def read_staged(staged: Path) -> dict[str, Any] | None:
+    """What :func:`write_staged` wrote in ``staged`` (None: nothing readable there: a
+    directory being made, one a killed writer left half-made, or one of a store
+    written before staged runs were listed)."""
+    try:
+        about = json.loads(read_small(staged / STAGED_FILE))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(about, dict) or not isinstance(about.get("name"), str):
+        return None
+    return about if isinstance(about.get("created"), int) else None
+
+
 def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
     """Rename run ``run_id``'s directory to a ``.trash-`` name (atomic) and return it
     (None if it is gone already): a gc() killed while removing it then leaves a name
@@ -530,14 +609,15 @@ def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
 
 
 def trash_staged(paths: StorePaths, staged: Path) -> bool:
-    """Move the directory of a batch's run whose writer is gone (its ``writing.lock``
-    held by nobody: the batch's process died before committing) to a ``.trash-`` name;
-    False where a writer holds it, or it has no lock file yet (being made), or is gone."""
-    lock = try_lock(staged / "writing.lock")
+    """Move the directory of a staged run whose writer is gone (its ``writing.lock``
+    held by nobody: its recording failed, or its process died before committing it) to
+    a ``.trash-`` name; False where a writer holds it, or it has no lock file yet (being
+    made), or is gone."""
+    lock = try_lock(staged / "writing.lock", create=False)
     if lock is None:
         return False
     try:
-        os.rename(staged, paths.runs / f".trash-{staged.name[len(STAGING) :]}")
+        os.rename(staged, paths.runs / f".trash-s{staged.name.removeprefix(_OLD_STAGING)}")
     except FileNotFoundError:
         return False
     finally:

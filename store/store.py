@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tracelake.errors import (
     ConcurrentRecordingError,
@@ -53,14 +53,19 @@ from .layout import (
     StorePaths,
     check_run_marker,
     durable_trees,
+    from_micros,
     full_hint,
     is_utf8,
+    lock_held,
     locked,
+    micros,
+    read_staged,
     remove_tree,
     trash_run_dir,
     trash_staged,
     try_lock,
     validate_name,
+    write_staged,
 )
 from .verify import Problem, VerifyReport, tensor_rows, verify_files, verify_run
 
@@ -77,6 +82,7 @@ if TYPE_CHECKING:
     from .backend import ByteStore
     from .compare import Comparison
     from .grads import StoreGrads
+    from .lake import LakeCatalog
     from .remote import RemoteArrays
     from .rows import RunSteps, Written
     from .run import Run
@@ -351,14 +357,14 @@ class Recording:
         # runs then, so no __exit__ will.
         try:
             _OPEN.add(self)
-            if batch is None:
-                self.run_id, self._lock = self.store._catalog.reserve(
-                    self.name, self._overwrite, info
-                )
+            if batch is None and not self.store._catalog.stages_runs:  # (DuckLake's)
+                self.run_id, self._lock = self._lake.reserve(self.name, self._overwrite, info)
                 self._dir = self.store.paths.run_dir(self.run_id)
-            else:  # a directory of its own, no catalog transaction: the batch commits it
-                self._dir, self._lock = batch.stage(self.name, self._overwrite)
+            else:  # a directory of its own, no catalog transaction before its commit's
+                stage = self.store._stage if batch is None else batch.stage
+                self._dir, self._lock = stage(self.name, self._overwrite)
                 self._info, self._created = info, _catalog_now()
+                write_staged(self._dir, self._about())
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(
                     self.store._arrays_at(self._dir, new=True), self.name, create=True
@@ -405,6 +411,24 @@ class Recording:
             self._unhook()
             self._fail()
             raise
+
+    @property
+    def _lake(self) -> LakeCatalog:
+        """The store's catalog, one that registers a run before it records (DuckLake's:
+        ``stages_runs`` is false)."""
+        return cast("LakeCatalog", self.store._catalog)
+
+    def _about(self, error: str | None = None) -> dict[str, Any]:
+        """What listing the staged run shows until it commits (``layout.write_staged``):
+        its ``runs`` row's values known before."""
+        return {
+            "name": self.name,
+            "created": micros(self._created),
+            "model_class": self._info.get("model_class"),
+            "torch_version": self._info.get("torch_version"),
+            "meta": json.dumps(self._info.get("meta")),
+            "error": error,
+        }
 
     def _unhook(self) -> None:
         """Remove the block's model hooks and eager stance (what ``__enter__`` installed)
@@ -775,11 +799,11 @@ class Recording:
             "device": self._device,
             **self._fingerprints,
         }
+        staged = StagedRun(
+            self._dir, self.name, self._overwrite, self._created, self._info, merged, summary
+        )
         if self._batch is not None:  # durable and visible when the batch commits
             assert self._lock is not None
-            staged = StagedRun(
-                self._dir, self.name, self._overwrite, self._created, self._info, merged, summary
-            )
             staged.steps = steps
             lock, self._lock = self._lock, None  # the batch's now (it lets it go)
             self._steps = []
@@ -787,9 +811,11 @@ class Recording:
             return
         with _os_errors(f"cannot make run {self.name!r} durable"):
             summary["bytes"] = self.store._durable(self._dir)  # durable before visible
-        self.info = self.store._catalog.commit(
-            self.run_id, self.name, self._overwrite, merged, summary
-        )
+        if self.run_id < 0:  # staged: its one catalog transaction
+            self.info = self.store._catalog.commit_run(staged)
+            self.run_id = self.info["id"]
+        else:
+            self.info = self._lake.commit(self.run_id, self.name, self._overwrite, merged, summary)
         self._release()
         self._steps = []
         for edges in self._grad_steps:
@@ -852,8 +878,10 @@ class Recording:
                 if self._lock is not None:
                     self.store._remove_dir(self._dir)
             elif self.run_id >= 0:
-                self.store._catalog.set_status(self.run_id, FAILED, reason)
-        except StoreError as exc:
+                self._lake.set_status(self.run_id, FAILED, reason)
+            elif self._lock is not None:  # staged: listed failed until gc() removes it
+                write_staged(self._dir, self._about(reason or "failed"))
+        except (StoreError, OSError) as exc:
             log.warning("could not mark run %r failed: %s", self.name, exc)
         finally:
             self._release()
@@ -914,15 +942,9 @@ class Batch:
                 f"the store already has a run named {name!r} (or this batch does); choose "
                 "another name, or pass overwrite=True to replace it"
             )
-        staged = self.store.paths.staging()
-        with _os_errors(f"cannot create a directory for run {name!r}"):
-            self.store.paths.runs.mkdir(parents=True, exist_ok=True)
-            staged.mkdir()
-            lock = try_lock(staged / "writing.lock")
-        if lock is None:
-            raise StoreError(f"run directory {staged} is in use")
+        staged = self.store._staged_dir(name)
         self._names.add(name)
-        return staged, lock
+        return staged
 
     def _complete(self) -> Collection[str]:
         """The names of the store's complete runs when the batch began (read once, by
@@ -1067,6 +1089,40 @@ class Store:
             return self._remote.new_run(run_dir)
         backend = self._remote.of_run(run_dir)
         return run_dir / "tensors" if backend is None else backend
+
+    def _stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
+        """A new directory for run ``name``, recorded on its own, and its writing lock
+        (the open file). A name complete in the store, or being recorded by a live
+        writer, is refused here (unless ``overwrite``); the commit checks again (a run
+        of that name committed meanwhile)."""
+        if not overwrite:
+            status = "complete" if name in self._catalog.complete_names() else None
+            if status is None and self._recording_now(name):
+                status = "recording"
+            if status is not None:
+                raise RunExistsError(
+                    f"the store already has a run named {name!r} ({status}); choose "
+                    "another name, or pass overwrite=True to replace it"
+                )
+        return self._staged_dir(name)
+
+    def _recording_now(self, name: str) -> bool:
+        """Whether a live writer is recording a run named ``name`` (staged)."""
+        for staged in self.paths.staging_dirs():
+            about = read_staged(staged)
+            if about is not None and about["name"] == name and lock_held(staged / "writing.lock"):
+                return True
+        return False
+
+    def _staged_dir(self, name: str) -> tuple[Path, io.FileIO]:
+        """A new staged run directory (``runs/.staging/*``) for run ``name``, and its
+        writing lock, held."""
+        with _os_errors(f"cannot create a directory for run {name!r}"):
+            staged = self.paths.new_staging()
+            lock = try_lock(staged / "writing.lock")
+        if lock is None:
+            raise StoreError(f"run directory {staged} is in use")
+        return staged, lock
 
     def _durable(self, run_dir: Path) -> int:
         """Make a finished run's arrays durable; return their bytes."""
@@ -1354,13 +1410,45 @@ class Store:
     def _listed(self, all: bool) -> list[dict[str, Any]]:
         """The ``runs`` rows :meth:`run_rows` lists (recording ones whose writer is gone
         as interrupted), read from the catalog file: listing runs copies no run's rows
-        into a mirror."""
-        where = "status = ?" if not all else "status != ?"
+        into a mirror. ``all``: after them, the staged runs (not committed: being
+        recorded, failed, or interrupted), from their directories."""
+        staged = self._staged_rows() if all else []  # (first: one that commits meanwhile
+        where = "status = ?" if not all else "status != ?"  # is listed once, committed)
         infos = read_runs(self.paths, where, [COMPLETE if not all else COLLECTED])
         for info in infos:
             if info["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
                 info["status"] = INTERRUPTED
-        return infos
+        committed = {(info["name"], info["created"]) for info in infos}
+        return infos + [row for row in staged if (row["name"], row["created"]) not in committed]
+
+    def _staged_rows(self) -> list[dict[str, Any]]:
+        """A ``runs`` row for each staged run (``runs/.staging``): recording while its
+        writer holds its lock, else failed (with its error) or interrupted."""
+        rows = []
+        for staged in self.paths.staging_dirs():
+            about = read_staged(staged)
+            if about is None:
+                continue
+            error = about.get("error")
+            if lock_held(staged / "writing.lock"):
+                status, error = RECORDING, None
+            else:
+                status = FAILED if error is not None else INTERRUPTED
+            rows.append(
+                {
+                    "name": about["name"],
+                    "status": status,
+                    "created": from_micros(about["created"]),
+                    "steps": 0,
+                    "op_count": 0,
+                    "bytes": 0,
+                    "model_class": about.get("model_class"),
+                    "torch_version": about.get("torch_version"),
+                    "meta": about.get("meta"),
+                    "error": error,
+                }
+            )
+        return sorted(rows, key=lambda row: row["created"])
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
         """One row per complete run (``all=True``: also recording, interrupted, failed and
@@ -1450,7 +1538,7 @@ class Store:
                 trash = trash_run_dir(self.paths, run_id)
                 freed += 0 if trash is None else self._remove_dir(trash)
                 bar.advance()
-        orphans = 0
+        orphans = staged_runs = 0  # (staged: runs listed failed or interrupted)
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             # Held shared, the catalog lock keeps writers from registering a run (whose
             # directory exists before its row commits) while directories are judged;
@@ -1464,12 +1552,15 @@ class Store:
                     if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
                         continue  # (dirs of collected runs: a gc() killed before removing)
                     orphans += trash_run_dir(self.paths, run_id) is not None
-                for staged in self.paths.staging_dirs():  # batches whose process died
-                    orphans += trash_staged(self.paths, staged)
+                for staged in self.paths.staging_dirs(old=True):  # failed, or whose
+                    listed = read_staged(staged) is not None  # process died
+                    if trash_staged(self.paths, staged):
+                        staged_runs += listed
+                        orphans += not listed
             # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
                 freed += self._remove_dir(trash)
-        return {"runs": len(dead), "orphans": orphans, "bytes": freed}
+        return {"runs": len(dead) + staged_runs, "orphans": orphans, "bytes": freed}
 
     def verify(self, tensors: bool = True, progress: bool | None = None) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree.

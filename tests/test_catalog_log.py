@@ -145,7 +145,7 @@ def test_delete_and_gc_with_runs_in_the_log(tmp_path: Path) -> None:
     assert collected["runs"] == 1
     reader = tl.open(root, create=False)
     assert reader.runs(all=True)["name"].tolist() == ["r0", "r2"]
-    assert sorted(p.name for p in (root / "runs").iterdir()) == ["00000001", "00000003"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == [".staging", "00000001", "00000003"]
     assert reader.verify().ok
 
 

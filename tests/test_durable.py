@@ -16,7 +16,7 @@ import torch
 
 import tracelake as tl
 from tracelake.store import layout
-from tracelake.store.catalog import CatalogWriter
+from tracelake.store.catalog import CatalogWriter, StagedRun
 
 
 def test_every_file_and_directory_of_a_run_is_fsyncd_before_its_commit(
@@ -28,23 +28,23 @@ def test_every_file_and_directory_of_a_run_is_fsyncd_before_its_commit(
     synced: list[str] = []
     threads: set[str] = set()
     at_commit: list[int] = []
-    real_fsync, real_commit = os.fsync, CatalogWriter.commit
+    real_fsync, real_commit = os.fsync, CatalogWriter.commit_run
+    tree: list[str] = []  # the run's directory and everything in it, at its commit
 
     def fsync(fd: int) -> None:
         real_fsync(fd)
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         threads.add(threading.current_thread().name)
 
-    def commit(self: CatalogWriter, *args: object, **kwargs: object) -> object:
+    def commit(self: CatalogWriter, run: StagedRun) -> object:
         at_commit.append(len(synced))
-        return real_commit(self, *args, **kwargs)
+        tree.extend([str(run.staged), *(str(p) for p in run.staged.rglob("*"))])
+        return real_commit(self, run)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(CatalogWriter, "commit", commit)
+    monkeypatch.setattr(CatalogWriter, "commit_run", commit)
     monkeypatch.setattr(layout, "_FSYNC_FILES", 1 << 20)  # (never a syncfs instead)
-    run = store.record(model, x, name="a", save=tl.all())
-    tree = [str(p) for p in Path(store.path, "runs", f"{run.id:08d}").rglob("*")]
-    tree.append(str(Path(store.path, "runs", f"{run.id:08d}")))
+    store.record(model, x, name="a", save=tl.all())
     assert len(tree) > 5 and at_commit
     before = set(synced[: at_commit[0]])
     assert set(tree) <= before, sorted(set(tree) - before)

@@ -99,10 +99,10 @@ def _read_run(store: tl.Store, model: Any, inputs: Any) -> Any:
 
 #: (entry point, the statement that fails, what is done, the error expected)
 CASES: list[tuple[str, str, Callable[[tl.Store, Any, Any], Any], type[Exception]]] = [
-    ("record: reserve", "INSERT INTO runs", _record, tl.CatalogError),
-    ("record: commit", "UPDATE runs SET status = ?, finished = ?, steps", _record, tl.CatalogError),
-    # the commit fails, and so does marking the run failed: the first error is raised
-    ("recording: commit", "UPDATE runs SET status", _recording, tl.CatalogError),
+    # a new store object's first run reads the complete runs' names (then knows them)
+    ("record: names", "SELECT name FROM runs WHERE status", _record, tl.CatalogError),
+    ("record: commit", 'INSERT INTO "runs"', _record, tl.CatalogError),
+    ("recording: commit", 'INSERT INTO "calls"', _recording, tl.CatalogError),
     ("runs", '"seq" FROM runs', lambda s, m, x: s.runs(), tl.CatalogError),
     (
         "runs all",
@@ -182,15 +182,18 @@ def _works_normally(store: tl.Store, model: torch.nn.Module, inputs: Any) -> Non
 def test_a_failed_transaction_rolls_back(
     faults: Faults, recorded: tuple[Path, torch.nn.Module, tuple[torch.Tensor, ...]]
 ) -> None:
-    """A commit that failed after its rows were inserted leaves none of them."""
+    """A commit that failed after its rows were inserted leaves none of them; the run
+    is listed as failed, with the error, until ``gc()`` reclaims its space."""
     root, model, inputs = recorded
     store = tl.open(root)
-    faults.match, faults.on = "UPDATE runs SET status = ?, finished = ?, steps", True
+    faults.match, faults.on = 'INSERT INTO "calls"', True  # (the run's last rows)
     with pytest.raises(tl.CatalogError):
         store.record(model, *inputs, name="b")
     faults.on = False
     fresh = tl.open(root)
     assert "b" not in fresh
+    listed = fresh.runs(all=True).set_index("name")
+    assert listed.loc["b", "status"] == "failed" and INJECTED in listed.loc["b", "error"]
     assert (
         fresh.sql(
             "select count(*) as n from ops where run_id not in (select id from runs "

@@ -30,7 +30,8 @@ def _catalog_files(root: Path) -> list[Path]:
 
 
 def _dirs(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / "runs").iterdir())
+    """The run directories (runs being recorded, or failed, are under ``.staging``)."""
+    return sorted(p.name for p in (root / "runs").iterdir() if p.name != ".staging")
 
 
 def _store_with_runs(root: Path, names: list[str]) -> tuple[tl.Store, nn.Module, torch.Tensor]:

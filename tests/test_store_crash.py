@@ -45,28 +45,31 @@ elif moment == "mid-write":  # a worker thread dies half way through writing a f
         die()
     local._write_with = half
 elif moment == "before-commit":  # tensors durable, catalog untouched
-    catalog.CatalogWriter.commit = die
-elif moment == "mid-commit":  # rows inserted, the status update and COMMIT not yet run
+    catalog.CatalogWriter.commit_run = die
+elif moment == "mid-commit":  # directory renamed to its id, rows inserted, no COMMIT yet
     connect = duckdb.connect
     class Dying:
         def __init__(self, con):
             self.con = con
         def execute(self, sql, *args):
-            if sql.startswith("UPDATE runs SET status = ?, finished = ?, steps"):
+            if sql.startswith('INSERT INTO "calls"'):
                 die()
             return self.con.execute(sql, *args)
         def __getattr__(self, name):
             return getattr(self.con, name)
     duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
-elif moment == "after-commit":  # committed, readers not yet told (1st bump: the reserve)
-    bump = catalog.FileChangeToken.bump
-    calls = []
+elif moment == "after-commit":  # committed, readers not yet told
+    bump, commit_run = catalog.FileChangeToken.bump, catalog.CatalogWriter.commit_run
+    committing = []
     def bump_then_die(self):
-        calls.append(1)
-        if len(calls) == 2:
+        if committing:
             die()
         bump(self)
+    def commit_then_die(self, run):
+        committing.append(1)
+        return commit_run(self, run)
     catalog.FileChangeToken.bump = bump_then_die
+    catalog.CatalogWriter.commit_run = commit_then_die
 store = tl.open(root)
 store.record(model, *inputs, name="c", meta={"moment": moment})
 print("survived")
@@ -114,12 +117,17 @@ def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None
     listed = store.runs(all=True).set_index("name")["status"].to_dict()
     if committed:
         assert listed["c"] == "complete" and store["c"].meta == {"moment": moment}
-    else:
+    elif moment == "mid-commit":  # its directory has its id, its row was never committed
+        assert "c" not in store and "c" not in listed, listed
+    else:  # staged, its writer gone
         assert "c" not in store
         assert listed["c"] == "interrupted", listed
     assert store.verify().ok
     collected = store.gc()
-    assert collected["runs"] == (0 if committed else 1)
+    assert collected["runs"] == (
+        1 if moment in ("mid-forward", "mid-write", "before-commit") else 0
+    )
+    assert collected["orphans"] == (1 if moment == "mid-commit" else 0)
     assert "c" not in store.runs(all=True)["name"].tolist() or committed
     # the store takes new runs afterwards, under the interrupted run's name too
     model, inputs = BUILDERS["mlp"]()
@@ -258,14 +266,23 @@ def test_sigkill_during_a_batch_loses_only_the_open_batch(tmp_path: Path, moment
         assert run.meta == {"k": k}
         for op in log:
             assert_bitwise(run[op.label].out, op.out, f"k{k} {op.label}")
-    listed = store.runs(all=True)["name"].tolist()
-    assert not any(name.startswith("o") for name in listed), listed  # invisible, even there
+    listed = store.runs(all=True).set_index("name")["status"].to_dict()
+    lost = {name: status for name, status in listed.items() if name.startswith("o")}
+    if moment == "open-batch":  # staged, their writer gone: listed as interrupted
+        assert lost == dict.fromkeys(["o0", "o1", "o2"], "interrupted"), listed
+    else:  # renamed to their ids, their rows never committed: directories only
+        assert lost == {}, listed
     assert store.verify().ok
-    left = [p for p in (root / "runs").iterdir() if p.name not in {f"{i:08d}" for i in range(6)}]
-    assert left, "the open batch's files should be on disk until gc()"
+    runs = root / "runs"
+    left = [p for p in runs.iterdir() if p.name not in {f"{i:08d}" for i in range(6)}]
+    left = [p for p in left if p.name != ".staging"] + list((runs / ".staging").iterdir())
+    assert len(left) == 3, "the open batch's files should be on disk until gc()"
     collected = store.gc()
-    assert collected["orphans"] == len(left) and collected["bytes"] > 0, (collected, left)
-    assert sorted(p.name for p in (root / "runs").iterdir()) == [f"{i:08d}" for i in range(1, 6)]
+    assert collected["runs"] == len(lost) and collected["bytes"] > 0, (collected, left)
+    assert collected["runs"] + collected["orphans"] == len(left), (collected, left)
+    assert sorted(p.name for p in runs.iterdir()) == [".staging"] + [
+        f"{i:08d}" for i in range(1, 6)
+    ]
     # the store takes new runs (and batches) afterwards, under the lost runs' names too
     with store.batch() as batch:
         model, inputs = BUILDERS["mlp"]()

@@ -450,9 +450,16 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
     from tracelake.store import catalog, layout
 
     events: list[tuple[str, frozenset[str]]] = []
+    runs = tmp_path / "s" / "runs"
+
+    def in_run(path: Path) -> str:  # (staged under .staging/<dir>, then renamed to <id>)
+        parts = path.relative_to(runs).parts if path.is_relative_to(runs) else ()
+        if len(parts) < 2:
+            return str(path)
+        return "/".join(parts[2:] if parts[0] == ".staging" else parts[1:])
 
     def files() -> frozenset[str]:
-        return frozenset(str(p) for p in (tmp_path / "s" / "runs").rglob("*") if p.is_file())
+        return frozenset(in_run(p) for p in runs.rglob("*") if p.is_file())
 
     real_syncfs, real_fsync = layout._syncfs, layout.fsync_file
     assert real_syncfs is not None, "Linux's syncfs is missing from libc"
@@ -463,10 +470,10 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
         return int(real_syncfs(fd))
 
     def fsync_file(path: Path) -> None:
-        synced.add(str(path))
+        synced.add(in_run(Path(path)))
         real_fsync(path)
 
-    real_commit = catalog.CatalogWriter.commit
+    real_commit = catalog.CatalogWriter.commit_run
 
     def commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
         events.append(("commit", files()))
@@ -474,7 +481,7 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
 
     monkeypatch.setattr(layout, "_syncfs", syncfs)
     monkeypatch.setattr(layout, "fsync_file", fsync_file)
-    monkeypatch.setattr(catalog.CatalogWriter, "commit", commit)
+    monkeypatch.setattr(catalog.CatalogWriter, "commit_run", commit)
     if ops > 2:  # the pack's two dozen shards and their directories: one syncfs (the
         # bound itself, 48, is a measured trade-off; here it only picks the path)
         monkeypatch.setattr(layout, "_FSYNC_FILES", 8)
@@ -490,14 +497,14 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
     store.record(Chain(), x, name="run")
     kinds = [kind for kind, _ in events]
     written = events[kinds.index("commit")][1]
-    tensors = {f for f in written if "/tensors/" in f}
+    tensors = {f for f in written if f.startswith("tensors/")}
     if ops == 2:
         assert len(tensors) == 3 and "syncfs" not in kinds
         assert tensors <= synced, "a file not fsync'd before the commit"
     else:
         assert len(tensors) > 8 and kinds.index("syncfs") < kinds.index("commit")
         assert tensors <= events[kinds.index("syncfs")][1], "a file written after the syncfs"
-    assert {f for f in files() if "/tensors/" in f} == tensors, "a file written after"
+    assert {f for f in files() if f.startswith("tensors/")} == tensors, "a file written after"
     run = tl.open(tmp_path / "s")["run"]
     assert_bitwise(run[f"add_1_2:{ops}"].out, Chain()(x), "the last op")
 
