@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -231,11 +231,15 @@ def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
     checkpoints), of copies. Returns the seconds it took."""
     store = tl.open(root)
     staged: list[catalog.StagedRun] = []
+    built: list[dict[str, Any]] = []  # (a small run's rows: built by the batch)
     commit_batch = store._catalog.commit_batch
 
-    def keep(runs: list[catalog.StagedRun]) -> list[dict[str, Any]]:
+    def keep(
+        runs: list[catalog.StagedRun], tables: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
         staged.extend(runs)
-        return commit_batch(runs)
+        built.extend(tables)
+        return commit_batch(runs, tables)
 
     store._catalog.commit_batch = keep  # type: ignore[method-assign]
     try:
@@ -245,13 +249,15 @@ def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
             )
     finally:
         del store._catalog.commit_batch
+    template = staged[0]
+    if built:  # (one run, at position 0: its rows' run_id is set per copy, as a run's is)
+        template = dataclasses.replace(template, tables=built[0], steps=None)
     start, have = time.perf_counter(), len(store)
     while have < runs:
         copies = []
         for k in range(min(per_batch, runs - have)):
-            where = store.paths.staging()
-            where.mkdir()
-            copies.append(dataclasses.replace(staged[0], staged=where, name=f"fill{have + k:06d}"))
+            where = store.paths.new_staging()
+            copies.append(dataclasses.replace(template, staged=where, name=f"fill{have + k:06d}"))
         commit_batch(copies)
         have += len(copies)
     return time.perf_counter() - start

@@ -535,20 +535,21 @@ class CatalogWriter:
             drop_shadow(self.paths.shadow)
 
     @guarded("cannot read the catalog")
-    def complete_names(self) -> set[str]:
-        """The names of the complete runs, read as a writer reads (no new DuckDB, and
-        the file checked only if another writer changed it since this one's last
-        transaction: a reader's open costs several times more); without a transaction
-        where this writer's last one left the files as they are and knew the names."""
+    def complete_names(self) -> Collection[str]:
+        """The names of the complete runs (read-only: this writer keeps it), read as a
+        writer reads (no new DuckDB, and the file checked only if another writer changed
+        it since this one's last transaction: a reader's open costs several times
+        more); without a transaction where this writer's last one left the files as
+        they are and knew the names."""
         state = _file_state(self.paths)
         if state is None:
-            return set()
+            return ()
         if self._names is not None and state == self._checked:
-            return set(self._names)
+            return self._names
         with self._transaction(read=True) as con:
             rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
-            self._names = {name for (name,) in rows}
-        return set(self._names)
+            names = self._names = {name for (name,) in rows}
+        return names
 
     def _check_disk(self, con: duckdb.DuckDBPyConnection, cached: bool = False) -> int:
         """The highest run directory id on disk, after making sure the catalog knows

@@ -929,7 +929,7 @@ class Batch:
         self._waiting_ops = 0
         self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
-        self._known: set[str] | None = None
+        self._known: Collection[str] | None = None
         #: The runs committed, in order (after the block).
         self.names: list[str] = []
 
