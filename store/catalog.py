@@ -31,6 +31,7 @@ import bisect
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import socket
@@ -105,6 +106,8 @@ __all__ = [
     "set_query_limits",
     "writer_alive",
 ]
+
+log = logging.getLogger("tracelake.store")
 
 COMPLETE = "complete"
 RECORDING = "recording"
@@ -425,7 +428,7 @@ class CatalogWriter:
                         raise
                     self._has_schema = True
                     if not read:
-                        self.changes.bump()
+                        self._tell_readers()
                     self._bound_log(con, durable)
                 except BaseException:
                     _detach(con, quietly=True)
@@ -433,7 +436,7 @@ class CatalogWriter:
                 _detach(con, quietly=False)
                 self._checked = _file_state(self.paths)
                 if read and self._checked != seen:
-                    self.changes.bump()
+                    self._tell_readers()
                 self._keep_shadow()
                 # What the change lets happen on disk happens only now that the shadow
                 # holds it (with the log, which a restore keeps): a catalog restored
@@ -448,6 +451,20 @@ class CatalogWriter:
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
                 raise
+
+    def _tell_readers(self) -> None:
+        """Bump the change token after a commit. Where that fails (a full disk) the
+        change stands: readers' tokens also hold the catalog's and its log's stat, which
+        the commit moved (as after a writer killed between its commit and its bump); an
+        error here would have the caller retry a change that is done."""
+        try:
+            self.changes.bump()
+        except OSError as exc:
+            log.warning(
+                "could not bump the readers' change token (they see the change by "
+                "the catalog's stat): %s",
+                exc,
+            )
 
     def _commit(
         self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None, size: int

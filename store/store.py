@@ -364,7 +364,8 @@ class Recording:
                 stage = self.store._stage if batch is None else batch.stage
                 self._dir, self._lock = stage(self.name, self._overwrite)
                 self._info, self._created = info, _catalog_now()
-                write_staged(self._dir, self._about())
+                with _os_errors(f"cannot create the run {self.name!r}"):
+                    write_staged(self._dir, self._about())
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(
                     self.store._arrays_at(self._dir, new=True), self.name, create=True
