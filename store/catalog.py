@@ -568,7 +568,9 @@ class CatalogWriter:
             names = self._names = {name for (name,) in rows}
         return names
 
-    def _check_disk(self, con: duckdb.DuckDBPyConnection, cached: bool = False) -> int:
+    def _check_disk(
+        self, con: duckdb.DuckDBPyConnection, cached: bool = False, top: int | None = None
+    ) -> int:
         """The highest run directory id on disk, after making sure the catalog knows
         every marked run directory above its own highest id (``StoreError`` if not: the
         catalog was replaced by an older copy, and writing would hide or reuse runs).
@@ -585,8 +587,9 @@ class CatalogWriter:
         self._listing = (state, ids) if cached else None
         if not ids:
             return 0
-        row = con.execute("SELECT coalesce(max(id), 0) FROM runs").fetchone()
-        top = int(row[0]) if row else 0
+        if top is None:  # (the catalog's highest id, unless the caller read it)
+            row = con.execute("SELECT coalesce(max(id), 0) FROM runs").fetchone()
+            top = int(row[0]) if row else 0
         above = ids[bisect.bisect_right(ids, top) :]  # (sorted)
         lost = [i for i in above if self.paths.run_marker(i).exists()]
         if lost:
@@ -639,10 +642,11 @@ class CatalogWriter:
         size = sum(_nbytes(run.tables.values()) for run in runs)
         size += sum(_nbytes(tables.values()) for tables in built)
         with self._transaction(then, size) as con:
-            on_disk = self._check_disk(con, cached=True)
-            top, seq = con.execute(
+            # (fetchall: a result left unfinished makes DuckDB refuse the inserts' views)
+            ((top, seq),) = con.execute(
                 "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
-            ).fetchone() or (0, 0)
+            ).fetchall()
+            on_disk = self._check_disk(con, cached=True, top=int(top))
             next_id = max(int(top), on_disk) + 1
             host = socket.gethostname()
             rows: list[dict[str, Any]] = []  # the runs' rows
@@ -651,11 +655,18 @@ class CatalogWriter:
             incoming: dict[str, list[Any]] = {table: [] for table in RUN_TABLES}
             finished = _now()
             complete: dict[str, list[int]] = {}  # the complete runs of the batch's names
-            for i, name in con.execute(
-                "SELECT id, name FROM runs WHERE status = ? AND name IN "
-                "(SELECT unnest(?::VARCHAR[]))",
-                [COMPLETE, sorted({run.name for run in runs})],
-            ).fetchall():
+            names = sorted({run.name for run in runs})
+            # (none, where the names this writer keeps, valid in this transaction, say so)
+            known = self._names
+            for i, name in (
+                con.execute(
+                    "SELECT id, name FROM runs WHERE status = ? AND name IN "
+                    "(SELECT unnest(?::VARCHAR[]))",
+                    [COMPLETE, names],
+                ).fetchall()
+                if known is None or not known.isdisjoint(names)
+                else ()
+            ):
                 complete.setdefault(name, []).append(int(i))
             for run in runs:
                 run_id = next_id + len(ids)
