@@ -13,8 +13,9 @@
       runs/<id>/            one directory per run, named by its numeric id, never by its name
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
-      runs/.batch-<pid>-*   a run of a batch not yet committed (renamed to runs/<id>
-                            by the batch's commit; gc() removes one whose writer died)
+      runs/.batch-<pid>-*/  an open batch: its writing.lock, and one directory <k>/ a
+                            run (renamed to runs/<id> by the batch's commit; gc()
+                            removes a batch whose process died, runs and all)
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -172,9 +173,19 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
             h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
             if tensor.layout is not torch.strided or tensor.is_meta:
                 continue
+            numel = tensor.numel()
+            if (
+                numel <= 4096
+                and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+                and tensor.is_cpu
+                and tensor.is_contiguous()
+                and not (tensor.is_neg() or tensor.is_conj())
+            ):  # its bytes as they are, the same the general path hashes (one call)
+                h.update(ctypes.string_at(tensor.data_ptr(), tensor.nbytes) if numel else b"")
+                continue
             flat = tensor.detach().reshape(-1)
-            if flat.numel() > 4096:
-                flat = flat[:: flat.numel() // 4096]
+            if numel > 4096:
+                flat = flat[:: numel // 4096]
             with contextlib.suppress(RuntimeError, TypeError):
                 h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -887,9 +898,9 @@ DEFERRED_OPS = 20_000
 
 class Batch:
     """The runs of one ``store.batch()`` block: each recorded into a directory of its
-    own under ``runs/.batch-*`` (its ``writing.lock`` held), their files written but not
-    synced; :meth:`commit` makes them all durable at once and commits them in one
-    catalog transaction."""
+    own inside the batch's ``runs/.batch-*`` directory (whose ``writing.lock`` the batch
+    holds), their files written but not synced; :meth:`commit` makes them all durable at
+    once and commits them in one catalog transaction."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -902,11 +913,19 @@ class Batch:
         self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
         self._known: set[str] | None = None
+        #: The batch's directory and its writing lock, made by its first run (one
+        #: directory and lock file a batch, not a run: each new file or directory costs
+        #: an inode, on a busy filesystem the most of a tiny run's writing).
+        self._dir: Path | None = None
+        self._lock: io.FileIO | None = None
+        self._made = 0  # run directories made in it
+        self._unread: RunArrays | None = None  # what the runs ``record`` returned read
         #: The runs committed, in order (after the block).
         self.names: list[str] = []
 
     def stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
-        """A new directory for run ``name``, and its writing lock (the open file). A name
+        """A new directory for run ``name`` in the batch's, and its writing lock (the
+        open file: the batch's lock, shared, so closing it lets nothing go). A name
         already complete in the store, or taken earlier in this batch, is refused here
         (unless ``overwrite``), not only at the commit."""
         if not overwrite and (name in self._names or name in self._complete()):
@@ -914,15 +933,49 @@ class Batch:
                 f"the store already has a run named {name!r} (or this batch does); choose "
                 "another name, or pass overwrite=True to replace it"
             )
-        staged = self.store.paths.staging()
+        lock = self._lock if self._lock is not None else self._open()
+        assert self._dir is not None
+        staged = self._dir / str(self._made)
+        self._made += 1
         with _os_errors(f"cannot create a directory for run {name!r}"):
-            self.store.paths.runs.mkdir(parents=True, exist_ok=True)
+            os.mkdir(staged)
+            # (a descriptor of the batch's lock: the flock is the open file's, held
+            # until the batch lets its own go)
+            held = io.FileIO(staged, "r+", opener=lambda *_: os.dup(lock.fileno()))
+        self._names.add(name)
+        return staged, held
+
+    def _open(self) -> io.FileIO:
+        """Make the batch's directory and take its writing lock."""
+        paths = self.store.paths
+        staged = paths.staging()
+        with _os_errors("cannot create a directory for the batch's runs"):
+            paths.runs.mkdir(parents=True, exist_ok=True)
+            if paths.runs.is_symlink():  # (mkdir follows it; writers refuse it)
+                raise StoreError(
+                    f"refusing {str(paths.runs)!r}: it is a symbolic link, which may lead "
+                    "outside the store"
+                )
             staged.mkdir()
             lock = try_lock(staged / "writing.lock")
         if lock is None:
             raise StoreError(f"run directory {staged} is in use")
-        self._names.add(name)
-        return staged, lock
+        self._dir, self._lock = staged, lock
+        return lock
+
+    def _let_go(self) -> None:
+        """Remove the batch's directory if no run is left in it (all committed or
+        failed), and let its lock go; one with runs left is ``gc()``'s then."""
+        lock, self._lock = self._lock, None
+        if lock is None or self._dir is None:
+            return
+        try:
+            with contextlib.suppress(OSError):
+                if os.listdir(self._dir) == ["writing.lock"]:
+                    os.unlink(self._dir / "writing.lock")
+                    os.rmdir(self._dir)
+        finally:
+            lock.close()
 
     def _complete(self) -> Collection[str]:
         """The names of the store's complete runs when the batch began (read once, by
@@ -939,6 +992,9 @@ class Batch:
         from .run import Run
         from .tensors import RunArrays
 
+        if self._unread is None:  # (one for the batch: nothing reads it)
+            self._unread = RunArrays(self.store.paths.root)
+
         def not_yet(*_: Any, **__: Any) -> Any:
             raise StoreError(
                 f"run {name!r} belongs to an open store.batch(): it can be read once the "
@@ -946,7 +1002,7 @@ class Batch:
             )
 
         info = {"name": name, "id": -1, "steps": 1}  # (record: one step)
-        run = Run(info, RunArrays(self.store.paths.root, name), not_yet)
+        run = Run(info, self._unread, not_yet)
         self._pending.append(run)
         return run
 
@@ -997,6 +1053,7 @@ class Batch:
         ``gc()`` removes."""
         staged = self._staged
         if not staged:
+            self._let_go()
             return
         try:
             self._build()
@@ -1010,8 +1067,11 @@ class Batch:
             self._bind_pending(rows)
         finally:
             self._staged, self._built, self._waiting_ops = [], [], 0
-            for _, lock in staged:
-                lock.close()
+            try:
+                for _, lock in staged:
+                    lock.close()
+            finally:
+                self._let_go()
 
 
 class Store:
