@@ -11,6 +11,7 @@ nothing behind and the others commit; a write that fails is a ``StoreError``.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from hook_capture import assert_bitwise
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
@@ -170,3 +173,51 @@ def test_fingerprints_do_not_depend_on_memory_layout(tmp_path: Path) -> None:
     params, given = fingerprints["plain"]
     assert fingerprints["other-input"][0] == params and fingerprints["other-input"][1] != given
     assert fingerprints["other-weights"][0] != params and fingerprints["other-weights"][1] == given
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]),
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    scale=st.sampled_from([1.0, 1e-3, 1e6]),
+    special=st.sampled_from([None, "nan", "inf", "constant"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_few_tiny_tensors_statistics_are_the_general_paths_to_the_bit(
+    dtype: torch.dtype, sizes: list[int], scale: float, special: str | None, seed: int
+) -> None:
+    """A small run's chunk (a few tiny tensors of one dtype) gathers its tensors' bytes
+    by slices; the statistics are those of the index-built gather, bit for bit."""
+    import numpy as np
+
+    from tracelake.store import writer
+
+    gen = torch.Generator().manual_seed(seed)
+    buffer = np.zeros(1 << 16, dtype=np.uint8)
+    slots: list[tuple[str, int, int, tuple[int, ...], torch.dtype, int]] = []
+    at = 0
+    for k, n in enumerate(sizes):
+        values = torch.randn(n, generator=gen) * scale
+        if special == "nan" and k % 3 == 0:
+            values[0] = math.nan
+        elif special == "inf" and k % 3 == 0:
+            values[-1] = math.inf
+        elif special == "constant":
+            values.fill_(3.0)
+        tensor = values.to(dtype)
+        buffer[at : at + tensor.nbytes] = tensor.view(torch.uint8).numpy()
+        slots.append(("pack", at, tensor.nbytes, (n,), dtype, 0))
+        at = (at + tensor.nbytes + 63) & -64
+    members = list(range(len(sizes)))
+    fast = writer._chunk_stats(buffer, 0, members, slots)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(writer, "_FEW", 0)
+        general = writer._chunk_stats(buffer, 0, members, slots)
+    assert len(fast[0]) == len(general[0])
+    for (slots_a, moments_a), (slots_b, moments_b) in zip(fast[0], general[0], strict=True):
+        assert np.array_equal(slots_a, slots_b)
+        assert np.array_equal(moments_a, moments_b, equal_nan=True)  # to the bit
+        assert moments_a.tobytes() == moments_b.tobytes()
+    assert fast[1].keys() == general[1].keys()
+    for slot, stats in fast[1].items():
+        assert repr(stats) == repr(general[1][slot])
