@@ -178,6 +178,7 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
                 numel <= 4096
                 and type(tensor) in (torch.Tensor, torch.nn.Parameter)
                 and tensor.is_cpu
+                and not tensor.is_quantized
                 and tensor.is_contiguous()
                 and not (tensor.is_neg() or tensor.is_conj())
             ):  # its bytes as they are, the same the general path hashes (one call)

@@ -221,3 +221,19 @@ def test_a_few_tiny_tensors_statistics_are_the_general_paths_to_the_bit(
     assert fast[1].keys() == general[1].keys()
     for slot, stats in fast[1].items():
         assert repr(stats) == repr(general[1][slot])
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.bool]
+)
+def test_a_fingerprint_is_the_same_whichever_path_hashes_the_tensor(dtype: torch.dtype) -> None:
+    from tracelake.store.store import _fingerprint
+
+    values = (torch.randn(7, 5) * 4).to(dtype)
+    strided = values.t().contiguous().t()  # the same values, not contiguous
+    assert values.is_contiguous() and not strided.is_contiguous()
+    assert _fingerprint([("w", values)]) == _fingerprint([("w", strided)])
+    assert _fingerprint([("w", nn.Parameter(values, requires_grad=False))]) == _fingerprint(
+        [("w", values)]
+    )
+    assert _fingerprint([("w", values)]) != _fingerprint([("w", torch.zeros_like(values))])
