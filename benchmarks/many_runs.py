@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -368,6 +369,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
         return
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
+    try:
+        measure(args, base)
+    finally:
+        if args.dir is None:  # its own temporary directory (left, /tmp fills)
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, base: Path) -> None:
+    """What ``main`` was asked for, with the stores under ``base``."""
     if args.log_cost:
         r = log_cost(base, args.rounds, args.runs, args.ops)
         print(f"readers, log at its bound ({catalog.LOG_BYTES} B) or none, medians (ms):")
