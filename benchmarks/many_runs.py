@@ -11,7 +11,11 @@ makes a store of N runs in minutes (copies of one run's catalog rows) for ``--ag
   Printed: ``record()`` median and 90th percentile, and the batched cost per run
   (block wall time / runs, median and 90th percentile over rounds; it includes the
   batch's one ``syncfs`` and one catalog transaction), and the process's CPU time per
-  run (all its threads; what a loaded machine inflates least).
+  run (all its threads; what a loaded machine inflates least) with its part spent in
+  the kernel (a batched run's files and directories: creating an inode on an ext4
+  without a journal skips those freed in the last 30 s, so other processes' deletions
+  nearby can make it cost a millisecond; ``--dir`` on a quieter filesystem, or a tmpfs,
+  shows tracelake's own part).
 * **Growth**: ``--runs`` runs of the query benchmark's chain (``--ops`` elementwise ops
   on a (32, 32) tensor, all saved: ``benchmarks/query_latency.py``'s store), recorded
   one by one. Printed: for the first and the last hundred runs, the median wall time of
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -61,18 +66,20 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
     batched: list[float] = []
     single_cpu: list[float] = []  # CPU time of the process (all its threads)
     batched_cpu: list[float] = []
+    batched_kernel: list[float] = []  # its part in the kernel (creating files, syncfs)
     for _ in range(rounds):
         for _ in range(3):
             start, cpu = time.perf_counter(), time.process_time()
             store.record(model, x)
             single.append(time.perf_counter() - start)
             single_cpu.append(time.process_time() - cpu)
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, kernel = time.perf_counter(), time.process_time(), os.times().system
         with store.batch():
             for _ in range(batch):
                 store.record(model, x)
         batched.append((time.perf_counter() - start) / batch)
         batched_cpu.append((time.process_time() - cpu) / batch)
+        batched_kernel.append((os.times().system - kernel) / batch)
     ms = 1e3
     return {
         "record_median_ms": statistics.median(single) * ms,
@@ -81,6 +88,7 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
         "batched_p90_ms": _p90(batched) * ms,
         "record_cpu_ms": statistics.median(single_cpu) * ms,
         "batched_cpu_ms": statistics.median(batched_cpu) * ms,
+        "batched_kernel_ms": statistics.median(batched_kernel) * ms,
     }
 
 
@@ -371,6 +379,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
         return
     base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
+    try:
+        measure(args, base)
+    finally:
+        if args.dir is None:  # its own temporary directory (left, /tmp fills)
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, base: Path) -> None:
+    """What ``main`` was asked for, with the stores under ``base``."""
     if args.log_cost:
         r = log_cost(base, args.rounds, args.runs, args.ops)
         print(f"readers, log at its bound ({catalog.LOG_BYTES} B) or none, medians (ms):")
@@ -414,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"  batched ({args.batch}/batch)  median {t['batched_median_ms']:7.2f} ms   "
             f"p90 {t['batched_p90_ms']:7.2f} ms   CPU {t['batched_cpu_ms']:6.2f} ms   "
-            "per run, amortised"
+            f"(kernel {t['batched_kernel_ms']:.2f} ms)   per run, amortised"
         )
     if args.skip_growth:
         return

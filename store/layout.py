@@ -14,10 +14,13 @@
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
       runs/.staging/<pid>-*/  a run not yet committed (renamed to runs/<id> by its
-                            commit, or its batch's; gc() removes one whose writer died)
+                            commit; gc() removes one whose writer died)
         staged.json         {"name", "created", ...}: what listing it shows (with "error"
                             once its recording failed)
         writing.lock        flock held by the live writing process
+      runs/.staging/<pid>-*/  or an open batch: its writing.lock, and one directory <k>/
+        <k>/staged.json     a run (renamed to runs/<id> by the batch's commit; gc()
+                            removes a batch whose process died, runs and all)
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
@@ -593,6 +596,21 @@ def read_staged(staged: Path) -> dict[str, Any] | None:
     if not isinstance(about, dict) or not isinstance(about.get("name"), str):
         return None
     return about if isinstance(about.get("created"), int) else None
+
+
+def staged_runs(entry: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The runs a staging directory (``StorePaths.staging_dirs``) holds, with what
+    their ``staged.json`` says: itself (a run recorded on its own), or the runs of a
+    batch (``<k>/``, under the batch's one ``writing.lock``); none that can be read."""
+    about = read_staged(entry)
+    if about is not None:
+        return [(entry, about)]
+    try:
+        subs = sorted(os.listdir(entry))
+    except OSError:
+        return []
+    found = [(entry / sub, read_staged(entry / sub)) for sub in subs if sub.isdigit()]
+    return [(run, about) for run, about in found if about is not None]
 
 
 def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:

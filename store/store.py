@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -59,8 +60,8 @@ from .layout import (
     lock_held,
     locked,
     micros,
-    read_staged,
     remove_tree,
+    staged_runs,
     trash_run_dir,
     trash_staged,
     try_lock,
@@ -178,9 +179,20 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
             h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
             if tensor.layout is not torch.strided or tensor.is_meta:
                 continue
+            numel = tensor.numel()
+            if (
+                numel <= 4096
+                and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+                and tensor.is_cpu
+                and not tensor.is_quantized
+                and tensor.is_contiguous()
+                and not (tensor.is_neg() or tensor.is_conj())
+            ):  # its bytes as they are, the same the general path hashes (one call)
+                h.update(ctypes.string_at(tensor.data_ptr(), tensor.nbytes) if numel else b"")
+                continue
             flat = tensor.detach().reshape(-1)
-            if flat.numel() > 4096:
-                flat = flat[:: flat.numel() // 4096]
+            if numel > 4096:
+                flat = flat[:: numel // 4096]
             with contextlib.suppress(RuntimeError, TypeError):
                 h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -916,9 +928,9 @@ DEFERRED_OPS = 20_000
 
 class Batch:
     """The runs of one ``store.batch()`` block: each recorded into a directory of its
-    own under ``runs/.batch-*`` (its ``writing.lock`` held), their files written but not
-    synced; :meth:`commit` makes them all durable at once and commits them in one
-    catalog transaction."""
+    own inside the batch's ``runs/.batch-*`` directory (whose ``writing.lock`` the batch
+    holds), their files written but not synced; :meth:`commit` makes them all durable at
+    once and commits them in one catalog transaction."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -931,11 +943,19 @@ class Batch:
         self._pending: list[Run] = []  # what ``record`` returned, bound at the commit
         self._names: set[str] = set()
         self._known: Collection[str] | None = None
+        #: The batch's directory and its writing lock, made by its first run (one
+        #: directory and lock file a batch, not a run: each new file or directory costs
+        #: an inode, on a busy filesystem the most of a tiny run's writing).
+        self._dir: Path | None = None
+        self._lock: io.FileIO | None = None
+        self._made = 0  # run directories made in it
+        self._unread: RunArrays | None = None  # what the runs ``record`` returned read
         #: The runs committed, in order (after the block).
         self.names: list[str] = []
 
     def stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
-        """A new directory for run ``name``, and its writing lock (the open file). A name
+        """A new directory for run ``name`` in the batch's, and its writing lock (the
+        open file: the batch's lock, shared, so closing it lets nothing go). A name
         already complete in the store, or taken earlier in this batch, is refused here
         (unless ``overwrite``), not only at the commit."""
         if not overwrite and (name in self._names or name in self._complete()):
@@ -943,9 +963,37 @@ class Batch:
                 f"the store already has a run named {name!r} (or this batch does); choose "
                 "another name, or pass overwrite=True to replace it"
             )
-        staged = self.store._staged_dir(name)
+        lock = self._lock if self._lock is not None else self._open()
+        assert self._dir is not None
+        staged = self._dir / str(self._made)
+        self._made += 1
+        with _os_errors(f"cannot create a directory for run {name!r}"):
+            os.mkdir(staged)
+            # (a descriptor of the batch's lock: the flock is the open file's, held
+            # until the batch lets its own go)
+            held = io.FileIO(staged, "r+", opener=lambda *_: os.dup(lock.fileno()))
         self._names.add(name)
-        return staged
+        return staged, held
+
+    def _open(self) -> io.FileIO:
+        """Make the batch's directory (``runs/.staging/*``, as a run's on its own) and
+        take its writing lock."""
+        self._dir, self._lock = self.store._staged_dir("the batch's runs")
+        return self._lock
+
+    def _let_go(self) -> None:
+        """Remove the batch's directory if no run is left in it (all committed or
+        failed), and let its lock go; one with runs left is ``gc()``'s then."""
+        lock, self._lock = self._lock, None
+        if lock is None or self._dir is None:
+            return
+        try:
+            with contextlib.suppress(OSError):
+                if os.listdir(self._dir) == ["writing.lock"]:
+                    os.unlink(self._dir / "writing.lock")
+                    os.rmdir(self._dir)
+        finally:
+            lock.close()
 
     def _complete(self) -> Collection[str]:
         """The names of the store's complete runs when the batch began (read once, by
@@ -962,6 +1010,9 @@ class Batch:
         from .run import Run
         from .tensors import RunArrays
 
+        if self._unread is None:  # (one for the batch: nothing reads it)
+            self._unread = RunArrays(self.store.paths.root)
+
         def not_yet(*_: Any, **__: Any) -> Any:
             raise StoreError(
                 f"run {name!r} belongs to an open store.batch(): it can be read once the "
@@ -969,7 +1020,7 @@ class Batch:
             )
 
         info = {"name": name, "id": -1, "steps": 1}  # (record: one step)
-        run = Run(info, RunArrays(self.store.paths.root, name), not_yet)
+        run = Run(info, self._unread, not_yet)
         self._pending.append(run)
         return run
 
@@ -1020,6 +1071,7 @@ class Batch:
         ``gc()`` removes."""
         staged = self._staged
         if not staged:
+            self._let_go()
             return
         try:
             self._build()
@@ -1033,8 +1085,11 @@ class Batch:
             self._bind_pending(rows)
         finally:
             self._staged, self._built, self._waiting_ops = [], [], 0
-            for _, lock in staged:
-                lock.close()
+            try:
+                for _, lock in staged:
+                    lock.close()
+            finally:
+                self._let_go()
 
 
 class Store:
@@ -1105,20 +1160,20 @@ class Store:
                     f"the store already has a run named {name!r} ({status}); choose "
                     "another name, or pass overwrite=True to replace it"
                 )
-        return self._staged_dir(name)
+        return self._staged_dir(f"run {name!r}")
 
     def _recording_now(self, name: str) -> bool:
         """Whether a live writer is recording a run named ``name`` (staged)."""
-        for staged in self.paths.staging_dirs():
-            about = read_staged(staged)
-            if about is not None and about["name"] == name and lock_held(staged / "writing.lock"):
-                return True
-        return False
+        return any(
+            any(about["name"] == name for _, about in staged_runs(entry))
+            and lock_held(entry / "writing.lock")
+            for entry in self.paths.staging_dirs()
+        )
 
-    def _staged_dir(self, name: str) -> tuple[Path, io.FileIO]:
-        """A new staged run directory (``runs/.staging/*``) for run ``name``, and its
-        writing lock, held."""
-        with _os_errors(f"cannot create a directory for run {name!r}"):
+    def _staged_dir(self, what: str) -> tuple[Path, io.FileIO]:
+        """A new staged directory (``runs/.staging/*``) for ``what`` (a run, or a batch's
+        runs), and its writing lock, held."""
+        with _os_errors(f"cannot create a directory for {what}"):
             staged = self.paths.new_staging()
             lock = try_lock(staged / "writing.lock")
         if lock is None:
@@ -1426,29 +1481,29 @@ class Store:
         """A ``runs`` row for each staged run (``runs/.staging``): recording while its
         writer holds its lock, else failed (with its error) or interrupted."""
         rows = []
-        for staged in self.paths.staging_dirs():
-            about = read_staged(staged)
-            if about is None:
-                continue
-            error = about.get("error")
-            if lock_held(staged / "writing.lock"):
-                status, error = RECORDING, None
-            else:
-                status = FAILED if error is not None else INTERRUPTED
-            rows.append(
-                {
-                    "name": about["name"],
-                    "status": status,
-                    "created": from_micros(about["created"]),
-                    "steps": 0,
-                    "op_count": 0,
-                    "bytes": 0,
-                    "model_class": about.get("model_class"),
-                    "torch_version": about.get("torch_version"),
-                    "meta": about.get("meta"),
-                    "error": error,
-                }
-            )
+        for entry in self.paths.staging_dirs():
+            runs = staged_runs(entry)
+            live = bool(runs) and lock_held(entry / "writing.lock")  # (a batch's: one)
+            for _, about in runs:
+                error = about.get("error")
+                if live:
+                    status, error = RECORDING, None
+                else:
+                    status = FAILED if error is not None else INTERRUPTED
+                rows.append(
+                    {
+                        "name": about["name"],
+                        "status": status,
+                        "created": from_micros(about["created"]),
+                        "steps": 0,
+                        "op_count": 0,
+                        "bytes": 0,
+                        "model_class": about.get("model_class"),
+                        "torch_version": about.get("torch_version"),
+                        "meta": about.get("meta"),
+                        "error": error,
+                    }
+                )
         return sorted(rows, key=lambda row: row["created"])
 
     def runs(self, all: bool = False) -> pandas.DataFrame:
@@ -1539,7 +1594,7 @@ class Store:
                 trash = trash_run_dir(self.paths, run_id)
                 freed += 0 if trash is None else self._remove_dir(trash)
                 bar.advance()
-        orphans = staged_runs = 0  # (staged: runs listed failed or interrupted)
+        orphans = staged_lost = 0  # (staged: runs listed failed or interrupted)
         with _os_errors(f"cannot reclaim space in {self.path!r}"):
             # Held shared, the catalog lock keeps writers from registering a run (whose
             # directory exists before its row commits) while directories are judged;
@@ -1554,14 +1609,14 @@ class Store:
                         continue  # (dirs of collected runs: a gc() killed before removing)
                     orphans += trash_run_dir(self.paths, run_id) is not None
                 for staged in self.paths.staging_dirs(old=True):  # failed, or whose
-                    listed = read_staged(staged) is not None  # process died
+                    listed = len(staged_runs(staged))  # process died (a batch: its runs)
                     if trash_staged(self.paths, staged):
-                        staged_runs += listed
+                        staged_lost += listed
                         orphans += not listed
             # What this gc() renamed, and what one killed half-way left.
             for trash in self.paths.trash_dirs():
                 freed += self._remove_dir(trash)
-        return {"runs": len(dead) + staged_runs, "orphans": orphans, "bytes": freed}
+        return {"runs": len(dead) + staged_lost, "orphans": orphans, "bytes": freed}
 
     def verify(self, tensors: bool = True, progress: bool | None = None) -> VerifyReport:
         """Check every chunk's checksum and that catalog and arrays agree.

@@ -221,9 +221,8 @@ class TensorWriter:
     def _plan(self, dtype: torch.dtype) -> tuple[_Stream, bool]:
         name = pack_stream(dtype)
         stream = self._streams.get(name)
-        if stream is None:
+        if stream is None:  # (its metadata: written with its first shard, write_pack_chunk)
             stream = self._streams[name] = _Stream(name)
-            self._submit(self.arrays.prepare_pack, name)  # its metadata, while we go on
         # numpy knowing the dtype means its bytes are plain values (not complex: conj bit)
         plain = numpy_dtype(dtype) is not None and not dtype.is_complex
         plan = self._plans[dtype] = (stream, plain)
@@ -354,6 +353,18 @@ class TensorWriter:
         stream.members = []
         stream.refs = []
 
+    def _write_here(self, stream: _Stream) -> None:
+        """Write ``stream``'s open chunk on the calling thread (its error kept as a
+        worker's would be, raised by ``close``)."""
+        buffer, chunk, used, members = stream.buffer, stream.chunk, stream.used, stream.members
+        assert buffer is not None
+        stream.chunk += 1
+        stream.buffer, stream.used, stream.members = None, 0, []
+        try:
+            self._write_chunk(stream.name, chunk, buffer, used, members, [])
+        except Exception as exc:
+            self._errors.append(exc)
+
     def _submit(self, fn: Any, *args: Any) -> None:
         future = self._pool.submit(fn, *args)
         with self._lock:
@@ -461,13 +472,19 @@ class TensorWriter:
     # -- the end -----------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Hand what is buffered to the workers, without waiting (``close`` waits)."""
+        """Hand what is buffered to the workers, without waiting (``close`` waits). A
+        small last chunk (:func:`_inline`) stays for ``close`` to write."""
         for stream in self._streams.values():
-            self._flush(stream)  # the last shard: as many inner chunks as it fills
+            if not _inline(stream):
+                self._flush(stream)  # the last shard: as many inner chunks as it fills
 
     def close(self) -> None:
-        """Write what is buffered, wait for the workers; raise if any write failed."""
+        """Write what is buffered, wait for the workers; raise if any write failed. Small
+        last chunks are written here, on the calling thread (:func:`_inline`)."""
+        small = [stream for stream in self._streams.values() if _inline(stream)]
         self.flush()
+        for stream in small:
+            self._write_here(stream)
         self._drain()
         self._buffers.clear()
         if not self._errors:
@@ -547,6 +564,21 @@ class TensorWriter:
 
 _STAT_FIELDS = tuple(f.name for f in fields(Stats))
 
+#: A stream's last chunk up to this size, holding only copied bytes, is written by
+#: ``close`` on its own thread: handing it to a worker (a future, a wake-up, the GIL
+#: passed back and forth) costs more than writing it, most of a tiny run's writing.
+INLINE_BYTES: Final = 256 << 10
+
+
+def _inline(stream: _Stream) -> bool:
+    """Whether ``stream``'s open chunk is one ``close`` writes itself."""
+    return (
+        stream.buffer is not None
+        and bool(stream.members)
+        and not stream.refs
+        and stream.used <= INLINE_BYTES
+    )
+
 
 def _checked_stats(
     tensor: torch.Tensor, skip: int, whole: np.ndarray
@@ -570,6 +602,9 @@ def _checked_stats(
 # A chunk's statistics: (slots, their (k, 7) moments from segment_moments) per batch,
 # and the tensors computed one by one.
 _ChunkStats = tuple[list[tuple[np.ndarray, np.ndarray]], dict[int, Stats]]
+#: Up to this many members, a chunk whose tensors are all tiny and of one dtype gathers
+#: their bytes by slices (a Python loop each), not by an index array.
+_FEW: Final = 64
 
 
 def _chunk_stats(
@@ -605,6 +640,23 @@ def _chunk_stats(
     if not any(0 < row[NBYTES] <= GATHER_MAX for row in rows):  # none to gather (mid-size
         return [], {slot: single(slot) for slot in members}  # ones: GPT-2's chunks)
     count = len(rows)
+    dtype = rows[0][4]
+    if (
+        count <= _FEW
+        and gatherable(dtype)
+        and all(row[4] is dtype and 0 < row[NBYTES] <= GATHER_MAX for row in rows)
+    ):  # (a few tiny tensors of one dtype, a small run's: the same values, gathered by
+        # one concatenate of their bytes rather than ~15 numpy calls building an index)
+        item = dtype.itemsize
+        bits = np.concatenate(
+            [buffer[row[1] - base : row[1] - base + row[NBYTES]] for row in rows]
+        ).view(UNSIGNED[item])
+        counts = np.fromiter((row[NBYTES] // item for row in rows), np.int64, count)
+        moments, good = segment_moments(gathered_values(bits, dtype), counts)
+        chosen = np.array(members, dtype=np.int64)
+        return [(chosen[good], moments[good])], {
+            slot: single(slot) for slot in chosen[~good].tolist()
+        }
     offsets = np.fromiter(map(_OFFSET, rows), np.int64, count) - base
     sizes = np.fromiter(map(_NBYTES, rows), np.int64, count)
     dtypes, dtype_of = distinct_codes(list(map(_DTYPE, rows)))
