@@ -435,11 +435,15 @@ class TensorWriter:
             with contextlib.ExitStack() as locked:
                 for ref in refs:  # held still while read: statistics, checksums, write
                     locked.enter_context(ref.lock)
+                raw = not pack_codec(name).compressors  # (its checksums: of the bytes)
+                sources: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+                tensors: dict[int, torch.Tensor] = {}
+                known: dict[int, Stats] = {}
                 for ref in refs:  # strided ones: gathered into their place, now
                     if ref.gather and ref.copy():
                         self._buffers.release(ref.nbytes)  # (now in the buffer's bytes)
-                raw = not pack_codec(name).compressors  # (its checksums: of the bytes)
-                sources, tensors, known = [], {}, {}
+                        if raw:
+                            self._checked_gathered(ref, buffer, sources, known)
                 for ref in refs:
                     now = ref.referenced()
                     if now is not None:
@@ -468,6 +472,27 @@ class TensorWriter:
                 if held:
                     self._buffers.release(ref.nbytes)
             self._buffers.give(buffer)
+
+    def _checked_gathered(
+        self,
+        ref: Packed,
+        buffer: np.ndarray,
+        sources: list[tuple[int, np.ndarray, np.ndarray | None]],
+        known: dict[int, Stats],
+    ) -> None:
+        """A float32 tensor just gathered into ``buffer`` (a raw pack's): its statistics
+        and the CRC32C of the whole inner chunks it covers in one compiled pass, as for
+        one written from its own memory (``_checked_stats``), those inner chunks then
+        given to the shard writer with their checksums (``sources``: from the buffer)."""
+        _, _, nbytes, shape, dtype, _ = self.slots[ref.slot]
+        head = -ref.start % INNER_BYTES
+        whole = (nbytes - head) & -INNER_BYTES if nbytes > head else 0
+        if dtype is not torch.float32 or not whole:
+            return
+        placed = torch.from_numpy(buffer[ref.start : ref.start + nbytes]).view(dtype).view(shape)
+        bits = buffer[ref.start + head : ref.start + head + whole]
+        crcs, known[ref.slot] = _checked_stats(placed, head, bits)
+        sources.append((ref.start + head, bits, crcs))
 
     def _write_array(self, slot: int, live: Live) -> None:
         try:
