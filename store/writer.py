@@ -201,7 +201,9 @@ class TensorWriter:
                     _memmove(stream.address + start + rest, address + rest, nbytes - rest)
                 else:
                     _memmove(stream.address + start, address, nbytes)
-            elif nbytes < GATHER_BYTES or not self._gather_later(stream, tensor, slot, start):
+            elif not (plain and nbytes >= GATHER_BYTES) or not self._gather_later(
+                stream, tensor, slot, start
+            ):
                 region = torch.from_numpy(stream.buffer[start : start + nbytes])
                 region.view(dtype).view(tensor.shape).copy_(tensor.detach())
         stream.used = start + nbytes
@@ -770,9 +772,10 @@ class StoreEmitter(SelectingEmitter):
         return version is not None and version == tensor_version(tensor)
 
 
-#: Strided packed tensors from this size on are gathered into their pack's buffer by a
-#: worker (``TensorWriter._gather_later``), not by the forward thread; a smaller one's
-#: copy costs less than the bookkeeping.
+#: Strided packed tensors from this size on, of dtypes numpy knows (not complex: a copy
+#: that may fail, a quantized tensor's, fails at ``save`` as before), are gathered into
+#: their pack's buffer by a worker (``TensorWriter._gather_later``), not by the forward
+#: thread; a smaller one's copy costs less than the bookkeeping.
 GATHER_BYTES: Final = INNER_BYTES
 
 #: Tensors from this size on that reshape the bytes of one saved before are stored as

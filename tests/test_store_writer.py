@@ -689,3 +689,26 @@ def test_strided_tensors_round_trip_bitwise(
         loc = writer.location(slot)
         got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
         assert_bitwise(got, view.contiguous(), f"slot {slot}")
+
+
+def test_a_strided_tensor_the_writer_cannot_copy_fails_at_save_not_at_close(
+    tmp_path: Path,
+) -> None:
+    """Only tensors of dtypes a plain byte copy holds (numpy's) are gathered later: one
+    whose copy fails (a quantized tensor) fails at ``save``, on the forward thread, as it
+    did, and the writer's other tensors are written (not the whole run's ``close``)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch deprecates quantized tensors)
+        q = torch.quantize_per_tensor(torch.randn(300, 300), 0.1, 0, torch.qint8)
+    arrays = RunArrays(tmp_path / "t", "r", create=True)
+    writer = TensorWriter(arrays)
+    with pytest.raises(RuntimeError, match="quantized"):
+        writer.save(q.t())
+    kept = torch.randn(300, 300).t()
+    slot = writer.save(kept)
+    writer.close()
+    loc = writer.location(slot)
+    got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
+    assert_bitwise(got, kept.contiguous(), "the strided tensor saved after")
