@@ -22,7 +22,15 @@ from tracelake.recorder.forks import fork_safe_lock
 
 from .layout import libc_function
 
-__all__ = ["Buffers", "Live", "Overwritten", "Packed", "alias_version", "storage_holders"]
+__all__ = [
+    "Buffers",
+    "Live",
+    "Overwritten",
+    "Packed",
+    "alias_version",
+    "gather_version",
+    "storage_holders",
+]
 
 _TENSOR = torch.Tensor
 
@@ -209,42 +217,78 @@ class Packed(Live):
     a worker from the forward's own memory (``source``, bytes ``skip`` onwards) rather than
     copied into the chunk's buffer on the forward thread; ``region`` is where in that
     buffer they go if something may write the tensor first (``copy``). ``nbytes``: how
-    many, counted in flight while they are referenced."""
+    many, counted in flight while they are referenced.
+
+    ``gather``: a strided (not contiguous) tensor, whose bytes are not a plain range of
+    its memory: ``region`` is all of its place in the buffer, and the worker gathers it
+    there (``copy``, the forward thread's copy done later) before writing the chunk, as
+    anyone who may write it first does; ``nbytes`` is then its storage's size, all of
+    which it keeps alive."""
 
     slot: int = -1
     start: int = 0  # their byte offset in the chunk (a multiple of INNER_BYTES)
     skip: int = 0
     region: np.ndarray | None = None
+    gather: bool = False
 
     def referenced(self) -> np.ndarray | None:
         """The bytes to write now (a uint8 view of the tensor), ``None`` once copied into
-        ``region`` (or done). Call under ``lock``."""
-        if self.source is None or self.version is None:
+        ``region`` (or done), and for a tensor to gather. Call under ``lock``."""
+        if self.source is None or self.version is None or self.gather:
             return None
         bits = self.source.reshape(-1).view(torch.uint8).numpy()
         return bits[self.skip : self.skip + self.nbytes]
 
     def copy(self) -> bool:
-        """Copy the referenced bytes into ``region``, if still referenced and unchanged;
-        whether it did (its bytes in flight then count in the chunk's buffer). Call
-        under ``lock``."""
-        now = self.referenced()
-        if now is None or self.region is None:
+        """Copy the referenced bytes into ``region`` (gather them there), if still
+        referenced and unchanged; whether it did (its bytes in flight then count in the
+        chunk's buffer). Call under ``lock``."""
+        source = self.source
+        if source is None or self.version is None or self.region is None:
             return False
-        assert self.source is not None
-        if self.source._version != self.version:  # written behind our back already:
+        if source._version != self.version:  # written behind our back already:
             return False  # the worker finds out and drops it
-        self.region[:] = now
+        if self.gather:
+            place = torch.from_numpy(self.region).view(source.dtype).view(source.shape)
+            place.copy_(source)
+        else:
+            self.region[:] = self.referenced()
         self.source = self.version = None
         return True
+
+
+#: A strided tensor is gathered by a worker (``Packed.gather``) only where its storage is
+#: at most this many times its own bytes (the storage stays alive, counted in flight, until
+#: then): GPT-2's per-head views of its attention's joint query/key/value output hold a
+#: third of their storage.
+GATHER_STORAGE = 4
+
+
+def gather_version(tensor: torch.Tensor, nbytes: int) -> tuple[int, int] | None:
+    """The version and storage size of a CPU tensor a worker may gather later
+    (``Packed.gather``): one whose storage is at most ``GATHER_STORAGE`` times its
+    ``nbytes`` (``_unchanging``); else ``None``: copy it now."""
+    return _unchanging(tensor, nbytes, GATHER_STORAGE, contiguous=False)
 
 
 def alias_version(tensor: torch.Tensor, nbytes: int) -> int | None:
     """The version of a tensor the workers may read in place (a plain contiguous CPU
     tensor with a version counter, not a small view keeping a larger storage alive),
     else ``None``: copy it."""
+    known = _unchanging(tensor, nbytes, 2, contiguous=True)
+    return None if known is None else known[0]
+
+
+def _unchanging(
+    tensor: torch.Tensor, nbytes: int, factor: int, contiguous: bool
+) -> tuple[int, int] | None:
+    """(version, storage bytes) of a plain ``torch.Tensor`` on the CPU whose version
+    counter tells any write torch makes (neither bit, negative or conjugate, set;
+    ``contiguous`` where asked) and whose storage is at most ``factor`` times its
+    ``nbytes``; else ``None``."""
     if (
-        not (tensor.is_cpu and type(tensor) is _TENSOR and tensor.is_contiguous())
+        not (tensor.is_cpu and type(tensor) is _TENSOR)
+        or (contiguous and not tensor.is_contiguous())
         or tensor.is_neg()
         or tensor.is_conj()
     ):
@@ -254,7 +298,7 @@ def alias_version(tensor: torch.Tensor, nbytes: int) -> int | None:
         storage = tensor.untyped_storage().nbytes()
     except (RuntimeError, AttributeError, NotImplementedError):  # inference tensors
         return None
-    return version if storage <= 2 * nbytes else None
+    return (version, storage) if storage <= factor * nbytes else None
 
 
 def storage_holders(live: Live) -> int | None:

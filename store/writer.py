@@ -3,7 +3,9 @@
 A small saved tensor is copied at once, on the forward thread, straight into the current
 4 MiB pack buffer of its stream (the copy no later in-place op can change); of a mid-size
 one only the bytes around the whole 64 KiB inner chunks it covers, which the workers write
-from its memory as they do large tensors (``inflight.Packed``). A large CPU
+from its memory as they do large tensors (``inflight.Packed``); a strided mid-size one is
+gathered into its place in the buffer by a worker, just before the chunk is written
+(``Packed.gather``), under the same rules. A large CPU
 tensor is written by the workers from where it is, and copied only if something may
 write it first: an in-place op the recorder sees, or the end of the step while anything
 else holds it (``inflight.Live``); large tensors elsewhere (GPU, views of larger
@@ -49,7 +51,15 @@ from tracelake.recorder.stats import (
 
 from .dtypes import numpy_dtype
 from .format import ALIGN, CHUNK_BYTES, INNER_BYTES, pack_codec, pack_stream
-from .inflight import Buffers, Live, Overwritten, Packed, alias_version, storage_holders
+from .inflight import (
+    Buffers,
+    Live,
+    Overwritten,
+    Packed,
+    alias_version,
+    gather_version,
+    storage_holders,
+)
 from .layout import DEFAULT_MAX_INFLIGHT, full_hint
 from .rows import distinct_codes
 from .tensors import RunArrays
@@ -191,7 +201,9 @@ class TensorWriter:
                     _memmove(stream.address + start + rest, address + rest, nbytes - rest)
                 else:
                     _memmove(stream.address + start, address, nbytes)
-            else:
+            elif not (plain and nbytes >= GATHER_BYTES) or not self._gather_later(
+                stream, tensor, slot, start
+            ):
                 region = torch.from_numpy(stream.buffer[start : start + nbytes])
                 region.view(dtype).view(tensor.shape).copy_(tensor.detach())
         stream.used = start + nbytes
@@ -241,18 +253,44 @@ class TensorWriter:
         if version is None or not self._buffers.try_hold(whole):
             return False
         assert stream.buffer is not None
-        ref = Packed(
-            tensor.detach(),
-            whole,
-            version,
-            slot=slot,
-            start=start,
-            skip=skip,
-            region=stream.buffer[start : start + whole],
+        region = stream.buffer[start : start + whole]
+        self._reference(
+            stream,
+            tensor,
+            Packed(
+                tensor.detach(), whole, version, slot=slot, start=start, skip=skip, region=region
+            ),
         )
+        return True
+
+    def _gather_later(self, stream: _Stream, tensor: torch.Tensor, slot: int, start: int) -> bool:
+        """Have a worker gather a strided ``tensor`` (GPT-2's per-head views) into its place
+        in the open chunk, from ``start``, just before writing the chunk (``Packed.gather``),
+        rather than the forward thread now; under the same rules as ``_refer``: gathered
+        sooner by whatever may write it first. Whether it could (else copy it now)."""
+        known = gather_version(tensor, tensor.nbytes)
+        if known is None or not self._buffers.try_hold(known[1]):
+            return False
+        assert stream.buffer is not None
+        region = stream.buffer[start : start + tensor.nbytes]
+        self._reference(
+            stream,
+            tensor,
+            Packed(
+                tensor.detach(),
+                known[1],
+                known[0],
+                slot=slot,
+                start=start,
+                region=region,
+                gather=True,
+            ),
+        )
+        return True
+
+    def _reference(self, stream: _Stream, tensor: torch.Tensor, ref: Packed) -> None:
         stream.refs.append(ref)
         self._live.setdefault(tensor.untyped_storage().data_ptr(), []).append(ref)
-        return True
 
     def _make_room(self, nbytes: int) -> None:
         """Before the forward thread waits for room in flight: copy the tensors the open
@@ -411,7 +449,14 @@ class TensorWriter:
                 for ref in refs:  # held still while read: statistics, checksums, write
                     locked.enter_context(ref.lock)
                 raw = not pack_codec(name).compressors  # (its checksums: of the bytes)
-                sources, tensors, known = [], {}, {}
+                sources: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+                tensors: dict[int, torch.Tensor] = {}
+                known: dict[int, Stats] = {}
+                for ref in refs:  # strided ones: gathered into their place, now
+                    if ref.gather and ref.copy():
+                        self._buffers.release(ref.nbytes)  # (now in the buffer's bytes)
+                        if raw:
+                            self._checked_gathered(ref, buffer, sources, known)
                 for ref in refs:
                     now = ref.referenced()
                     if now is not None:
@@ -440,6 +485,27 @@ class TensorWriter:
                 if held:
                     self._buffers.release(ref.nbytes)
             self._buffers.give(buffer)
+
+    def _checked_gathered(
+        self,
+        ref: Packed,
+        buffer: np.ndarray,
+        sources: list[tuple[int, np.ndarray, np.ndarray | None]],
+        known: dict[int, Stats],
+    ) -> None:
+        """A float32 tensor just gathered into ``buffer`` (a raw pack's): its statistics
+        and the CRC32C of the whole inner chunks it covers in one compiled pass, as for
+        one written from its own memory (``_checked_stats``), those inner chunks then
+        given to the shard writer with their checksums (``sources``: from the buffer)."""
+        _, _, nbytes, shape, dtype, _ = self.slots[ref.slot]
+        head = -ref.start % INNER_BYTES
+        whole = (nbytes - head) & -INNER_BYTES if nbytes > head else 0
+        if dtype is not torch.float32 or not whole:
+            return
+        placed = torch.from_numpy(buffer[ref.start : ref.start + nbytes]).view(dtype).view(shape)
+        bits = buffer[ref.start + head : ref.start + head + whole]
+        crcs, known[ref.slot] = _checked_stats(placed, head, bits)
+        sources.append((ref.start + head, bits, crcs))
 
     def _write_array(self, slot: int, live: Live) -> None:
         try:
@@ -757,6 +823,12 @@ class StoreEmitter(SelectingEmitter):
         version = self._versions.get(slot)
         return version is not None and version == tensor_version(tensor)
 
+
+#: Strided packed tensors from this size on, of dtypes numpy knows (not complex: a copy
+#: that may fail, a quantized tensor's, fails at ``save`` as before), are gathered into
+#: their pack's buffer by a worker (``TensorWriter._gather_later``), not by the forward
+#: thread; a smaller one's copy costs less than the bookkeeping.
+GATHER_BYTES: Final = INNER_BYTES
 
 #: Tensors from this size on that reshape the bytes of one saved before are stored as
 #: an alias of its slot (``StoreEmitter._same_bytes``); below it, looking costs about

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import astuple, fields
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hook_capture import assert_bitwise
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import tracelake as tl
+from tracelake.recorder.record import Stats
 from tracelake.recorder.stats import compute_stats
 from tracelake.store.rows import distinct_codes
 from tracelake.store.tensors import CHUNK_BYTES, RunArrays
 from tracelake.store.writer import TensorWriter
 
 MiB = 1 << 20
+STATS = [f.name for f in fields(Stats)]
 
 
 def small_tensors() -> list[torch.Tensor]:
@@ -58,13 +63,20 @@ def mid_size_tensors() -> list[torch.Tensor]:
     chunk copied at once), and ones that must be copied instead."""
     torch.manual_seed(1)
     x = torch.randn(300, 1000)  # 1.2 MB, starting mid inner chunk
+    qkv = torch.randn(4, 128, 768)  # GPT-2's attention: per-head views of a third of it
+    head = qkv.split(256, dim=-1)[1].view(4, 128, 4, 64).transpose(1, 2)
     return [
         x,
         torch.randn(128, 1024),  # 512 KiB, GPT-2's size
-        x.t(),  # not contiguous: copied
+        x.t(),  # not contiguous: gathered by a worker
         x.half(),  # the zstd pack
-        torch.randn(64, 1024)[:, :1000],  # a view: copied
+        torch.randn(64, 1024)[:, :1000],  # a strided view: gathered by a worker
         torch.randn(3, 65536)[1],  # a third of its storage: copied
+        head,  # gathered by a worker
+        head.half(),
+        torch.randn(5, 256, 256)[:, ::2, 1:],  # a strided view of most of its storage
+        torch.randn(9, 65536)[::3],  # strided, a third of its storage: gathered
+        torch.randn(20, 65536)[::5],  # a fifth of its storage: copied at once
     ]
 
 
@@ -537,3 +549,173 @@ def test_distinct_codes(values: list, identity: bool, distinct: list, codes: lis
     got, got_codes = distinct_codes(values, identity=identity)
     assert got == distinct and [type(v) for v in got] == [type(v) for v in distinct]
     assert got_codes.dtype == np.int32 and got_codes.tolist() == codes
+
+
+class Heads(nn.Module):
+    """GPT-2's attention's per-head views: one projection split three ways, each viewed
+    per head and transposed (strided views of one storage, which the workers gather into
+    their pack's buffer), then the projection written in place: as an op the recorder
+    sees (``before_write``), or where it cannot (``gate``: an unseen write, which only
+    moves the version counter). Returns one head's view: its storage outlives the step."""
+
+    def __init__(self, gate: threading.Event | None = None, write: bool = True):
+        super().__init__()
+        self.gate = gate
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = x * 2
+        q, k, v = qkv.split(x.shape[-1] // 3, dim=-1)
+        heads = [t.view(*t.shape[:2], 4, -1).transpose(1, 2) for t in (q, k, v)]
+        if self.gate is not None:
+            with torch._C.DisableTorchFunction():
+                qkv.add_(1)
+            self.gate.set()
+        elif self.write:
+            qkv.add_(1)
+        return heads[0]
+
+
+def _gathered(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each strided tensor saved went to a worker to gather (recorded)."""
+    seen: list[bool] = []
+    gather_later = TensorWriter._gather_later
+
+    def spy(self: TensorWriter, *args: object) -> bool:
+        seen.append(gather_later(self, *args))  # type: ignore[arg-type]
+        return seen[-1]
+
+    monkeypatch.setattr(TensorWriter, "_gather_later", spy)
+    return seen
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["no-write", "seen-write"])
+def test_strided_views_gathered_by_the_workers_read_back_as_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: bool
+) -> None:
+    """Strided views of mid-size tensors are gathered by a worker rather than copied on
+    the forward thread; each reads back bit for bit as it was when recorded, in-place
+    write of their storage afterwards or not, with its own statistics, as the in-memory
+    trace has them."""
+    seen = _gathered(monkeypatch)
+    x = torch.randn(4, 128, 768)
+    want = tl.trace(Heads(write=write), x)
+    run = tl.open(tmp_path / "s").record(Heads(write=write), x, name="r")
+    assert seen.count(True) >= 9, "the split, view and transpose of q, k and v"
+    for op in want:
+        got = run[op.label]
+        assert_bitwise(got.out, op.out, op.label)
+        # (a strided tensor's are reduced from its contiguous copy, as before workers
+        # gathered it: sums in another order, the last bits apart from the trace's)
+        for name, value in zip(STATS, astuple(op.stats), strict=True):
+            assert math.isclose(getattr(got.stats, name), value, rel_tol=1e-12), (op.label, name)
+    assert not tl.open(tmp_path / "s").verify().problems
+
+
+def test_a_gathered_view_the_caller_writes_after_the_step_keeps_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's output that is a strided view (its storage held by the caller, so it
+    is gathered at the step's end, before the caller's code runs) keeps its value as of
+    the step when the caller then writes it in place."""
+    seen = _gathered(monkeypatch)
+    x = torch.randn(4, 128, 768)
+    model = Heads(write=False)
+    store = tl.open(tmp_path / "s")
+    with store.recording("steps", model) as rec:
+        out = model(x)
+        want = out.clone()
+        out.mul_(-1)  # the caller's in-place write, on the storage of every view
+        rec.record(model, x)
+    assert any(seen)
+    run = store["steps"]
+    assert_bitwise(run.step(0)["output_1"].out, want, "step 0's output, as returned")
+    assert_bitwise(run.step(0)["transpose_1_6"].out, want, "the view it is")
+    assert_bitwise(run.step(1)["split_2_3"].out, (x * 2)[..., 256:512], "step 1's split")
+
+
+def test_an_unseen_write_before_the_gather_drops_the_views_never_stores_them_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker gathers a strided view only if its version counter has not moved: one
+    written where the recorder cannot see it is dropped, with a warning, like any tensor
+    written in place unseen."""
+    import warnings
+
+    seen = _gathered(monkeypatch)
+    gate = threading.Event()
+    write_chunk = TensorWriter._write_chunk
+
+    def held_back(self: TensorWriter, *args: object) -> None:
+        gate.wait(30)  # the workers gather only once the forward has written qkv
+        write_chunk(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TensorWriter, "_write_chunk", held_back)
+    x = torch.randn(4, 128, 768)
+    store = tl.open(tmp_path / "s")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = store.record(Heads(gate), x, name="r")
+    assert seen.count(True) >= 9
+    for label in ("split_1_2", "view_2_7", "transpose_3_10"):
+        assert any(f"{label} was written in place" in str(w.message) for w in caught), label
+        assert not run[label].saved and run[label].out is None
+    assert_bitwise(run["input_1"].out, x, "the input")
+    assert not store.verify().problems
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 12), min_size=2, max_size=3),
+    order=st.randoms(use_true_random=False),
+    step=st.integers(1, 3),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.int32, torch.bfloat16]),
+)
+def test_strided_tensors_round_trip_bitwise(
+    tmp_path_factory: pytest.TempPathFactory,
+    shape: list[int],
+    order: object,
+    step: int,
+    dtype: torch.dtype,
+) -> None:
+    """Any strided view (dimensions permuted, every ``step``-th row), of any size around
+    ``GATHER_BYTES``, copied now or gathered by a worker, reads back as its values."""
+    import random
+
+    assert isinstance(order, random.Random)
+    shape[-1] *= 64  # sizes on both sides of GATHER_BYTES (up to 442 KiB)
+    base = (torch.randn(*shape) * 100).to(dtype)
+    dims = list(range(len(shape)))
+    order.shuffle(dims)
+    views = [base.permute(*dims), base[::step], base.permute(*dims)[::step]]
+    arrays = RunArrays(tmp_path_factory.mktemp("t"), "r", create=True)
+    writer = TensorWriter(arrays)
+    slots = [writer.save(v) for v in views]
+    writer.close()
+    for slot, view in zip(slots, views, strict=True):
+        loc = writer.location(slot)
+        got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
+        assert_bitwise(got, view.contiguous(), f"slot {slot}")
+
+
+def test_a_strided_tensor_the_writer_cannot_copy_fails_at_save_not_at_close(
+    tmp_path: Path,
+) -> None:
+    """Only tensors of dtypes a plain byte copy holds (numpy's) are gathered later: one
+    whose copy fails (a quantized tensor) fails at ``save``, on the forward thread, as it
+    did, and the writer's other tensors are written (not the whole run's ``close``)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch deprecates quantized tensors)
+        q = torch.quantize_per_tensor(torch.randn(300, 300), 0.1, 0, torch.qint8)
+    arrays = RunArrays(tmp_path / "t", "r", create=True)
+    writer = TensorWriter(arrays)
+    with pytest.raises(RuntimeError, match="quantized"):
+        writer.save(q.t())
+    kept = torch.randn(300, 300).t()
+    slot = writer.save(kept)
+    writer.close()
+    loc = writer.location(slot)
+    got = arrays.read_packed(loc.array, loc.offset, loc.nbytes, loc.dtype, loc.shape, "x")
+    assert_bitwise(got, kept.contiguous(), "the strided tensor saved after")
