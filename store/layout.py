@@ -18,9 +18,10 @@
         staged.json         {"name", "created", ...}: what listing it shows (with "error"
                             once its recording failed)
         writing.lock        flock held by the live writing process
-      runs/.staging/<pid>-*/  or an open batch: its writing.lock, and one directory <k>/
-        <k>/staged.json     a run (renamed to runs/<id> by the batch's commit; gc()
+      runs/.staging/<pid>-*/  or an open batch: its writing.lock, one directory <k>/ a
+                            run (renamed to runs/<id> by the batch's commit; gc()
                             removes a batch whose process died, runs and all)
+        staged.jsonl        a line a run of the batch: {"dir": "<k>", "name", ...}
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
@@ -94,6 +95,9 @@ STAGING = ".staging"
 _OLD_STAGING = ".batch-"
 #: In a staged run's directory: its name and what ``runs(all=True)`` lists of it.
 STAGED_FILE = "staged.json"
+#: In a batch's staging directory: the same for each of its runs, a line each (one
+#: file a batch, not one a run: on a busy filesystem each new inode costs ~0.1-1 ms).
+STAGED_LINES = "staged.jsonl"
 #: In the store's directory and in each run's: where the arrays live when they are on
 #: object storage (``store/remote.py``); absent, they are under ``tensors/``.
 ARRAYS_FILE = "arrays.json"
@@ -585,14 +589,33 @@ def write_staged(staged: Path, about: dict[str, Any]) -> None:
     os.replace(tmp, staged / STAGED_FILE)
 
 
+def note_staged(batch: Path, run: Path, about: dict[str, Any]) -> None:
+    """Add what listing the run staged in ``run`` (a directory of the batch's, ``batch``)
+    shows to the batch's :data:`STAGED_LINES` (appended whole in one write; not
+    synced). Where the run's directory is gone (a run of the batch that failed) its
+    line is passed over."""
+    line = json.dumps({**about, "dir": run.name}).encode() + b"\n"
+    fd = os.open(
+        batch / STAGED_LINES, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644
+    )
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def read_staged(staged: Path) -> dict[str, Any] | None:
     """What :func:`write_staged` wrote in ``staged`` (None: nothing readable there: a
     directory being made, one a killed writer left half-made, or one of a store
     written before staged runs were listed)."""
     try:
-        about = json.loads(read_small(staged / STAGED_FILE))
+        return _staged_about(json.loads(read_small(staged / STAGED_FILE)))
     except (OSError, ValueError):
         return None
+
+
+def _staged_about(about: Any) -> dict[str, Any] | None:
+    """``about`` if it is what a staged run's record holds (a name, a created time)."""
     if not isinstance(about, dict) or not isinstance(about.get("name"), str):
         return None
     return about if isinstance(about.get("created"), int) else None
@@ -606,11 +629,22 @@ def staged_runs(entry: Path) -> list[tuple[Path, dict[str, Any]]]:
     if about is not None:
         return [(entry, about)]
     try:
-        subs = sorted(os.listdir(entry))
-    except OSError:
+        lines = read_small(entry / STAGED_LINES, limit=1 << 26).splitlines()
+    except (OSError, ValueError):
         return []
-    found = [(entry / sub, read_staged(entry / sub)) for sub in subs if sub.isdigit()]
-    return [(run, about) for run, about in found if about is not None]
+    found: list[tuple[Path, dict[str, Any]]] = []
+    for line in lines:
+        with contextlib.suppress(ValueError):  # (a line a killed writer left half-written)
+            noted = _staged_about(json.loads(line))
+            run = noted.get("dir") if noted is not None else None
+            if (
+                noted is not None
+                and isinstance(run, str)
+                and run.isdigit()
+                and (entry / run).is_dir()
+            ):
+                found.append((entry / run, noted))
+    return found
 
 
 def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:

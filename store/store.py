@@ -51,6 +51,7 @@ from .catalog import _now as _catalog_now
 from .layout import (
     ARRAYS_FILE,
     DEFAULT_MAX_INFLIGHT,
+    STAGED_LINES,
     StorePaths,
     check_run_marker,
     durable_trees,
@@ -60,6 +61,7 @@ from .layout import (
     lock_held,
     locked,
     micros,
+    note_staged,
     remove_tree,
     staged_runs,
     trash_run_dir,
@@ -377,7 +379,10 @@ class Recording:
                 self._dir, self._lock = stage(self.name, self._overwrite)
                 self._info, self._created = info, _catalog_now()
                 with _os_errors(f"cannot create the run {self.name!r}"):
-                    write_staged(self._dir, self._about())
+                    if batch is None:
+                        write_staged(self._dir, self._about())
+                    else:
+                        note_staged(self._dir.parent, self._dir, self._about())
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(
                     self.store._arrays_at(self._dir, new=True), self.name, create=True
@@ -989,8 +994,10 @@ class Batch:
             return
         try:
             with contextlib.suppress(OSError):
-                if os.listdir(self._dir) == ["writing.lock"]:
-                    os.unlink(self._dir / "writing.lock")
+                left = set(os.listdir(self._dir))
+                if left <= {"writing.lock", STAGED_LINES}:
+                    for name in left:
+                        os.unlink(self._dir / name)
                     os.rmdir(self._dir)
         finally:
             lock.close()

@@ -61,13 +61,16 @@ def test_a_batch_stages_its_runs_in_one_directory_no_gc_can_take(tmp_path: Path)
             raise RuntimeError("a failed run in the batch")
         store.record(model, inputs[3], name="r3")
         (staged,) = _staging(root)  # one directory for the batch, one lock in it
-        assert sorted(p.name for p in staged.iterdir() if p.is_file()) == ["writing.lock"]
+        files = sorted(p.name for p in staged.iterdir() if p.is_file())
+        assert files == ["staged.jsonl", "writing.lock"]  # (what listing the runs shows)
+        listed = tl.open(root, create=False).runs(all=True).set_index("name")["status"]
+        assert listed.to_dict() == {f"r{k}": "recording" for k in range(4)}  # not "broken"
         assert len([p for p in staged.iterdir() if p.is_dir()]) == 4  # the failed one: gone
         # a gc() of another process while the batch is open takes none of it
         done = _python("import sys, tracelake as tl; print(tl.open(sys.argv[1]).gc())", str(root))
         assert "'orphans': 0" in done, done
         assert store.gc()["orphans"] == 0  # nor one of this process (another open file)
-        assert staged.is_dir() and len(list(staged.iterdir())) == 5
+        assert staged.is_dir() and len(list(staged.iterdir())) == 6
     assert batch.names == ["r0", "r1", "r2", "r3"]
     assert not _staging(root)  # committed: nothing staged left
     assert sorted(p.name for p in (root / "runs").iterdir()) == [".staging"] + [
