@@ -933,8 +933,9 @@ DEFERRED_OPS = 20_000
 
 class Batch:
     """The runs of one ``store.batch()`` block: each recorded into a directory of its
-    own inside the batch's ``runs/.batch-*`` directory (whose ``writing.lock`` the batch
-    holds), their files written but not synced; :meth:`commit` makes them all durable at
+    own inside the batch's ``runs/.staging/*`` directory (whose ``writing.lock`` the
+    batch holds; each run noted in its ``staged.jsonl``), their files written but not
+    synced; :meth:`commit` makes them all durable at
     once and commits them in one catalog transaction."""
 
     def __init__(self, store: Store):
