@@ -657,17 +657,13 @@ class CatalogWriter:
             complete: dict[str, list[int]] = {}  # the complete runs of the batch's names
             names = sorted({run.name for run in runs})
             # (none, where the names this writer keeps, valid in this transaction, say so)
-            known = self._names
-            for i, name in (
-                con.execute(
+            if self._names is None or not self._names.isdisjoint(names):
+                for i, name in con.execute(
                     "SELECT id, name FROM runs WHERE status = ? AND name IN "
                     "(SELECT unnest(?::VARCHAR[]))",
                     [COMPLETE, names],
-                ).fetchall()
-                if known is None or not known.isdisjoint(names)
-                else ()
-            ):
-                complete.setdefault(name, []).append(int(i))
+                ).fetchall():
+                    complete.setdefault(name, []).append(int(i))
             for run in runs:
                 run_id = next_id + len(ids)
                 clash = complete.pop(run.name, [])

@@ -496,16 +496,10 @@ def locked(path: Path, exclusive: bool) -> Iterator[None]:
 def lock_held(path: Path) -> bool:
     """Whether a process holds the flock of lock file ``path`` (False: it is free, or
     there is no such file; none is made, and the lock is not kept)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    held = try_lock(path, create=False)
+    if held is None:  # (held, or no such file)
+        return path.exists()
+    held.close()
     return False
 
 

@@ -204,10 +204,6 @@ class RunArrays:
         ``sync=False``: left to the caller (a batch of runs is made durable at once)."""
         return self.backend.pending(sync=sync)
 
-    def prepare_pack(self, name: str) -> None:
-        """Create pack ``name``'s array (its metadata) ahead of its first shard."""
-        self._pack(name)
-
     def _pack(self, name: str) -> threading.Lock:
         """Pack ``name``'s lock for growing it, its metadata written first if need be."""
         with self._lock:

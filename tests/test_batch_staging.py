@@ -12,9 +12,6 @@ nothing behind and the others commit; a write that fails is a ``StoreError``.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,24 +19,11 @@ import torch
 from hook_capture import assert_bitwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_store import run_python
 from torch import nn
 
 import tracelake as tl
 from tracelake.store.tensors import RunArrays
-
-TESTS = Path(__file__).parent
-
-
-def _python(code: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def _staging(root: Path) -> list[Path]:
@@ -67,7 +51,9 @@ def test_a_batch_stages_its_runs_in_one_directory_no_gc_can_take(tmp_path: Path)
         assert listed.to_dict() == {f"r{k}": "recording" for k in range(4)}  # not "broken"
         assert len([p for p in staged.iterdir() if p.is_dir()]) == 4  # the failed one: gone
         # a gc() of another process while the batch is open takes none of it
-        done = _python("import sys, tracelake as tl; print(tl.open(sys.argv[1]).gc())", str(root))
+        done = run_python(
+            "import sys, tracelake as tl; print(tl.open(sys.argv[1]).gc())", str(root)
+        ).stdout
         assert "'orphans': 0" in done, done
         assert store.gc()["orphans"] == 0  # nor one of this process (another open file)
         assert staged.is_dir() and len(list(staged.iterdir())) == 6
@@ -83,7 +69,7 @@ def test_a_batch_stages_its_runs_in_one_directory_no_gc_can_take(tmp_path: Path)
         torch.save({n: store[n]["output_1"].out for n in ["r0", "r1", "r2", "r3"]}, sys.argv[2])
     """
     saved = tmp_path / "outs.pt"
-    assert _python(code, str(root), str(saved)).split() == [
+    assert run_python(code, str(root), str(saved)).stdout.split() == [
         "['r0',",
         "'r1',",
         "'r2',",
