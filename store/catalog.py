@@ -85,6 +85,7 @@ from .points import OpIndex
 from .schema import (
     RUN_TABLES,
     TABLES,
+    accept_rows,
     arrow_schema,
     create_schema,
     ident,
@@ -249,6 +250,7 @@ class _Engine:
             # fsync, where a checkpoint takes three more) until the log is past
             # LOG_BYTES (CatalogWriter._transaction).
             con.execute("PRAGMA disable_checkpoint_on_shutdown")
+            accept_rows(con)
             self._con = (pid, con)
         return self._con[1]
 
@@ -352,6 +354,12 @@ class CatalogWriter:
         #: The complete runs' names as this writer's last transaction left them (None:
         #: not known); trusted while the files are as that transaction left them.
         self._names: set[str] | None = None
+        #: The highest run id and ``seq`` in ``runs`` as this writer's last commit left
+        #: them (None: not known); trusted while the files are as that commit left them
+        #: (any other transaction of this writer forgets them: ``delete`` moves ``seq``).
+        self._top: tuple[int, int] | None = None
+        #: ``_top`` as the running transaction found it (None: read it from the file).
+        self._known_top: tuple[int, int] | None = None
 
     @contextmanager
     def _transaction(
@@ -412,6 +420,7 @@ class CatalogWriter:
                     self._unchanged = seen is not None and seen == self._checked
                     if not self._unchanged:
                         self._names = None
+                    self._known_top, self._top = self._top if self._unchanged else None, None
                     if not made and not self._unchanged:
                         check_objects(con, _ATTACHED)
                     self._checked = None
@@ -642,10 +651,12 @@ class CatalogWriter:
         size = sum(_nbytes(run.tables.values()) for run in runs)
         size += sum(_nbytes(tables.values()) for tables in built)
         with self._transaction(then, size) as con:
-            # (fetchall: a result left unfinished makes DuckDB refuse the inserts' views)
-            ((top, seq),) = con.execute(
-                "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
-            ).fetchall()
+            if self._known_top is not None:  # (as this writer's last commit left them)
+                top, seq = self._known_top
+            else:  # (fetchall: a result left unfinished makes DuckDB refuse inserts)
+                ((top, seq),) = con.execute(
+                    "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
+                ).fetchall()
             on_disk = self._check_disk(con, cached=True, top=int(top))
             next_id = max(int(top), on_disk) + 1
             host = socket.gethostname()
@@ -738,6 +749,7 @@ class CatalogWriter:
                 then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
             if self._names is not None:  # (known as this writer's last transaction left them)
                 self._names.update(named)
+        self._top = (ids[-1], seq + len(rows))  # (committed: the transaction is over)
         return added.to_pylist()  # type: ignore[no-any-return]
 
     @guarded("cannot delete the run from the catalog")
@@ -1078,6 +1090,7 @@ class CatalogMirror:
         self.con.execute("SET temp_directory = ''")
         self.con.execute("SET enable_external_access = false")
         create_schema(self.con)
+        accept_rows(self.con)
         self._local = threading.local()  # each thread's reading cursor
         self._memory: str | None = None  # the memory limit set, as QUERY_LIMITS says
         self._gen: str | None = None

@@ -65,7 +65,7 @@ from .catalog import (
     run_table_views,
 )
 from .layout import StorePaths
-from .schema import TABLES, create_schema, insert, present_columns, select_list
+from .schema import TABLES, accept_rows, create_schema, insert, present_columns, select_list
 from .store import Store
 
 __all__ = ["LEASE_SECONDS", "LakeCatalog", "LakeMirror", "LakeStore", "open_lake"]
@@ -169,6 +169,7 @@ def open_lake(url: str, catalog: str, options: Mapping[str, Any]) -> duckdb.Duck
         data = url.rstrip("/") + "/catalog/"
         con.execute(f"ATTACH 'ducklake:postgres:{_libpq(catalog)}' AS {_LAKE} (DATA_PATH '{data}')")
         con.execute(f"USE {_LAKE}")
+        accept_rows(con)
     except BaseException:
         con.close()
         raise

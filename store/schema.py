@@ -11,7 +11,8 @@ declarations say.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from tracelake.recorder.record import (
@@ -40,6 +41,7 @@ __all__ = [
     "RUN_TABLES",
     "TABLES",
     "TENSORS",
+    "accept_rows",
     "arrow_schema",
     "create_schema",
     "ident",
@@ -209,22 +211,56 @@ def select_list(table: Table, present: set[str]) -> str:
     return ", ".join(items)
 
 
+class _Incoming:
+    """The rows an :func:`insert` is adding, behind the view ``_incoming`` that
+    :func:`accept_rows` registers once per connection. DuckDB reads the object's schema
+    at each statement's bind, so one view serves every table and every set of columns;
+    between inserts it holds no rows (one column, so that the view stays valid)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: Any = _no_rows()
+
+    def __arrow_c_schema__(self) -> object:
+        return self.rows.schema.__arrow_c_schema__()
+
+    def __arrow_c_stream__(self, requested_schema: object = None) -> object:
+        return self.rows.__arrow_c_stream__(requested_schema)
+
+
+@functools.cache
+def _no_rows() -> pa.Table:
+    import pyarrow as pa  # (not at import: listing runs needs no Arrow)
+
+    return pa.table({"_": pa.array([], pa.bool_())})
+
+
+#: Each connection's :class:`_Incoming` (:func:`accept_rows`).
+_INCOMING: weakref.WeakKeyDictionary[Any, _Incoming] = weakref.WeakKeyDictionary()
+
+
+def accept_rows(con: duckdb.DuckDBPyConnection) -> None:
+    """Make ``con`` ready for :func:`insert`: register its ``_incoming`` view, outside
+    any transaction (a view registered inside one goes with its rollback). Registering
+    an Arrow table for each insert, and dropping it after, cost more than inserting a
+    tiny run's rows (``benchmarks/many_runs.py``)."""
+    incoming = _Incoming()
+    con.register("_incoming", incoming)
+    _INCOMING[con] = incoming
+
+
 def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     """Insert an Arrow table's rows by column name (a column the rows lack gets its
-    default; a column the table lacks is an error). The rows are registered as a view:
-    DuckDB's replacement scan of a Python variable would cost about half as much, but a
-    Ctrl-C landing while it looks the variable up comes out as 'table does not exist'
-    (``test_interrupts``), not as an interrupt."""
+    default; a column the table lacks is an error), through the view :func:`accept_rows`
+    registered on ``con``. (DuckDB's replacement scan of a Python variable would need no
+    view, but a Ctrl-C landing while it looks the variable up comes out as 'table does
+    not exist', not as an interrupt: ``test_interrupts``.)"""
     if not rows.num_rows:
         return
-    con.register("_incoming", rows)
+    incoming = _INCOMING[con]
+    incoming.rows = rows
     try:
         con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
-    except BaseException:
-        # a failed (or interrupted) statement aborts the transaction, and so would
-        # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
-        # the first error is the one to report
-        with contextlib.suppress(Exception):
-            con.unregister("_incoming")
-        raise
-    con.unregister("_incoming")
+    finally:
+        incoming.rows = _no_rows()
