@@ -813,8 +813,10 @@ class StagedRun:
 
 
 def _nbytes(tables: Collection[Any]) -> int:
-    """The Arrow size of a change's tables (what it adds to DuckDB's log, about)."""
-    return sum(int(t.nbytes) for t in tables if t is not None)
+    """The Arrow size of a change's tables (what it adds to DuckDB's log, about): their
+    buffers' sizes (Arrow's ``nbytes``, which leaves out what a slice does not use,
+    costs ~20 times more, ~0.1 ms a table, and the tables are not slices)."""
+    return sum(int(t.get_total_buffer_size()) for t in tables if t is not None)
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:
