@@ -11,7 +11,7 @@ declarations say.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -212,15 +212,17 @@ def select_list(table: Table, present: set[str]) -> str:
 
 
 class _Incoming:
-    """The rows an :func:`insert` is adding, behind the view ``_incoming`` that
-    :func:`accept_rows` registers once per connection. DuckDB reads the object's schema
-    at each statement's bind, so one view serves every table and every set of columns;
-    between inserts it holds no rows (one column, so that the view stays valid)."""
+    """The rows an :func:`insert` is adding to one table, behind a view that
+    :func:`accept_rows` registers once per connection. Between inserts it holds no rows,
+    of the table's declared schema: the view's columns are fixed when it is made (by
+    DuckDB 1.x; 2.x reads them again at each statement), so only rows of exactly that
+    schema go through it."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("empty", "rows")
 
-    def __init__(self) -> None:
-        self.rows: Any = _no_rows()
+    def __init__(self, schema: pa.Schema) -> None:
+        self.empty = schema.empty_table()
+        self.rows = self.empty
 
     def __arrow_c_schema__(self) -> object:
         return self.rows.schema.__arrow_c_schema__()
@@ -229,38 +231,52 @@ class _Incoming:
         return self.rows.__arrow_c_stream__(requested_schema)
 
 
-@functools.cache
-def _no_rows() -> pa.Table:
-    import pyarrow as pa  # (not at import: listing runs needs no Arrow)
-
-    return pa.table({"_": pa.array([], pa.bool_())})
+#: Each connection's :class:`_Incoming` by table name (:func:`accept_rows`).
+_INCOMING: weakref.WeakKeyDictionary[Any, dict[str, _Incoming]] = weakref.WeakKeyDictionary()
 
 
-#: Each connection's :class:`_Incoming` (:func:`accept_rows`).
-_INCOMING: weakref.WeakKeyDictionary[Any, _Incoming] = weakref.WeakKeyDictionary()
+def _incoming_view(table: str) -> str:
+    return f"_incoming_{table}"
 
 
 def accept_rows(con: duckdb.DuckDBPyConnection) -> None:
-    """Make ``con`` ready for :func:`insert`: register its ``_incoming`` view, outside
-    any transaction (a view registered inside one goes with its rollback). Registering
-    an Arrow table for each insert, and dropping it after, cost more than inserting a
-    tiny run's rows (``benchmarks/many_runs.py``)."""
-    incoming = _Incoming()
-    con.register("_incoming", incoming)
-    _INCOMING[con] = incoming
+    """Make ``con`` ready for :func:`insert`: register a view for each table's rows,
+    outside any transaction (a view registered inside one goes with its rollback).
+    Registering an Arrow table for each insert, and dropping it after, cost more than
+    inserting a tiny run's rows (``benchmarks/many_runs.py``)."""
+    holders = {}
+    for name, table in TABLES.items():
+        holders[name] = _Incoming(arrow_schema(table))
+        con.register(_incoming_view(name), holders[name])
+    _INCOMING[con] = holders
 
 
 def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     """Insert an Arrow table's rows by column name (a column the rows lack gets its
-    default; a column the table lacks is an error), through the view :func:`accept_rows`
-    registered on ``con``. (DuckDB's replacement scan of a Python variable would need no
-    view, but a Ctrl-C landing while it looks the variable up comes out as 'table does
-    not exist', not as an interrupt: ``test_interrupts``.)"""
+    default; a column the table lacks is an error): rows of the table's declared schema
+    (all a writer builds) through the view :func:`accept_rows` registered on ``con``,
+    others through a view of their own, registered for the statement. (DuckDB's
+    replacement scan of a Python variable would need no view, but a Ctrl-C landing
+    while it looks the variable up comes out as 'table does not exist', not as an
+    interrupt: ``test_interrupts``.)"""
     if not rows.num_rows:
         return
-    incoming = _INCOMING[con]
-    incoming.rows = rows
+    holder = _INCOMING[con].get(table)
+    if holder is not None and rows.schema.equals(holder.empty.schema):
+        holder.rows = rows
+        try:
+            con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM {_incoming_view(table)}")
+        finally:
+            holder.rows = holder.empty
+        return
+    con.register("_incoming", rows)
     try:
         con.execute(f"INSERT INTO {ident(table)} BY NAME SELECT * FROM _incoming")
-    finally:
-        incoming.rows = _no_rows()
+    except BaseException:
+        # a failed (or interrupted) statement aborts the transaction, and so would
+        # the unregister (a DuckDB error; this module leaves DuckDB to catalog.py):
+        # the first error is the one to report
+        with contextlib.suppress(Exception):
+            con.unregister("_incoming")
+        raise
+    con.unregister("_incoming")
