@@ -15,8 +15,10 @@ from datetime import datetime
 from typing import Any
 
 import duckdb
+import pyarrow as pa
+import pytest
 
-from tracelake.store.schema import TABLES, create_schema
+from tracelake.store.schema import TABLES, accept_rows, arrow_schema, create_schema, insert
 
 RUNS = [
     (
@@ -182,3 +184,48 @@ def test_the_catalog_has_the_store_schema_and_rows() -> None:
         "calls": 0,
         "grads": 0,
     }
+
+
+def _as_run(rows: pa.Table, run_id: int) -> pa.Table:
+    k = rows.schema.get_field_index("run_id")
+    return rows.set_column(k, rows.schema.field(k), pa.array([run_id] * rows.num_rows, pa.int32()))
+
+
+def test_insert_adds_rows_by_name_and_its_views_outlive_a_rolled_back_transaction() -> None:
+    """``insert`` takes a table's rows of its declared schema (all a writer builds:
+    through the view ``accept_rows`` made for that table) and rows lacking columns (an
+    older catalog's: the rest get their defaults); a column the table lacks is an
+    error, and after its transaction is rolled back the connection still inserts."""
+    con = make_catalog()
+    accept_rows(con)
+    rows = con.sql("SELECT * FROM ops WHERE run_id = 1 ORDER BY idx").to_arrow_table()
+    rows = rows.cast(arrow_schema(TABLES["ops"]))
+    rows = rows.set_column(
+        rows.schema.get_field_index("intervened"),
+        rows.schema.field("intervened"),
+        pa.array([True] * rows.num_rows),
+    )
+    insert(con, "ops", _as_run(rows, 7))
+    insert(con, "ops", _as_run(rows, 8).select(["run_id", "idx", "label"]))
+    con.execute("BEGIN TRANSACTION")
+    with pytest.raises(duckdb.BinderException, match="nonsense"):
+        insert(
+            con, "ops", _as_run(rows, 9).append_column("nonsense", pa.array([1] * rows.num_rows))
+        )
+    con.execute("ROLLBACK")
+    con.execute("BEGIN TRANSACTION")
+    insert(con, "ops", _as_run(rows, 9))
+    con.execute("COMMIT")
+
+    def read(run_id: int, columns: str = "* EXCLUDE (run_id)") -> list[tuple[Any, ...]]:
+        return con.execute(
+            f"SELECT {columns} FROM ops WHERE run_id = ? ORDER BY idx", [run_id]
+        ).fetchall()
+
+    pairs = list(zip(rows["idx"].to_pylist(), rows["label"].to_pylist(), strict=True))
+    assert len(read(7)) == rows.num_rows and read(7) == read(9)
+    assert read(7, "idx, label, intervened") == [(i, label, True) for i, label in pairs]
+    # the columns the rows lacked: their defaults (intervened: false), else NULL
+    assert read(8, "idx, label, intervened, rule, func") == [
+        (i, label, False, None, None) for i, label in pairs
+    ]
