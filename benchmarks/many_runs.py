@@ -8,7 +8,9 @@ makes a store of N runs in minutes (copies of one run's catalog rows) for ``--ag
 * **Tiny runs** (``nn.Linear(8, 8)`` on a (2, 8) input, every tensor saved), on a warm
   store, in ``--rounds`` interleaved rounds: each round times three plain
   ``store.record`` calls and one ``with store.batch():`` block of ``--batch`` records.
-  Printed: ``record()`` median and 90th percentile, and the batched cost per run
+  Printed: ``record()`` median and 90th percentile; beside it, interleaved, the limit
+  (``DuckDBAlone``): DuckDB alone committing the same rows into a copy of the catalog,
+  the run's transaction with nothing of tracelake; and the batched cost per run
   (block wall time / runs, median and 90th percentile over rounds; it includes the
   batch's one ``syncfs`` and one catalog transaction), and the process's CPU time per
   run (all its threads; what a loaded machine inflates least) with its part spent in
@@ -44,7 +46,7 @@ import torch
 from torch import nn
 
 import tracelake as tl
-from tracelake.store import catalog
+from tracelake.store import catalog, schema
 
 sys.path.insert(0, str(Path(__file__).parent))
 from query_latency import Chain  # (the query benchmark's model)
@@ -52,6 +54,60 @@ from query_latency import Chain  # (the query benchmark's model)
 
 def _p90(values: list[float]) -> float:
     return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
+class DuckDBAlone:
+    """The limit of a tiny run's ``store.record``: DuckDB alone committing the same rows
+    as the run's commit does, into a copy of the store's catalog, with nothing of
+    tracelake around it: ``ATTACH`` (replaying the log), one ``INSERT`` a table (through
+    the views ``schema.accept_rows`` registers, the cheapest way found), ``COMMIT`` (its
+    log fsync'd), a checkpoint once the log is past ``catalog.LOG_BYTES`` (as a writer's
+    commit), ``DETACH``."""
+
+    def __init__(self, store_root: Path, where: Path):
+        import duckdb
+        import pyarrow as pa
+
+        self.pa = pa
+        self.path = where / "alone.duckdb"
+        for suffix in ("", ".wal"):  # (the store's writer is between transactions)
+            if (store_root / f"catalog.duckdb{suffix}").exists():
+                shutil.copy(store_root / f"catalog.duckdb{suffix}", f"{self.path}{suffix}")
+        self.con = duckdb.connect(":memory:")
+        self.con.execute("SET threads = 1")
+        self.con.execute("SET checkpoint_threshold = '1TB'")
+        self.con.execute("PRAGMA disable_checkpoint_on_shutdown")
+        schema.accept_rows(self.con)
+        self.con.execute(f"ATTACH '{self.path}' AS alone (READ_ONLY)")
+        ((top,),) = self.con.execute("SELECT max(id) FROM alone.runs").fetchall()
+        self.rows = {}
+        for table in ("runs", *schema.RUN_TABLES):
+            column = "id" if table == "runs" else "run_id"
+            rows = self.con.sql(
+                f"SELECT * FROM alone.{table} WHERE {column} = {top}"
+            ).to_arrow_table()
+            if rows.num_rows:
+                declared = schema.arrow_schema(schema.TABLES[table])
+                self.rows[table] = (rows.cast(declared), column)
+        self.con.execute("DETACH alone")
+        self.next_id = int(top) + 1
+
+    def commit(self) -> None:
+        pa, con = self.pa, self.con
+        con.execute(f"ATTACH '{self.path}' AS alone")
+        con.execute("USE alone")
+        con.execute("BEGIN TRANSACTION")
+        for table, (rows, column) in self.rows.items():
+            k = rows.schema.get_field_index(column)
+            ids = pa.array([self.next_id] * len(rows), rows.schema.field(k).type)
+            schema.insert(con, table, rows.set_column(k, rows.schema.field(k), ids))
+        con.execute("COMMIT")
+        self.next_id += 1
+        log = self.path.with_name(self.path.name + ".wal")
+        if log.exists() and log.stat().st_size > catalog.LOG_BYTES:
+            con.execute("CHECKPOINT")
+        con.execute("USE memory")
+        con.execute("DETACH alone")
 
 
 def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
@@ -62,6 +118,9 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
         store.record(model, x)
     with store.batch():
         store.record(model, x)
+    store.record(model, x)  # (the last run: a lone run's rows, for DuckDB alone)
+    alone = DuckDBAlone(root, root.parent)
+    alone_wall: list[float] = []
     single: list[float] = []
     batched: list[float] = []
     single_cpu: list[float] = []  # CPU time of the process (all its threads)
@@ -73,6 +132,9 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
             store.record(model, x)
             single.append(time.perf_counter() - start)
             single_cpu.append(time.process_time() - cpu)
+            start = time.perf_counter()
+            alone.commit()
+            alone_wall.append(time.perf_counter() - start)
         start, cpu, kernel = time.perf_counter(), time.process_time(), os.times().system
         with store.batch():
             for _ in range(batch):
@@ -89,6 +151,8 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
         "record_cpu_ms": statistics.median(single_cpu) * ms,
         "batched_cpu_ms": statistics.median(batched_cpu) * ms,
         "batched_kernel_ms": statistics.median(batched_kernel) * ms,
+        "alone_median_ms": statistics.median(alone_wall) * ms,
+        "alone_p90_ms": _p90(alone_wall) * ms,
     }
 
 
@@ -427,6 +491,11 @@ def measure(args: argparse.Namespace, base: Path) -> None:
         print(
             f"  store.record       median {t['record_median_ms']:7.2f} ms   "
             f"p90 {t['record_p90_ms']:7.2f} ms   CPU {t['record_cpu_ms']:6.2f} ms"
+        )
+        print(
+            f"  DuckDB alone       median {t['alone_median_ms']:7.2f} ms   "
+            f"p90 {t['alone_p90_ms']:7.2f} ms   (the run's transaction, nothing else: "
+            "the limit)"
         )
         print(
             f"  batched ({args.batch}/batch)  median {t['batched_median_ms']:7.2f} ms   "
