@@ -255,13 +255,14 @@ def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     """Insert an Arrow table's rows by column name (a column the rows lack gets its
     default; a column the table lacks is an error): rows of the table's declared schema
     (all a writer builds) through the view :func:`accept_rows` registered on ``con``,
-    others through a view of their own, registered for the statement. (DuckDB's
+    others (or on a connection not made ready) through a view of their own, registered
+    for the statement. (DuckDB's
     replacement scan of a Python variable would need no view, but a Ctrl-C landing
     while it looks the variable up comes out as 'table does not exist', not as an
     interrupt: ``test_interrupts``.)"""
     if not rows.num_rows:
         return
-    holder = _INCOMING[con].get(table)
+    holder = _INCOMING.get(con, {}).get(table)
     if holder is not None and rows.schema.equals(holder.empty.schema):
         holder.rows = rows
         try:
