@@ -63,6 +63,7 @@ from .duckfile import (
     damage,
     drop_shadow,
     is_corrupt,
+    iteration,
     restore_from_shadow,
     set_log_aside,
     shadow_with_log,
@@ -149,6 +150,18 @@ LOG_BYTES = 16 << 10
 #: judgement (which puts even a tiny run's commit at hundreds of KB), only by this
 #: module's (CatalogWriter._transaction).
 _NO_CHECKPOINT = "1TB"
+#: A writer's checkpoint merges the tables' small row groups (DuckDB's vacuum) only at
+#: every this many checkpoints of the file (by its checkpoint iteration, which every
+#: writer reads alike), and at a ``gc()``'s. DuckDB's rule merges a table's last row
+#: groups whenever they hold fewer than 2,048 rows together: a commit's rows start a row
+#: group of their own, so with a merge at every checkpoint each commit rewrote the last
+#: ~2,048 rows of every table it touched (``runs`` and ``calls``: a row a run), a cost
+#: that rose with the runs up to that bound, and now and then far larger row groups, as
+#: merges of merged ones reach twice their size. Between merges each table gains a row
+#: group a checkpoint, at most this many.
+VACUUM_EVERY = 16
+#: DuckDB's ``max_vacuum_tasks`` when a checkpoint merges (its default), and otherwise.
+_VACUUM_TASKS, _NO_VACUUM = 100, 0
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -242,6 +255,7 @@ class _Engine:
             con = duckdb.connect(":memory:")
             # Checkpoints only where CatalogWriter._transaction asks for one.
             con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
+            con.execute(f"SET max_vacuum_tasks = {_NO_VACUUM}")  # (CatalogWriter._checkpoint)
             # One thread: a writer's statements are small, so a second thread only adds
             # coordination (slower, not faster, on a loaded machine), and writers of
             # several processes at once would each bring one more to share the cores.
@@ -368,6 +382,7 @@ class CatalogWriter:
         size: int = 0,
         durable: bool = True,
         read: bool = False,
+        vacuum: bool = False,
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """One transaction on the catalog file. Callers are public methods behind the
         DuckDB boundary (``guarded``); a DuckDB failure anywhere rolls back and
@@ -385,7 +400,8 @@ class CatalogWriter:
         (writers' ``ATTACH``, readers in memory); a restore from the shadow keeps it
         (``duckfile.py``). ``durable``: see :meth:`_bound_log`. ``read``: the block only
         reads, so readers are told of a change only if the files did change (a log
-        checkpointed, a schema completed).
+        checkpointed, a schema completed). ``vacuum``: a checkpoint the transaction makes
+        merges small row groups whether or not one is due (:meth:`_checkpoint`).
 
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
@@ -430,7 +446,7 @@ class CatalogWriter:
                         if not self._has_schema:  # once per writer and file, in the
                             create_schema(con)  # transaction: one commit, not one a table
                         yield con
-                        self._commit(con, seen, size)
+                        self._commit(con, seen, size, vacuum)
                     except BaseException:
                         with contextlib.suppress(duckdb.Error):  # the first error says more
                             con.execute("ROLLBACK")
@@ -438,7 +454,7 @@ class CatalogWriter:
                     self._has_schema = True
                     if not read:
                         self._tell_readers()
-                    self._bound_log(con, durable)
+                    self._bound_log(con, durable, vacuum)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
@@ -476,7 +492,11 @@ class CatalogWriter:
             )
 
     def _commit(
-        self, con: duckdb.DuckDBPyConnection, seen: tuple[tuple[int, ...], ...] | None, size: int
+        self,
+        con: duckdb.DuckDBPyConnection,
+        seen: tuple[tuple[int, ...], ...] | None,
+        size: int,
+        vacuum: bool,
     ) -> None:
         """``COMMIT``, checkpointing at once where the change (``size`` bytes, about)
         would take the log past :data:`LOG_BYTES`."""
@@ -485,10 +505,21 @@ class CatalogWriter:
             con.execute("COMMIT")
             return
         con.execute("SET checkpoint_threshold = '0B'")  # (DuckDB's: the COMMIT checkpoints)
-        con.execute("COMMIT")
+        self._checkpoint(con, "COMMIT", vacuum)
         con.execute(f"SET checkpoint_threshold = '{_NO_CHECKPOINT}'")
 
-    def _bound_log(self, con: duckdb.DuckDBPyConnection, durable: bool) -> None:
+    def _checkpoint(self, con: duckdb.DuckDBPyConnection, statement: str, vacuum: bool) -> None:
+        """Run ``statement``, which checkpoints the file: merging small row groups only
+        where ``vacuum`` or :data:`VACUUM_EVERY` says so (the rest of the time DuckDB's
+        ``max_vacuum_tasks`` is 0, :class:`_Engine`)."""
+        vacuum = vacuum or ((iteration(self.paths.catalog) or 0) + 1) % VACUUM_EVERY == 0
+        if vacuum:
+            con.execute(f"SET max_vacuum_tasks = {_VACUUM_TASKS}")
+        con.execute(statement)
+        if vacuum:
+            con.execute(f"SET max_vacuum_tasks = {_NO_VACUUM}")
+
+    def _bound_log(self, con: duckdb.DuckDBPyConnection, durable: bool, vacuum: bool) -> None:
         """After a ``COMMIT``: checkpoint the log if it is past :data:`LOG_BYTES` (the
         change was larger than its ``size`` said). ``durable``: the change must outlive
         a power loss once this returns, so the log's name is made durable too (DuckDB
@@ -500,7 +531,7 @@ class CatalogWriter:
         except FileNotFoundError:
             return  # (the COMMIT checkpointed: the change is in the file)
         if st.st_size > LOG_BYTES:
-            con.execute("CHECKPOINT")
+            self._checkpoint(con, "CHECKPOINT", vacuum)
         elif durable and self._durable_log != (st.st_ino, st.st_dev):
             fsync_dir(self.paths.root)
             self._durable_log = (st.st_ino, st.st_dev)
@@ -779,7 +810,7 @@ class CatalogWriter:
         return self._freeing(self._collect)
 
     def _collect(self) -> list[int]:
-        with self._transaction() as con:
+        with self._transaction(vacuum=True) as con:  # (its checkpoint frees what it can)
             self._check_disk(con)
             rows = con.execute(
                 "SELECT id, status FROM runs WHERE status NOT IN (?, ?)", [COMPLETE, COLLECTED]

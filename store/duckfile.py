@@ -143,18 +143,36 @@ def damage(path: Path) -> str | None:
     database): None for a file with a DuckDB file's headers, or none at all. (A file
     with fewer blocks than its header counts may be whole: DuckDB trims free blocks off
     its end.)"""
+    read = _headers(path)
+    if read is None:
+        return None
+    headers, end = read
+    if block_size(headers) is None:
+        return f"its headers are not a DuckDB database's ({end} bytes)"
+    return None
+
+
+def iteration(path: Path) -> int | None:
+    """The checkpoint iteration of the DuckDB file ``path``: its newer database header's,
+    one more at each checkpoint that wrote the file (whichever process made it); None
+    where there is no file, or it has no DuckDB headers."""
+    read = _headers(path)
+    if read is None or block_size(read[0]) is None:
+        return None
+    return _u64(read[0], _newest(read[0]) + _ITERATION_AT)
+
+
+def _headers(path: Path) -> tuple[bytes, int] | None:
+    """The first :data:`HEADER_BYTES` of ``path`` (fewer where it is shorter) and its
+    length; None where there is no such file."""
     try:
         fd = _open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        headers = os.pread(fd, HEADER_BYTES, 0)
-        end = os.fstat(fd).st_size
+        return os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if block_size(headers) is None:
-        return f"its headers are not a DuckDB database's ({end} bytes)"
-    return None
 
 
 def _u64(data: bytes, at: int) -> int:

@@ -168,3 +168,44 @@ def test_a_batch_reads_the_names_it_checks_without_telling_readers_of_a_change(
         assert catalog.FileChangeToken(store.paths).token() == token
         store.record(model, *inputs, name="r0")  # (deleted: free again)
     assert sorted(_names_in_another_process(root)) == ["r0", "r1"]
+
+
+def _row_groups(root: Path, table: str) -> int:
+    import duckdb
+
+    con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
+    try:
+        sql = f"SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('{table}')"
+        return int(con.execute(sql).fetchone()[0])  # type: ignore[index]
+    finally:
+        con.close()
+
+
+def test_small_row_groups_are_merged_every_so_many_checkpoints_and_at_gc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint that is not the file's VACUUM_EVERY-th leaves each commit's rows in
+    row groups of their own (not merging the tables' last row groups again at every
+    commit); the VACUUM_EVERY-th merges them, and so does a gc()'s. Every run reads back
+    whole throughout, from this process and another."""
+    root = tmp_path / "s"
+    store = tl.open(root)
+    monkeypatch.setattr(catalog, "LOG_BYTES", 1)  # every commit checkpoints
+    monkeypatch.setattr(catalog, "VACUUM_EVERY", 4)
+    counts = []
+    for i in range(9):
+        model, inputs = _outputs(i)
+        store.record(model, *inputs, name=f"r{i}")
+        counts.append(_row_groups(root, "runs"))
+    assert max(counts) <= 4 and counts.count(1) >= 2  # (merged, and again)
+    assert max(counts) > 1  # (not merged at every one)
+    assert _names_in_another_process(root) == [f"r{i}" for i in range(9)]
+    store.delete("r1")
+    assert store.gc()["runs"] == 1
+    assert _row_groups(root, "runs") == 1
+    reader = tl.open(root, create=False)
+    assert reader.runs()["name"].tolist() == [f"r{i}" for i in range(9) if i != 1]
+    for i in (0, 8):
+        model, inputs = _outputs(i)
+        assert_bitwise(reader[f"r{i}"]["output_1"].out, model(*inputs), f"r{i}")
+    assert reader.verify().ok
