@@ -1,7 +1,7 @@
 """Many runs into one store: a tiny run's fixed cost, batches, and commits as the store grows.
 
 Run: ``python benchmarks/many_runs.py [--runs 1000] [--ops 1000] [--rounds 15]
-[--batch 50] [--dir DIR] [--skip-tiny] [--skip-growth]`` (``--runs 10000 --skip-tiny``
+[--batch 50] [--dir DIR] [--skip-tiny] [--skip-growth] [--no-limit]`` (``--runs 10000 --skip-tiny``
 for the issue's figure; the default is smaller, for a quick look). ``--fill DIR --runs N``
 makes a store of N runs in minutes (copies of one run's catalog rows) for ``--against DIR``.
 
@@ -10,7 +10,8 @@ makes a store of N runs in minutes (copies of one run's catalog rows) for ``--ag
   ``store.record`` calls and one ``with store.batch():`` block of ``--batch`` records.
   Printed: ``record()`` median and 90th percentile; beside it, interleaved, the limit
   (``DuckDBAlone``): DuckDB alone committing the same rows into a copy of the catalog,
-  the run's transaction with nothing of tracelake; and the batched cost per run
+  the run's transaction with nothing of tracelake (``--no-limit``: left out, for an A/B
+  against a tree that did not measure it); and the batched cost per run
   (block wall time / runs, median and 90th percentile over rounds; it includes the
   batch's one ``syncfs`` and one catalog transaction), and the process's CPU time per
   run (all its threads; what a loaded machine inflates least) with its part spent in
@@ -110,7 +111,7 @@ class DuckDBAlone:
         con.execute("DETACH alone")
 
 
-def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
+def tiny(root: Path, rounds: int, batch: int, limit: bool = True) -> dict[str, float]:
     torch.manual_seed(0)
     model, x = nn.Linear(8, 8), torch.randn(2, 8)
     store = tl.open(root)
@@ -119,7 +120,7 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
     with store.batch():
         store.record(model, x)
     store.record(model, x)  # (the last run: a lone run's rows, for DuckDB alone)
-    alone = DuckDBAlone(root, root.parent)
+    alone = DuckDBAlone(root, root.parent) if limit else None
     alone_wall: list[float] = []
     single: list[float] = []
     batched: list[float] = []
@@ -132,9 +133,10 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
             store.record(model, x)
             single.append(time.perf_counter() - start)
             single_cpu.append(time.process_time() - cpu)
-            start = time.perf_counter()
-            alone.commit()
-            alone_wall.append(time.perf_counter() - start)
+            if alone is not None:
+                start = time.perf_counter()
+                alone.commit()
+                alone_wall.append(time.perf_counter() - start)
         start, cpu, kernel = time.perf_counter(), time.process_time(), os.times().system
         with store.batch():
             for _ in range(batch):
@@ -151,8 +153,14 @@ def tiny(root: Path, rounds: int, batch: int) -> dict[str, float]:
         "record_cpu_ms": statistics.median(single_cpu) * ms,
         "batched_cpu_ms": statistics.median(batched_cpu) * ms,
         "batched_kernel_ms": statistics.median(batched_kernel) * ms,
-        "alone_median_ms": statistics.median(alone_wall) * ms,
-        "alone_p90_ms": _p90(alone_wall) * ms,
+        **(
+            {
+                "alone_median_ms": statistics.median(alone_wall) * ms,
+                "alone_p90_ms": _p90(alone_wall) * ms,
+            }
+            if alone_wall
+            else {}
+        ),
     }
 
 
@@ -412,6 +420,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-growth", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true", help="only the growth part")
     parser.add_argument(
+        "--no-limit",
+        action="store_true",
+        help="tiny runs without DuckDB alone beside them (as before it was measured: A/B)",
+    )
+    parser.add_argument(
         "--no-tensors",
         action="store_true",
         help="growth runs keep statistics of every op but no tensor (save=tl.none(), "
@@ -486,17 +499,18 @@ def measure(args: argparse.Namespace, base: Path) -> None:
         print(f"load {os.getloadavg()[0]:.2f} at the end")
         return
     if not args.skip_tiny:
-        t = tiny(base / "tiny", args.rounds, args.batch)
+        t = tiny(base / "tiny", args.rounds, args.batch, not args.no_limit)
         print(f"tiny run (nn.Linear(8, 8)), {args.rounds} interleaved rounds:")
         print(
             f"  store.record       median {t['record_median_ms']:7.2f} ms   "
             f"p90 {t['record_p90_ms']:7.2f} ms   CPU {t['record_cpu_ms']:6.2f} ms"
         )
-        print(
-            f"  DuckDB alone       median {t['alone_median_ms']:7.2f} ms   "
-            f"p90 {t['alone_p90_ms']:7.2f} ms   (the run's transaction, nothing else: "
-            "the limit)"
-        )
+        if "alone_median_ms" in t:
+            print(
+                f"  DuckDB alone       median {t['alone_median_ms']:7.2f} ms   "
+                f"p90 {t['alone_p90_ms']:7.2f} ms   (the run's transaction, nothing else: "
+                "the limit)"
+            )
         print(
             f"  batched ({args.batch}/batch)  median {t['batched_median_ms']:7.2f} ms   "
             f"p90 {t['batched_p90_ms']:7.2f} ms   CPU {t['batched_cpu_ms']:6.2f} ms   "
