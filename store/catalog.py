@@ -604,11 +604,11 @@ class CatalogWriter:
         return ids[-1]
 
     @guarded("cannot commit the run to the catalog")
-    def commit_run(self, run: StagedRun, ready: Callable[[], None] | None = None) -> dict[str, Any]:
+    def commit_run(self, run: StagedRun) -> dict[str, Any]:
         """Make the staged run ``run`` visible, with all its rows, in one transaction
         (its only one: nothing of it is in the catalog before); return its ``runs`` row.
         See :meth:`commit_batch`."""
-        return self._commit_staged([run], ready=ready)[0]
+        return self._commit_staged([run])[0]
 
     def _freeing(self, change: Callable[[], _T]) -> _T:
         """Run ``change`` (a catalog transaction that lets space be reclaimed); if the
@@ -623,10 +623,7 @@ class CatalogWriter:
 
     @guarded("cannot commit the batch's runs to the catalog")
     def commit_batch(
-        self,
-        runs: list[StagedRun],
-        built: Sequence[dict[str, Any]] = (),
-        ready: Callable[[], None] | None = None,
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
     ) -> list[dict[str, Any]]:
         """Make the runs of a batch visible, all in one transaction; return their
         ``runs`` rows (every column, as inserted: what a read of them would return).
@@ -635,17 +632,11 @@ class CatalogWriter:
         leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
         is in the catalog before this. ``built``: tables of several of the runs at once
         (``rows.runs_tables``), whose ``run_id`` holds each row's run's position in
-        ``runs``. ``ready``: waits until the runs' directories are durable (their fsyncs
-        started before, ``layout.durable_trees_later``); called in the transaction before
-        any directory is renamed (so before ``COMMIT``), so that the disk works while the
-        transaction begins and its rows are built."""
-        return self._commit_staged(runs, built, ready)
+        ``runs``."""
+        return self._commit_staged(runs, built)
 
     def _commit_staged(
-        self,
-        runs: list[StagedRun],
-        built: Sequence[dict[str, Any]] = (),
-        ready: Callable[[], None] | None = None,
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
     ) -> list[dict[str, Any]]:
         then: list[Callable[[], None]] = []
         size = sum(_nbytes(run.tables.values()) for run in runs)
@@ -721,8 +712,6 @@ class CatalogWriter:
                     if data is not None and data.num_rows:
                         incoming[table].append(_at_run_ids(data, ids))
             added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
-            if ready is not None:  # (the runs' files reached the disk meanwhile)
-                ready()
             moved: list[tuple[Path, Path]] = []
             try:
                 for run, run_id in zip(runs, ids, strict=True):

@@ -39,7 +39,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -435,9 +435,7 @@ class LakeCatalog(CatalogWriter):
         return values
 
     @guarded("cannot commit the batch's runs to the catalog")
-    def commit_batch(
-        self, runs: list[Any], built: Any = (), ready: Callable[[], None] | None = None
-    ) -> list[dict[str, Any]]:
+    def commit_batch(self, runs: list[Any], built: Any = ()) -> list[dict[str, Any]]:
         raise StoreError("store.batch() is not available on a DuckLake catalog yet")
 
     @guarded("cannot change the run's status in the catalog")
@@ -672,9 +670,9 @@ class LakeStore(Store):
             run_dir.mkdir(parents=True, exist_ok=True)
         return self._objects(int(run_dir.name))
 
-    def _durable_later(self, run_dir: Path) -> tuple[int, Callable[[], None]]:
+    def _durable(self, run_dir: Path) -> int:
         # every PUT was durable when it returned: what is left is their size
-        return int(self._objects(int(run_dir.name)).commit()), lambda: None
+        return int(self._objects(int(run_dir.name)).commit())
 
     @property
     def path(self) -> str:

@@ -43,7 +43,7 @@ import shutil
 import stat
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -276,33 +276,28 @@ def fsync_dir(path: Path) -> None:
         fsync_file(path)
 
 
-def durable_trees_later(roots: list[Path]) -> tuple[list[int], Callable[[], None]]:
-    """Start making every file and directory under each of ``roots`` durable; return
-    the bytes of each one's files and the call that waits until they are durable (and
-    raises the first error). Up to :data:`_FSYNC_FILES` files and directories, an fsync
-    of each, all at once (:func:`fsync_all_later`); past that one ``syncfs`` of their
-    filesystem where Linux offers it (a batch of runs: one call, where hundreds of
-    fsyncs cost more even at once). The disk works while the caller goes on (a run's
-    catalog transaction, up to its rename and ``COMMIT``); the trees must stay where
-    they are until the wait returns."""
+def durable_trees(roots: list[Path]) -> list[int]:
+    """Make every file and directory under each of ``roots`` durable; return the bytes
+    of each one's files. Up to :data:`_FSYNC_FILES` files and directories, an fsync of
+    each, all at once (:func:`fsync_all`); past that one ``syncfs`` of their filesystem
+    where Linux offers it (a batch of runs: one call, where hundreds of fsyncs cost
+    more even at once)."""
     sizes: list[int] = []
     files: list[str] = []
     dirs: list[str] = []
     for root in roots:
         sizes.append(_walk_tree(root, files, dirs))
     if _syncfs is None or len(files) + len(dirs) <= _FSYNC_FILES:
-        return sizes, fsync_all_later(files, dirs)
-    return sizes, _fsync_pool().submit(_syncfs_of, roots[0]).result
-
-
-def _syncfs_of(root: Path) -> None:
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_all(files, dirs)
+        return sizes
+    fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
     try:
         if _syncfs(fd) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(root))
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(roots[0]))
     finally:
         os.close(fd)
+    return sizes
 
 
 #: Up to this many files and directories, fsyncs of each at once cost less than a
@@ -314,34 +309,21 @@ _FSYNC_FILES = 48
 
 
 def fsync_all(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
-    """fsync every one of ``files`` and ``dirs`` (:func:`fsync_all_later`, waited for)."""
-    fsync_all_later(files, dirs)()
-
-
-def fsync_all_later(files: Sequence[str], dirs: Sequence[str] = ()) -> Callable[[], None]:
-    """Start an fsync of every one of ``files`` and ``dirs`` (a directory that cannot be
-    fsync'd is passed over, as in :func:`fsync_dir`), all at once from a pool of
-    threads: the filesystem commits concurrent requests together (ext4's journal), so a
-    run's dozen files cost about one device flush rather than one each (5 files and a
-    directory: 1.2 ms against 20 one after another, in the measurement above). Returns
-    the call that waits for all of them, then raises the first error."""
+    """fsync every one of ``files`` and ``dirs`` (a directory that cannot be fsync'd is
+    passed over, as in :func:`fsync_dir`), all at once from a pool of threads: the
+    filesystem commits concurrent requests together (ext4's journal), so a run's dozen
+    files cost about one device flush rather than one each (5 files and a directory:
+    1.2 ms against 20 one after another, in the measurement above). The first error is
+    raised once all are done."""
     jobs = [(path, False) for path in files] + [(path, True) for path in dirs]
     if len(jobs) <= 1:
         for path, is_dir in jobs:
             _fsync_one(path, is_dir)
-        return _nothing
+        return
     futures = [_fsync_pool().submit(_fsync_one, *job) for job in jobs]
-
-    def wait_all() -> None:
-        wait(futures)
-        for future in futures:
-            future.result()
-
-    return wait_all
-
-
-def _nothing() -> None:
-    pass
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 def _fsync_one(path: str, is_dir: bool) -> None:

@@ -6,11 +6,10 @@ is started at once (``posix_fadvise``) so that the device writes while the worke
 encode the next chunks, and it is made durable with ``fdatasync`` either on the spot or
 by :class:`Unsynced`, a thread that syncs the oldest files first so that no worker waits
 on a device cache flush while it could encode. Where the caller makes the whole tree
-durable at once (a store's run at its commit: ``layout.durable_trees_later``), that
-thread only waits for each file's writeback (``sync_file_range``: no journal commit and
-device flush a file) and drops its pages. Names become durable in :meth:`commit`, which
-fsyncs every file and directory under the root; a run is committed to the catalog only
-after that.
+durable at once (a store's run at its commit: ``layout.durable_trees``), that thread only waits for
+each file's writeback (``sync_file_range``: no journal commit and device flush a file)
+and drops its pages. Names become durable in :meth:`commit`, which fsyncs every file and
+directory under the root; a run is committed to the catalog only after that.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ class Unsynced:
     oldest itself.
 
     ``sync=False``: the caller makes the files durable later, many at once (a store's
-    run at its commit, a batch of runs at the batch's: ``layout.durable_trees_later``, an
+    run at its commit, a batch of runs at the batch's: ``layout.durable_trees``, an
     fsync of each at once or one ``syncfs``). Files of ``_WRITEBACK_BYTES`` or more are
     then only written back here
     (their pages written out and waited for, not their metadata or the device's cache:

@@ -54,7 +54,7 @@ from .layout import (
     STAGED_LINES,
     StorePaths,
     check_run_marker,
-    durable_trees_later,
+    durable_trees,
     from_micros,
     full_hint,
     is_utf8,
@@ -167,16 +167,6 @@ def _os_errors(what: str) -> Any:
         yield
     except OSError as exc:
         raise StoreError(f"{what}: {exc}{full_hint(exc)}") from exc
-
-
-def _os_errors_of(what: str, call: Callable[[], None]) -> Callable[[], None]:
-    """``call`` with its ``OSError`` leaving as ``StoreError`` (:func:`_os_errors`)."""
-
-    def guarded_call() -> None:
-        with _os_errors(what):
-            call()
-
-    return guarded_call
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -837,15 +827,12 @@ class Recording:
             self._steps = []
             self._batch.add(staged, lock)
             return
-        what = f"cannot make run {self.name!r} durable"
-        with _os_errors(what):  # durable before visible: the fsyncs start now
-            summary["bytes"], wait_durable = self.store._durable_later(self._dir)
-        ready = _os_errors_of(what, wait_durable)
-        if self.run_id < 0:  # staged: its one catalog transaction, waiting before COMMIT
-            self.info = self.store._catalog.commit_run(staged, ready)
+        with _os_errors(f"cannot make run {self.name!r} durable"):
+            summary["bytes"] = self.store._durable(self._dir)  # durable before visible
+        if self.run_id < 0:  # staged: its one catalog transaction
+            self.info = self.store._catalog.commit_run(staged)
             self.run_id = self.info["id"]
         else:
-            ready()
             self.info = self._lake.commit(self.run_id, self.name, self._overwrite, merged, summary)
         self._release()
         self._steps = []
@@ -1087,7 +1074,7 @@ class Batch:
             run.steps = None  # (their Python rows go)
 
     def commit(self) -> None:
-        """Make every run of the batch durable (``layout.durable_trees_later``), then visible (one
+        """Make every run of the batch durable (``layout.durable_trees``), then visible (one
         transaction). Their locks are let go either way; what a failure leaves,
         ``gc()`` removes."""
         staged = self._staged
@@ -1098,12 +1085,10 @@ class Batch:
             self._build()
             built = [tables for _, tables in self._built]
             runs = [run for run, _ in staged]
-            what = "cannot make the batch's runs durable"
-            with _os_errors(what):  # durable before visible: the fsyncs start now
-                sizes, wait_durable = durable_trees_later([r.staged for r in runs])
-                for run, nbytes in zip(runs, sizes, strict=True):
+            with _os_errors("cannot make the batch's runs durable"):
+                for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
                     run.summary["bytes"] = nbytes
-            rows = self.store._catalog.commit_batch(runs, built, _os_errors_of(what, wait_durable))
+            rows = self.store._catalog.commit_batch(runs, built)
             self.names += [run.name for run in runs]
             self._bind_pending(rows)
         finally:
@@ -1203,11 +1188,9 @@ class Store:
             raise StoreError(f"run directory {staged} is in use")
         return staged, lock
 
-    def _durable_later(self, run_dir: Path) -> tuple[int, Callable[[], None]]:
-        """Start making a finished run's arrays durable; return their bytes and the call
-        that waits until they are (``layout.durable_trees_later``)."""
-        sizes, wait_durable = durable_trees_later([run_dir])
-        return sizes[0], wait_durable
+    def _durable(self, run_dir: Path) -> int:
+        """Make a finished run's arrays durable; return their bytes."""
+        return durable_trees([run_dir])[0]
 
     def _remove_dir(self, path: Path) -> int:
         """Remove a run directory (and first the objects it names); return the bytes."""

@@ -127,7 +127,7 @@ class TensorWriter:
     ):
         """``sync=False``: files are written back and closed here, made durable by the
         caller, many at once (a store's run at its commit, a batch of runs at the
-        batch's: ``layout.durable_trees_later``; ``local.Unsynced``)."""
+        batch's: ``layout.durable_trees``; ``local.Unsynced``)."""
         if max_inflight < CHUNK_BYTES:
             raise ValueError(f"max_inflight must be at least {CHUNK_BYTES} bytes (one chunk)")
         self.arrays = arrays

@@ -65,9 +65,9 @@ elif moment == "after-commit":  # committed, readers not yet told
         if committing:
             die()
         bump(self)
-    def commit_then_die(self, run, *rest):
+    def commit_then_die(self, run):
         committing.append(1)
-        return commit_run(self, run, *rest)
+        return commit_run(self, run)
     catalog.FileChangeToken.bump = bump_then_die
     catalog.CatalogWriter.commit_run = commit_then_die
 store = tl.open(root)
