@@ -59,6 +59,26 @@ def test_fsync_all_raises_the_error_of_a_file_that_cannot_be_synced(tmp_path: Pa
         layout.fsync_all([str(good), str(tmp_path / "missing")], [str(tmp_path)])
 
 
+def test_fsync_all_syncs_every_other_file_after_one_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (its files in a few sequences at once: a failure ends no sequence early)
+    paths = [tmp_path / f"f{k}" for k in range(12)]
+    for path in paths[1:]:
+        path.write_bytes(b"x")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(FileNotFoundError):
+        layout.fsync_all([str(p) for p in paths], [str(tmp_path)])
+    assert sorted(synced) == sorted(str(p) for p in [*paths[1:], tmp_path])
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_makes_its_own_fsync_pool(tmp_path: Path) -> None:
     script = f"""
