@@ -4,9 +4,9 @@ DuckDB lets one process hold a database file read-write, and then no other proce
 open it at all, not even read-only. So nobody holds ``catalog.duckdb`` for long:
 
 - **Writers** open it read-write only inside an exclusive ``flock`` on ``catalog.lock``,
-  for one short transaction: registering a run as ``recording`` when it starts, and
-  committing it (its rows inserted as Arrow tables and its status set to ``complete``,
-  in one transaction, after its tensors are fsync'd). Then they close it and bump
+  for one short transaction: committing a run (its id given, its staged directory
+  renamed and its rows inserted as Arrow tables, status ``complete``, in one
+  transaction, after its tensors are fsync'd). Then they close it and bump
   ``catalog.gen``. Recording itself never touches the catalog.
 - **Readers** keep an in-memory DuckDB mirror. Before answering, a reader looks at
   ``catalog.gen``; if it moved, it takes the lock shared, attaches the file read-only,
