@@ -780,7 +780,8 @@ class CatalogWriter:
                 then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
             if self._names is not None:  # (known as this writer's last transaction left them)
                 self._names.update(named)
-        self._top = (ids[-1], seq + len(rows))  # (committed: the transaction is over)
+        # (committed: the transaction is over)
+        self._top = (ids[-1] if ids else int(top), int(seq) + len(rows))
         return added.to_pylist()  # type: ignore[no-any-return]
 
     @guarded("cannot delete the run from the catalog")
