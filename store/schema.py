@@ -213,10 +213,10 @@ def select_list(table: Table, present: set[str]) -> str:
 
 class _Incoming:
     """The rows an :func:`insert` is adding to one table, behind a view that
-    :func:`accept_rows` registers once per connection. Between inserts it holds no rows,
-    of the table's declared schema: the view's columns are fixed when it is made (by
-    DuckDB 1.x; 2.x reads them again at each statement), so only rows of exactly that
-    schema go through it."""
+    :func:`accept_rows` registers once per connection; between inserts, none (an empty
+    table of the table's declared schema). DuckDB 1.x fixes a view's columns when it is
+    made (2.x reads them again at each statement), so only rows of exactly that schema
+    go through it."""
 
     __slots__ = ("empty", "rows")
 
@@ -256,10 +256,9 @@ def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     default; a column the table lacks is an error): rows of the table's declared schema
     (all a writer builds) through the view :func:`accept_rows` registered on ``con``,
     others (or on a connection not made ready) through a view of their own, registered
-    for the statement. (DuckDB's
-    replacement scan of a Python variable would need no view, but a Ctrl-C landing
-    while it looks the variable up comes out as 'table does not exist', not as an
-    interrupt: ``test_interrupts``.)"""
+    for the statement. (DuckDB's replacement scan of a Python variable would need no
+    view, but a Ctrl-C landing while it looks the variable up comes out as 'table does
+    not exist', not as an interrupt: ``test_interrupts``.)"""
     if not rows.num_rows:
         return
     holder = _INCOMING.get(con, {}).get(table)
