@@ -209,3 +209,50 @@ def test_small_row_groups_are_merged_every_so_many_checkpoints_and_at_gc(
         model, inputs = _outputs(i)
         assert_bitwise(reader[f"r{i}"]["output_1"].out, model(*inputs), f"r{i}")
     assert reader.verify().ok
+
+
+_RECORD = """
+import sys
+from model_zoo import BUILDERS
+import tracelake as tl
+model, inputs = BUILDERS["mlp"]()
+tl.open(sys.argv[1], create=False).record(model, *inputs, name=sys.argv[2])
+"""
+
+
+def test_ids_and_commit_order_follow_the_commits_of_every_writer(tmp_path: Path) -> None:
+    """A writer keeps the highest id and ``seq`` (the commit order) its last commit left,
+    trusted only while the catalog is as that commit left it: runs committed by two
+    stores of one process, by another process and after a delete (which moves the
+    deleted run's ``seq`` to the top) get ids and ``seq`` that rise with every commit."""
+    root = tmp_path / "s"
+    a, b = tl.open(root), tl.open(root, create=False)
+    model, inputs = _outputs(0)
+
+    def elsewhere(name: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", _RECORD, str(root), name],
+            capture_output=True,
+            text=True,
+            cwd=TESTS,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+
+    for name, store in (("a1", a), ("a2", a), ("b1", b), ("a3", a)):
+        store.record(model, *inputs, name=name)
+    a.delete("a2")
+    a.record(model, *inputs, name="a4")
+    elsewhere("p1")
+    a.record(model, *inputs, name="a5")
+    b.record(model, *inputs, name="b2")
+    a.record(model, *inputs, name="a6")
+    got = tl.open(root, create=False).sql("select name, id, seq, status from runs order by seq")
+    assert got["name"].tolist() == ["a1", "b1", "a3", "a2", "a4", "p1", "a5", "b2", "a6"]
+    assert got["seq"].is_unique and got["id"].is_unique
+    committed = got[got["name"] != "a2"]
+    assert committed["id"].tolist() == sorted(committed["id"]) == [1, 3, 4, 5, 6, 7, 8, 9]
+    assert got.set_index("name")["status"].to_dict() == {
+        **{name: "complete" for name in committed["name"]},
+        "a2": "deleted",
+    }
