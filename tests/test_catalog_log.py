@@ -14,6 +14,7 @@ import pytest
 import torch
 from hook_capture import assert_bitwise
 from model_zoo import BUILDERS
+from test_store import run_python
 
 import tracelake as tl
 from tracelake.store import catalog
@@ -229,21 +230,11 @@ def test_ids_and_commit_order_follow_the_commits_of_every_writer(tmp_path: Path)
     a, b = tl.open(root), tl.open(root, create=False)
     model, inputs = _outputs(0)
 
-    def elsewhere(name: str) -> None:
-        done = subprocess.run(
-            [sys.executable, "-c", _RECORD, str(root), name],
-            capture_output=True,
-            text=True,
-            cwd=TESTS,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-
     for name, store in (("a1", a), ("a2", a), ("b1", b), ("a3", a)):
         store.record(model, *inputs, name=name)
     a.delete("a2")
     a.record(model, *inputs, name="a4")
-    elsewhere("p1")
+    run_python(_RECORD, str(root), "p1")
     a.record(model, *inputs, name="a5")
     b.record(model, *inputs, name="b2")
     a.record(model, *inputs, name="a6")
