@@ -65,9 +65,18 @@ class Events(Protocol):
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
         """An in-place call is about to run: it writes into ``args[0]`` or ``out=``."""
 
-    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple, inplace: bool) -> None:
+    def on_call(
+        self,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        tensors: tuple,
+        inplace: bool,
+        passed: frozenset[int] = frozenset(),
+    ) -> None:
         """A torch call returned ``tensors`` (its tensor outputs, flattened); ``inplace``
-        says whether it wrote into an argument."""
+        says whether it wrote into an argument; ``passed``: the positions in ``tensors``
+        of arguments the call handed back unchanged inside its result (``passed_through``)."""
 
     def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
         """A module's forward is about to run."""
@@ -101,6 +110,37 @@ def flatten_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 _PLAIN = (type(None), bool, int, float, str)
+_Parameter = torch.nn.Parameter
+
+
+def passed_through(name: str, args: tuple, kwargs: dict, tensors: tuple) -> frozenset[int]:
+    """The positions in ``tensors`` (the tensors of a call's tuple or list result) of
+    argument tensors handed back unchanged: ``torch.broadcast_tensors(x, y)`` returns
+    ``x`` itself where its shape is already the common one, ``torch.atleast_2d(x, y)``
+    likewise. As TorchLens 2.36.1 does (``_ops_exhaustive``: such a member is logged
+    against a copy), each is an entry of the call, but later reads of the tensor still
+    read what it was before: the call did not make it. Not so for a tensor the call
+    wrote: an ``out=`` destination, or a member of the list an in-place call
+    (``torch._foreach_add_``) takes first and returns."""
+    given = {id(t) for t in _argument_tensors(args)}
+    given.update(id(t) for t in _argument_tensors(kwargs.values()))
+    if not given:
+        return frozenset()
+    written = _argument_tensors((kwargs.get("out"),))
+    if name[-1] == "_" and name[:2] != "__" and args and isinstance(args[0], (list, tuple)):
+        written += _argument_tensors((args[0],))
+    given.difference_update(id(t) for t in written)
+    return frozenset(at for at, tensor in enumerate(tensors) if id(tensor) in given)
+
+
+def _argument_tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values`` and in the lists and tuples among them (not
+    parameters): the arguments TorchLens takes a call's tensors from."""
+    found = []
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        found += [t for t in items if isinstance(t, _Tensor) and not isinstance(t, _Parameter)]
+    return found
 
 
 def _internal_roots() -> tuple[tuple[str, ...], frozenset[str]]:
@@ -490,7 +530,8 @@ class _Mode(TorchFunctionMode):
     ) -> Any:
         """A call that returned something other than one tensor (the compiled path
         hands these here too): its tensors, if any, are recorded."""
-        if isinstance(out, (tuple, list)):
+        several = isinstance(out, (tuple, list))
+        if several:
             tensors = tuple(flatten_tensors(out))
             if not tensors:
                 return out
@@ -499,16 +540,24 @@ class _Mode(TorchFunctionMode):
         else:
             return out
         try:
+            passed = passed_through(name, args, kwargs, tensors) if several else frozenset()
             if self._call_args is not None:
-                self._with_args(func, name, args, kwargs, tensors, writes)
+                self._with_args(func, name, args, kwargs, tensors, writes, passed)
             else:
-                self._on_call(name, args, kwargs, tensors, writes)
+                self._on_call(name, args, kwargs, tensors, writes, passed)
         except Exception as exc:  # never break the user's forward pass
             self._on_error(name, exc)
         return out
 
     def _with_args(
-        self, func: Any, name: str, args: tuple, kwargs: dict, tensors: tuple, writes: bool
+        self,
+        func: Any,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        tensors: tuple,
+        writes: bool,
+        passed: frozenset[int] = frozenset(),
     ) -> None:
         """``on_call``, the call's arguments encoded first (before its outputs become
         the producers of their tensors) and given to the rows it added."""
@@ -516,7 +565,7 @@ class _Mode(TorchFunctionMode):
         assert recorder is not None
         call = recorder.encode(func, args, kwargs)
         start = recorder.row_count()
-        self._on_call(name, args, kwargs, tensors, writes)
+        self._on_call(name, args, kwargs, tensors, writes, passed)
         recorder.assign(call, start, len(tensors))
 
     def _before_write(self, name: str, args: tuple, kwargs: dict) -> None:

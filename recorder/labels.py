@@ -39,6 +39,7 @@ _ref = weakref.ref
 _NO_PARAMS: tuple[str, ...] = ()
 _NO_KWARGS: dict[str, Any] = {}
 _SCALARS = frozenset({int, float, bool, type(None), str})
+_NOT_PASSED: frozenset[int] = frozenset()
 # Argument positions of a single parent, shared rather than a new tuple per op.
 _N_SINGLE = 16
 _SINGLE = tuple((pos,) for pos in range(_N_SINGLE))
@@ -256,7 +257,15 @@ class Labeller:
         for tensor in flatten_tensors(written):
             self._emitter.before_write(tensor)
 
-    def on_call(self, name: str, args: tuple, kwargs: dict, tensors: tuple, inplace: bool) -> None:
+    def on_call(
+        self,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        tensors: tuple,
+        inplace: bool,
+        passed: frozenset[int] = _NOT_PASSED,
+    ) -> None:
         # Hot path, once per torch call: everything inline, locals only, and no per-op
         # objects beyond the row and the tensor's weak reference.
         producers = self._producers
@@ -371,7 +380,8 @@ class Labeller:
                     n_layer=n_layer,
                 )
             )
-            producers[id(tensor)] = index
+            if not passed or i not in passed:  # (an argument handed back keeps its producer)
+                producers[id(tensor)] = index
             refs.append(_ref(tensor))
             if self._emit is not None:
                 self._emit(index, tensor, -1)

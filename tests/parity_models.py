@@ -673,6 +673,28 @@ def _input_returned(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x + 1
 
 
+@functional("RepeatedOperands", (4, 4))
+def _repeated_operands(x: torch.Tensor) -> torch.Tensor:
+    # TorchLens lists a tensor once among the parents of these (its argument crawl), and
+    # once per argument for the rest (mm, cat)
+    index = torch.zeros(4, 4, dtype=torch.long)
+    a = torch.einsum("ij,jk->ik", x, x) + torch.einsum("ij,ij->ij", [x, x])
+    b = torch.block_diag(x, x)[:4, :4] + torch.chain_matmul(x, x, x)
+    c = x.scatter(0, index, x) + torch.mm(x, x) + torch.cat([x, x])[:4]
+    return a + b + c
+
+
+@functional("ArgumentsHandedBack", (4, 4), (1, 4))
+def _handed_back(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # broadcast_tensors and atleast_2d return an argument itself inside their tuple where
+    # it needs no change: TorchLens records the entry, and later reads of that argument
+    # still read its own producer; a lone result (atleast_2d(x)) is the call's
+    a, b = torch.broadcast_tensors(x, y)
+    c, d = torch.atleast_2d(x * 2, y)
+    (e,) = torch.broadcast_tensors(x)
+    return a + b + c + d + e + torch.atleast_2d(x)
+
+
 @model((2, 4))
 class DictOutput(nn.Module):
     def __init__(self) -> None:
