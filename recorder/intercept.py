@@ -404,6 +404,11 @@ class _Mode(TorchFunctionMode):
         self._opened: list[Any] = []
         #: the producer of a tensor (-1: none), where the receiver tells
         self._producer: Callable[[torch.Tensor], int] | None = getattr(events, "producer", None)
+        # (with producer: entries so far, and whether one from a number on is a tensor's)
+        self._count: Callable[[], int] = getattr(events, "count", int)
+        self._made_since: Callable[[int, torch.Tensor], bool] | None = getattr(
+            events, "made_since", None
+        )
         #: the compiled path's state list, while bound: one more item sends every call
         #: to Python (its length is checked first)
         self._live: list[Any] | None = None
@@ -481,6 +486,7 @@ class _Mode(TorchFunctionMode):
         # hand an argument back as a new op's output: broadcast_tensors)
         producer = self._producer
         before = [(t, producer(t)) for t in args if isinstance(t, _Tensor)] if producer else []
+        start = self._count()
         # an operator in the body is named from its instruction (_operator), which only
         # Python reads: the compiled path then hands every call to Python
         live = self._live if operators else None
@@ -501,7 +507,7 @@ class _Mode(TorchFunctionMode):
             if live is not None:
                 del live[size:]
         tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out)
-        if producer is None or all(producer(t) >= 0 for t in tensors):
+        if producer is None or all(self._made_inside(t, before, start) for t in tensors):
             return out
         if self._opened and name in OPERATOR_FUNCS:
             name = self._operator(name)
@@ -514,6 +520,20 @@ class _Mode(TorchFunctionMode):
             for t, was, now in moved:
                 if producer(t) == was:  # not the call's own output
                     self._events.rebind(now, t)  # type: ignore[attr-defined]
+
+    def _made_inside(self, tensor: torch.Tensor, before: list, start: int) -> bool:
+        """Whether a call in an opened body made ``tensor`` (an output of the body, whose
+        entries are numbered from ``start``): it has an entry from the body, or a
+        producer other than the one it had (``before``: the arguments' producers). An
+        argument written in place by a call TorchLens does not see either was not:
+        ``F.silu(x, inplace=True)`` runs ``torch._C._nn.silu_``, so ``F.silu`` is the op."""
+        assert self._producer is not None
+        now = self._producer(tensor)
+        if now < 0:
+            return False
+        was = next((was for t, was in before if t is tensor), None)
+        made_since = self._made_since
+        return now != was or made_since is None or made_since(start, tensor)
 
     def _operator(self, name: str) -> str:
         """Inside an opened body: an operator's name from the instruction that called it

@@ -198,6 +198,15 @@ class Labeller:
     #: The entry that produced a tensor (-1: none); for the interceptor (one call, not two).
     producer = _producer
 
+    def count(self) -> int:
+        """How many entries there are so far."""
+        return len(self._refs)
+
+    def made_since(self, start: int, tensor: torch.Tensor) -> bool:
+        """Whether an entry from number ``start`` on stands for ``tensor``."""
+        refs = self._refs
+        return any(refs[index]() is tensor for index in range(start, len(refs)))
+
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         """Entry ``index`` now stands for ``tensor`` (an intervention replaced the call's
         output with it): later calls that consume ``tensor`` find that entry as their

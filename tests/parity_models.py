@@ -695,6 +695,22 @@ def _handed_back(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return a + b + c + d + e + torch.atleast_2d(x)
 
 
+@model((2, 8))
+class InplaceActivations(nn.Module):
+    # F.silu(x, inplace=True) writes through torch._C._nn.silu_, a call TorchLens does
+    # not see: the F.silu call itself is the op, and the module no pass-through
+    def __init__(self) -> None:
+        super().__init__()
+        self.acts = nn.Sequential(
+            nn.SiLU(inplace=True), nn.Mish(inplace=True), nn.Hardswish(inplace=True)
+        )
+        self.gate = nn.Hardsigmoid(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.acts(x * 2)
+        return self.gate(F.silu(y + 1, inplace=True)) + y
+
+
 @model((2, 4))
 class DictOutput(nn.Module):
     def __init__(self) -> None:

@@ -12,6 +12,7 @@ that the difference is still there (strict xfail), so that a fix shows up.
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any
 
@@ -19,6 +20,7 @@ import model_zoo
 import pytest
 import torch
 from parity_models import MODELS
+from test_store import run_python
 
 import tracelake as tl
 
@@ -141,3 +143,32 @@ def test_store_keeps_the_labels_and_func_takes_either_name(tmp_path: Any) -> Non
     for op in trace:
         if op.out is not None:
             assert torch.equal(run[op.label].out, op.out), op.label
+
+
+def test_store_keeps_in_place_activations_and_handed_back_arguments(tmp_path: Any) -> None:
+    # The ops the recorder found only since matching TorchLens on these (an in-place
+    # write by a call TorchLens does not see; arguments a call hands back; repeated
+    # operands of a crawled call) reach the store and another process as recorded.
+    store = tl.open(tmp_path / "runs.tl")
+    traces = {}
+    for name in ("InplaceActivations", "ArgumentsHandedBack", "RepeatedOperands"):
+        model, inputs = MODELS[name]()
+        with torch.no_grad():
+            plain = model(*[x.clone() for x in inputs])
+        traces[name] = tl.trace(model, *[x.clone() for x in inputs])
+        store.record(model, *[x.clone() for x in inputs], name=name)
+        assert torch.equal(traces[name]["output_1"].out, plain)
+    script = f"""
+import json, tracelake as tl
+store = tl.open({str(tmp_path / "runs.tl")!r}, create=False)
+print(json.dumps({{name: [[op.label, list(op.parents)] for op in store[name]] for name in {list(traces)!r}}}))
+print(json.dumps(store.query("select label from ops where run = 'InplaceActivations' and func = 'silu_'").df()["label"].tolist()))
+"""
+    graphs, silu = (json.loads(line) for line in run_python(script).stdout.splitlines()[-2:])
+    for name, trace in traces.items():
+        assert graphs[name] == [[op.label, list(op.parents)] for op in trace], name
+        for op in trace:
+            if op.out is not None:
+                assert torch.equal(tl.open(tmp_path / "runs.tl")[name][op.label].out, op.out)
+    assert silu == ["silu_1_2", "silu_2_6"]
+    assert graphs["RepeatedOperands"][2] == ["einsum_1_2", ["input_1"]]
