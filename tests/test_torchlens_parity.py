@@ -161,8 +161,10 @@ def test_store_keeps_in_place_activations_and_handed_back_arguments(tmp_path: An
     script = f"""
 import json, tracelake as tl
 store = tl.open({str(tmp_path / "runs.tl")!r}, create=False)
-print(json.dumps({{name: [[op.label, list(op.parents)] for op in store[name]] for name in {list(traces)!r}}}))
-print(json.dumps(store.query("select label from ops where run = 'InplaceActivations' and func = 'silu_'").df()["label"].tolist()))
+graphs = {{n: [[op.label, list(op.parents)] for op in store[n]] for n in {list(traces)!r}}}
+print(json.dumps(graphs))
+where = "run = 'InplaceActivations' and func = 'silu_'"
+print(json.dumps(store.query("select label from ops where " + where).df()["label"].tolist()))
 """
     graphs, silu = (json.loads(line) for line in run_python(script).stdout.splitlines()[-2:])
     for name, trace in traces.items():
