@@ -327,6 +327,38 @@ def _calls_kind(func: Any, name: str) -> Any:
 
 
 @functools.cache
+def _dispatched() -> dict[Any, tuple[Any, str]]:
+    """torch's functions that a ``boolean_dispatch`` function calls by one of its flags
+    (``F.max_pool2d(x, 2, return_indices=True)`` calls ``F.max_pool2d_with_indices``):
+    each with the dispatching function's code and name."""
+    found: dict[Any, tuple[Any, str]] = {}
+    for module in (torch.nn.functional, torch.functional):
+        for value in vars(module).values():
+            code = getattr(value, "__code__", None)
+            if code is None or code.co_qualname != "boolean_dispatch.<locals>.fn":
+                continue
+            cells = dict(zip(code.co_freevars, value.__closure__ or (), strict=True))
+            for branch in ("if_true", "if_false"):
+                if branch in cells:
+                    found[cells[branch].cell_contents] = (code, value.__name__)
+    return found
+
+
+def _dispatched_name(func: Any, name: str) -> str:
+    """The name of a call of ``func`` (see :func:`_dispatched`): the dispatching
+    function's where that called it (TorchLens sees the outer call: ``max_pool2d``),
+    else its own (a direct ``F.max_pool2d_with_indices`` call)."""
+    code, outer = _dispatched()[func]
+    frame: Any = sys._getframe(2)
+    for _ in range(8):  # (up through torch.overrides to the call of func itself)
+        if frame is None or frame.f_code is func.__code__:
+            break
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return outer if caller is not None and caller.f_code is code else name
+
+
+@functools.cache
 def _nn_functional() -> frozenset[Any]:
     """``torch.nn.functional``'s builtins (``F.linear`` is ``torch._C._nn.linear``)."""
     return frozenset(
@@ -466,6 +498,8 @@ class _Mode(TorchFunctionMode):
         """Run torch's Python function ``func`` with the mode active inside it, so that
         the torch calls in its body are recorded (TorchLens's granularity); the call
         itself is recorded only where none of them made its output."""
+        if func in _dispatched():
+            name = _dispatched_name(func, name)
         opened = self._opened
         if opened and opened[-1] is func:
             # the body dispatched again (a check the copy could not answer): run it

@@ -711,6 +711,23 @@ class InplaceActivations(nn.Module):
         return self.gate(F.silu(y + 1, inplace=True)) + y
 
 
+@model((1, 2, 8, 8))
+class PoolIndices(nn.Module):
+    # MaxPool2d(return_indices=True) calls F.max_pool2d_with_indices through torch's
+    # boolean_dispatch: TorchLens names the op for F.max_pool2d, the call it sees
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+        self.unpool = nn.MaxUnpool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, indices = self.pool(self.conv(x))
+        values, where = F.adaptive_max_pool2d(y, 2, return_indices=True)
+        direct = F.max_pool2d_with_indices(x, 4)[0]  # (called directly: its own name)
+        return self.unpool(y, indices).sum() + values * where + direct.sum()
+
+
 @model((2, 4))
 class DictOutput(nn.Module):
     def __init__(self) -> None:
