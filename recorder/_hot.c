@@ -125,7 +125,7 @@ typedef struct {
     PyObject *classify;  /* code -> what codes[id(code)] becomes */
     PyObject *emit;      /* (index, tensor, -1) or None */
     PyObject *slow;      /* the Python __torch_function__, unbound */
-    PyObject *record;    /* the Python handling of non-tensor outputs, unbound */
+    PyObject *record;    /* the Python handling of other outputs (_Mode._record), unbound */
     PyObject *on_error;  /* (what, exception) */
     PyObject *tensor_type;
     PyObject *row_defaults; /* record.ROW_DEFAULTS: a value for every row field */
@@ -809,10 +809,12 @@ static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t na
     PyObject *out = PyObject_Call(func, args, kwargs);
     if (!out) {
         /* the user's call raised: it propagates unchanged */
-    } else if (PyObject_TypeCheck(out, (PyTypeObject *)self->tensor_type)) {
+    } else if (Py_IS_TYPE(out, (PyTypeObject *)self->tensor_type)) {
         if (add_row(self, name, out, &s) < 0 && report(self, name) < 0) Py_CLEAR(out);
-    } else if (PyTuple_Check(out) || PyList_Check(out)) {
-        /* several outputs: the Python code flattens and labels them, or reports */
+    } else if (PyTuple_Check(out) || PyList_Check(out) ||
+               PyObject_TypeCheck(out, (PyTypeObject *)self->tensor_type)) {
+        /* several outputs, or a subclass's (a parameter handed back is no output): the
+         * Python code flattens and labels them, or reports */
         PyObject *no_kwargs = kwargs ? (Py_INCREF(kwargs), kwargs) : PyDict_New();
         PyObject *res = NULL;
         if (no_kwargs) {

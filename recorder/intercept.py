@@ -78,8 +78,11 @@ class Events(Protocol):
         says whether it wrote into an argument; ``passed``: the positions in ``tensors``
         of arguments the call handed back unchanged inside its result (``passed_through``)."""
 
-    def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
-        """A module's forward is about to run."""
+    def on_module_enter(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict | None = None
+    ) -> None:
+        """A module's forward is about to run, given ``args`` (and ``kwargs``, where
+        known)."""
 
     def on_module_exit(self, module: torch.nn.Module, output: Any) -> None:
         """A module's forward returned (or raised: then ``output`` is ``None``)."""
@@ -111,6 +114,14 @@ def flatten_tensors(obj: Any) -> list[torch.Tensor]:
 
 _PLAIN = (type(None), bool, int, float, str)
 _Parameter = torch.nn.Parameter
+
+
+def _call_kwargs(frame: Any) -> dict | None:
+    """A module call's keyword arguments, from ``frame``, the caller of a global forward
+    pre-hook: the hooks are not given them, but the frame of torch's
+    ``Module._call_impl`` that calls them holds them (None where it is not that)."""
+    kwargs = frame.f_locals.get("kwargs") if frame.f_code.co_name == "inner" else None
+    return kwargs if isinstance(kwargs, dict) else None
 
 
 def passed_through(name: str, args: tuple, kwargs: dict, tensors: tuple) -> frozenset[int]:
@@ -484,6 +495,8 @@ class _Mode(TorchFunctionMode):
         self, name: str, func: Any, args: tuple, kwargs: dict, out: Any, writes: bool
     ) -> Any:
         if out.__class__ is _Tensor or isinstance(out, _Tensor):
+            if out.__class__ is not _Tensor and isinstance(out, _Parameter):
+                return out  # a parameter handed back (w.float()): a source, as in TorchLens
             try:
                 if self._call_args is not None:
                     self._with_args(func, name, args, kwargs, (out,), writes)
@@ -586,7 +599,7 @@ class _Mode(TorchFunctionMode):
         hands these here too): its tensors, if any, are recorded."""
         several = isinstance(out, (tuple, list))
         if several:
-            tensors = tuple(flatten_tensors(out))
+            tensors = tuple(t for t in flatten_tensors(out) if not isinstance(t, _Parameter))
             if not tensors:
                 return out
         elif out is None and func is _Tensor.__setitem__:
@@ -656,7 +669,7 @@ if _hot is not None:
                 classify,
                 emit,
                 _Mode.__torch_function__,
-                _Mode._record_outputs,
+                _Mode._record,
                 self._on_error,
                 _Tensor,
                 ROW_DEFAULTS,
@@ -773,7 +786,7 @@ class Interceptor:
 
     def _entered_module(self, module: torch.nn.Module, args: tuple, caller: Any) -> None:
         try:
-            self._events.on_module_enter(module, args)
+            self._events.on_module_enter(module, args, _call_kwargs(caller))
         except Exception as exc:
             self._on_error(f"module {type(module).__name__}", exc)
         if type(module) in self._plain_types:
@@ -791,10 +804,8 @@ class Interceptor:
         if not fastpath.has_rule(type(module)):
             self._plain_types.add(type(module))
             return
-        # The call's keyword arguments: global pre-hooks are not given them, but the
-        # frame of torch's Module._call_impl that calls the hook holds them.
-        kwargs = frame.f_locals.get("kwargs") if frame.f_code.co_name == "inner" else None
-        if not isinstance(kwargs, dict):
+        kwargs = _call_kwargs(frame)
+        if kwargs is None:
             return
         func = fastpath.fused_call(module, args, kwargs)
         if func is None or _get_current_function_mode_stack()[-1:] != [self._mode]:

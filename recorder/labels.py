@@ -96,7 +96,7 @@ class Emitter(Protocol):
 class _Frame:
     """One module call on the stack."""
 
-    __slots__ = ("entry", "module", "pass_num", "path", "root", "start")
+    __slots__ = ("entry", "given", "module", "pass_num", "path", "root", "start")
 
     def __init__(
         self, module: torch.nn.Module, path: str, pass_num: int, start: int, entry: ModuleEntry
@@ -107,6 +107,9 @@ class _Frame:
         self.start = start
         self.entry = entry
         self.root: _Frame | None = None
+        #: The producers of every tensor the call was given, its keyword arguments' too
+        #: (what an output handed back unchanged is looked for among, as TorchLens does).
+        self.given: tuple[int, ...] = entry.input_indices
 
 
 class Labeller:
@@ -424,7 +427,9 @@ class Labeller:
             return None  # the model itself, or a module that is not part of it
         return rec[1]
 
-    def on_module_enter(self, module: torch.nn.Module, args: tuple) -> None:
+    def on_module_enter(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict | None = None
+    ) -> None:
         path = self._path_of(module)
         if path is None:
             return
@@ -438,6 +443,8 @@ class Labeller:
         producers = [self._producer(t) for t in tensors]
         entry.input_indices = tuple(producers)
         frame = _Frame(module, path, calls, start, entry)
+        if kwargs:
+            frame.given += tuple(map(self._producer, flatten_tensors(kwargs)))
         parent = self._stack[-1] if self._stack else None
         if parent is not None and parent.root is not None:
             frame.root = parent.root
@@ -463,8 +470,8 @@ class Labeller:
         producer = self._producer
         producers = [producer(t) for t in tensors]
         if producers and depth == len(self._stack) - 1:
-            inputs = frame.entry.input_indices
-            if self._is_identity(module) or any(p >= 0 and p in inputs for p in producers):
+            given = frame.given
+            if self._is_identity(module) or any(p >= 0 and p in given for p in producers):
                 self._pass_through(module, frame, tensors)
                 producers = [producer(t) for t in tensors]
         del self._stack[depth:]
@@ -499,11 +506,11 @@ class Labeller:
         """A module that returns an input tensor unchanged (``nn.Identity``, a skipped
         block) gets an ``identity`` op inside it, the output's producer, as TorchLens
         makes one; so does every output of an ``Identity`` module."""
-        inputs = frame.entry.input_indices
+        given = frame.given
         identity = self._is_identity(module)
         for tensor in tensors:
             producer = self._producer(tensor)
-            if identity or (producer >= 0 and producer in inputs):
+            if identity or (producer >= 0 and producer in given):
                 self.on_call("identity", (tensor,), _NO_KWARGS, (tensor,), False)
 
     # -- the model's inputs and outputs --------------------------------------------------

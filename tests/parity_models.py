@@ -728,6 +728,33 @@ class PoolIndices(nn.Module):
         return self.unpool(y, indices).sum() + values * where + direct.sum()
 
 
+class _Biased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.fc(x) + bias, bias
+
+
+@model((2, 4))
+class KeywordPassThrough(nn.Module):
+    # T5's layers hand the position bias they were given by keyword back unchanged:
+    # TorchLens takes a module's keyword arguments as its inputs too, so each such
+    # output gets an identity op inside the module
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Biased()
+        self.b = _Biased()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, bias = self.a(x, bias=x * 2)
+        h, bias = self.b(h, bias=bias)
+        return h + bias
+
+
 @model((2, 4))
 class DictOutput(nn.Module):
     def __init__(self) -> None:
