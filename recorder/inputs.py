@@ -32,7 +32,7 @@ from tracelake.errors import ArgumentClashError
 
 from .trees import flatten, leaves_of, mapping_keys
 
-__all__ = ["input_entries", "model_arguments"]
+__all__ = ["input_entries", "input_tensors", "model_arguments"]
 
 _PLAIN = (bool, int, float, str)
 #: The shapes of generated labels, which a keyword input's name must not take.
@@ -67,17 +67,26 @@ def input_entries(
 ) -> list[tuple[torch.Tensor, str | None]]:
     """The model's input tensors in order (positional, then keyword), each with the name
     its entry is labelled by, or ``None`` for a numbered ``input_N`` label (see the
-    module's docstring). ``taken``: names an input must not take (submodule paths)."""
-    entries: list[tuple[torch.Tensor, str | None]] = [
-        (leaf, None) for leaf in leaves_of(list(args)) if isinstance(leaf, torch.Tensor)
-    ]
+    module's docstring). ``taken``: names an input must not take (submodule paths). A
+    tensor given twice (``model(ids, labels=ids)``) is one input, where it came first,
+    as in TorchLens (and :func:`.replay.encode_call` numbers them so)."""
+    entries: dict[int, tuple[torch.Tensor, str | None]] = {}
+    for leaf in leaves_of(list(args)):
+        if isinstance(leaf, torch.Tensor):
+            entries.setdefault(id(leaf), (leaf, None))
     for keyword, value in kwargs.items():
         for path, leaf in _leaf_paths(value):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in entries:
                 name = f"{keyword}.{path}" if path else keyword
                 usable = name not in taken and not _GENERATED.fullmatch(name)
-                entries.append((leaf, name if usable else None))
-    return entries
+                entries[id(leaf)] = (leaf, name if usable else None)
+    return list(entries.values())
+
+
+def input_tensors(args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The model's input tensors in the order of their entries, each once: what a
+    recorded call (:func:`.replay.encode_call`) and a run's input fingerprint number."""
+    return [tensor for tensor, _ in input_entries(args, kwargs)]
 
 
 #: forward function -> the names it takes by keyword (weakly held: a notebook's

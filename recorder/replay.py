@@ -20,7 +20,7 @@ import torch
 
 from tracelake.errors import ReplayError
 
-from .intercept import flatten_tensors
+from .inputs import input_tensors
 
 if TYPE_CHECKING:
     import pandas
@@ -42,13 +42,11 @@ _PLAIN = (type(None), bool, int, str)
 
 def encode_call(args: tuple, kwargs: dict) -> str:
     """How the model was called, as JSON: ``{"args": [...], "kwargs": {...}}`` with each
-    tensor as ``{"$input": k}`` (the k-th input entry), lists, tuples and str-keyed dicts
-    as they are, and anything else as ``{"$unsupported": type}`` (such a call cannot be
-    replayed, which :func:`decode_call` says)."""
-    flat = flatten_tensors([*args, *kwargs.values()])
-    position: dict[int, int] = {}
-    for k, tensor in enumerate(flat):
-        position.setdefault(id(tensor), k)
+    tensor as ``{"$input": k}`` (the k-th input entry: :func:`.inputs.input_tensors`),
+    lists, tuples and str-keyed dicts as they are, and anything else as
+    ``{"$unsupported": type}`` (such a call cannot be replayed, which
+    :func:`decode_call` says)."""
+    position = {id(tensor): k for k, tensor in enumerate(input_tensors(args, kwargs))}
 
     def encode(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -533,7 +533,7 @@ class Recording:
         args: tuple,
         kwargs: dict,
     ) -> None:
-        from tracelake.recorder.intercept import flatten_tensors
+        from tracelake.recorder.inputs import input_tensors
 
         assert self._writer is not None
         self._writer.settle()  # before the user's code may write what workers still read
@@ -549,7 +549,7 @@ class Recording:
             self._fingerprints = {
                 "param_fingerprint": _fingerprint(list(model.named_parameters())),
                 "input_fingerprint": _fingerprint(
-                    [(str(i), t) for i, t in enumerate(flatten_tensors([args, kwargs]))]
+                    [(str(i), t) for i, t in enumerate(input_tensors(args, kwargs))]
                 ),
             }
             first = next(iter(model.parameters()), None)

@@ -93,6 +93,35 @@ def test_an_in_memory_trace_replays_with_its_interventions() -> None:
     assert_bitwise(report.traces[0].output, log.output)
 
 
+class _WithLabels(nn.Module):
+    """A language-model-like call: the loss's targets are the input tensor itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc(x)
+        return h if labels is None else ((h - labels) ** 2).mean()
+
+
+def test_a_tensor_given_twice_is_one_input_and_replays(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x, y = _WithLabels(), torch.randn(2, 4), torch.randn(2, 4)
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, labels=x, name="same", save=tl.all())
+    store.record(model, x, labels=y, name="apart", save=tl.all())
+    same, apart = store["same"], store["apart"]
+    # as TorchLens: model(ids, labels=ids) has one input, read by both of its uses
+    assert [op.label for op in same.inputs] == ["input_1"]
+    assert [op.label for op in apart.inputs] == ["input_1", "labels"]
+    assert same["sub_1_2"].parents == ("linear_1_1", "input_1")
+    for name, labels in (("same", x), ("apart", y)):
+        report = store.replay(name, model)
+        assert report.ok, name
+        assert_bitwise(report.traces[0].output, model(x, labels=labels).detach(), name)
+
+
 def test_a_changed_model_is_reported_op_by_op(tmp_path: Path) -> None:
     model, (x,) = mlp()
     store = tl.open(tmp_path / "s.tl")
