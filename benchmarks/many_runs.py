@@ -3,7 +3,10 @@
 Run: ``python benchmarks/many_runs.py [--runs 1000] [--ops 1000] [--rounds 15]
 [--batch 50] [--dir DIR] [--skip-tiny] [--skip-growth] [--no-limit]`` (``--runs 10000 --skip-tiny``
 for the issue's figure; the default is smaller, for a quick look). ``--fill DIR --runs N``
-makes a store of N runs in minutes (copies of one run's catalog rows) for ``--against DIR``.
+makes a store of N runs in minutes (copies of one run's catalog rows) for ``--against DIR``;
+``--row-groups DIR`` times DuckDB alone committing into that store's catalog and into the
+same rows in fewer row groups; ``--block-size B`` makes the catalogs it creates with
+DuckDB blocks of B bytes.
 
 * **Tiny runs** (``nn.Linear(8, 8)`` on a (2, 8) input, every tensor saved), on a warm
   store, in ``--rounds`` interleaved rounds: each round times three plain
@@ -93,7 +96,9 @@ class DuckDBAlone:
         self.con.execute("DETACH alone")
         self.next_id = int(top) + 1
 
-    def commit(self) -> None:
+    def commit(self, checkpoint: bool = False) -> None:
+        """``checkpoint``: the ``COMMIT`` checkpoints, as a writer's does where the rows
+        would take the log past ``catalog.LOG_BYTES`` (a 1,000-op run's)."""
         pa, con = self.pa, self.con
         con.execute(f"ATTACH '{self.path}' AS alone")
         con.execute("USE alone")
@@ -102,7 +107,11 @@ class DuckDBAlone:
             k = rows.schema.get_field_index(column)
             ids = pa.array([self.next_id] * len(rows), rows.schema.field(k).type)
             schema.insert(con, table, rows.set_column(k, rows.schema.field(k), ids))
+        if checkpoint:
+            con.execute("SET checkpoint_threshold = '0B'")
         con.execute("COMMIT")
+        if checkpoint:
+            con.execute("SET checkpoint_threshold = '1TB'")
         self.next_id += 1
         log = self.path.with_name(self.path.name + ".wal")
         if log.exists() and log.stat().st_size > catalog.LOG_BYTES:
@@ -303,6 +312,93 @@ def interleaved(
     } | {"runs": {"big": float(len(stores["big"])), "small": float(len(stores["small"]))}}
 
 
+@contextmanager
+def _block_size(size: int | None) -> Iterator[None]:
+    """While the block runs, a catalog a writer creates is made with DuckDB blocks of
+    ``size`` bytes (``ATTACH ... (BLOCK_SIZE size)``, fixed at creation) instead of
+    DuckDB's default (256 KiB); None: as tracelake makes it. For ``--block-size``: the
+    catalog's growth at another block size."""
+    if size is None:
+        yield
+        return
+    import duckdb
+
+    attach = catalog.CatalogWriter._attach
+
+    def sized(self: catalog.CatalogWriter, con: Any, path: str) -> Any:
+        if not os.path.exists(path):
+            made = duckdb.connect(":memory:")
+            quoted = path.replace("'", "''")
+            made.execute(f"ATTACH '{quoted}' AS sized (BLOCK_SIZE {size})")
+            made.close()
+        return attach(self, con, path)
+
+    catalog.CatalogWriter._attach = sized  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        catalog.CatalogWriter._attach = attach  # type: ignore[method-assign]
+
+
+def _ops_row_groups(path: Path) -> int:
+    import duckdb
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        ((n,),) = con.execute(
+            "SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('ops')"
+        ).fetchall()
+        return int(n)
+    finally:
+        con.close()
+
+
+#: DuckDB's row group size (its ``ROW_GROUP_SIZE`` default): rows a row group holds.
+_DUCKDB_ROW_GROUP = 122_880
+
+
+def row_groups(root: Path, where: Path, rounds: int, factor: int = 8) -> dict[str, float]:
+    """DuckDB alone (:class:`DuckDBAlone`: the last run's rows committed, nothing of
+    tracelake) into two copies of the catalog of the store at ``root``, alternately: the
+    catalog as it is, and its rows rewritten with row groups ``factor`` times DuckDB's
+    default (:data:`_DUCKDB_ROW_GROUP`): the same rows and about the same file in fewer row groups.
+    Each commit is checkpointed at its ``COMMIT``, as a writer's commit of rows past
+    ``catalog.LOG_BYTES`` (a 1,000-op run's) is.
+    Medians of the commits' thread CPU, and the row groups of ``ops`` in each copy."""
+    import duckdb
+
+    where.mkdir(parents=True, exist_ok=True)
+    packed = where / "packed"
+    packed.mkdir(exist_ok=True)
+    target = packed / "catalog.duckdb"
+    for stale in (target, target.with_name(target.name + ".wal")):
+        stale.unlink(missing_ok=True)
+    con = duckdb.connect(":memory:")
+    con.execute(f"ATTACH '{root / 'catalog.duckdb'}' AS src (READ_ONLY)")
+    con.execute(f"ATTACH '{target}' AS packed (ROW_GROUP_SIZE {_DUCKDB_ROW_GROUP * factor})")
+    con.execute("USE packed")
+    schema.create_schema(con)
+    for table in schema.TABLES:
+        con.execute(f"INSERT INTO packed.{table} BY NAME SELECT * FROM src.{table}")
+    con.execute("USE memory")
+    con.execute("DETACH packed")
+    con.close()
+    copies = {"as is": DuckDBAlone(root, where), "packed": DuckDBAlone(packed, packed)}
+    for alone in copies.values():  # (no merges: a writer's checkpoints merge only at
+        # every catalog.VACUUM_EVERY-th)
+        alone.con.execute("SET max_vacuum_tasks = 0")
+    cpu: dict[str, list[float]] = {k: [] for k in copies}
+    for i in range(rounds + 2):  # (the first two rounds warm up)
+        for which, alone in copies.items():
+            start = time.thread_time()
+            alone.commit(checkpoint=True)
+            if i >= 2:
+                cpu[which].append(time.thread_time() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in cpu.items()} | {
+        f"{k} row groups": float(_ops_row_groups(alone.path)) for k, alone in copies.items()
+    }
+
+
 def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
     """Make ``root`` a store of ``runs`` runs quickly, for ``--against``: one chain run
     recorded in a batch (statistics, no tensors), its rows committed again as further
@@ -448,19 +544,50 @@ def main(argv: list[str] | None = None) -> None:
         help="only this: readers' latency with DuckDB's log at its bound against none "
         "(--runs chain runs of --ops ops, statistics only; --rounds rounds)",
     )
+    parser.add_argument(
+        "--row-groups",
+        default=None,
+        help="only this: DuckDB alone committing a run's rows into a copy of the catalog of "
+        "the store at ROW_GROUPS (a --fill store) and into a copy of the same rows in "
+        "row groups 8x DuckDB's default, alternately (--rounds rounds)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="catalogs the command creates (--fill's, --against's new store, ...) get DuckDB "
+        "blocks of this many bytes (16384 to 262144, a power of two; default: DuckDB's 262144)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load {os.getloadavg()[0]:.2f} at the start")
-    if args.fill:
-        seconds = fill(Path(args.fill), args.runs, args.ops)
-        print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
+    if args.row_groups:
+        where = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
+        r = row_groups(Path(args.row_groups), where, args.rounds)
+        print(
+            f"DuckDB alone, a run's rows committed and checkpointed, {args.rounds} interleaved "
+            "rounds (thread CPU, medians):"
+        )
+        for which in ("as is", "packed"):
+            print(
+                f"  {which:<7} ops in {int(r[f'{which} row groups']):>4} row groups: "
+                f"{r[which]:6.2f} ms"
+            )
+        print(f"  as is / packed: {r['as is'] / r['packed']:.2f}x")
+        if args.dir is None:
+            shutil.rmtree(where, ignore_errors=True)
         return
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
-    try:
-        measure(args, base)
-    finally:
-        if args.dir is None:  # its own temporary directory (left, /tmp fills)
-            shutil.rmtree(base, ignore_errors=True)
+    with _block_size(args.block_size):
+        if args.fill:
+            seconds = fill(Path(args.fill), args.runs, args.ops)
+            print(f"{args.fill}: {args.runs} runs of {args.ops} ops in {seconds:.1f} s")
+            return
+        base = Path(args.dir or tempfile.mkdtemp(prefix="tl-many-"))
+        try:
+            measure(args, base)
+        finally:
+            if args.dir is None:  # its own temporary directory (left, /tmp fills)
+                shutil.rmtree(base, ignore_errors=True)
 
 
 def measure(args: argparse.Namespace, base: Path) -> None:
