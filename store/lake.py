@@ -39,11 +39,11 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import duckdb
@@ -61,12 +61,24 @@ from .catalog import (
     RECORDING,
     CatalogMirror,
     CatalogWriter,
+    StagedRun,
+    _at_run_ids,
+    _concat,
     _now,
     run_table_views,
 )
 from .layout import StorePaths
-from .schema import TABLES, accept_rows, create_schema, insert, present_columns, select_list
-from .store import Store
+from .schema import (
+    RUN_TABLES,
+    TABLES,
+    accept_rows,
+    arrow_schema,
+    create_schema,
+    insert,
+    present_columns,
+    select_list,
+)
+from .store import Batch, Store
 
 __all__ = ["LEASE_SECONDS", "LakeCatalog", "LakeMirror", "LakeStore", "open_lake"]
 
@@ -235,25 +247,65 @@ def runs_sql(present: dict[str, set[str]], leases: bool) -> str:
     return _RUNS_SQL.format(columns=columns, leases=extra, **_STATUSES)
 
 
+#: What registering a run asks (``LakeCatalog.reserve``), in one statement: whether
+#: its name is a complete run's (the newest commit of a name not deleted nor collected:
+#: ``_complete``), whether a live writer records one of that name (a lease current and
+#: recording, no ``runs`` row yet), and whether the id drawn is used by a run or a lease.
+_RESERVE_SQL = """
+SELECT
+  (SELECT count(*) FROM runs WHERE name = ? AND id NOT IN (SELECT run_id FROM tombstones)
+     AND id NOT IN (SELECT run_id FROM collected)),
+  (SELECT count(*) FROM (SELECT run_id FROM leases WHERE name = ?
+     AND run_id NOT IN (SELECT id FROM runs) GROUP BY run_id
+     HAVING max(expires) > ? AND bool_and(state = ?))),
+  (SELECT count(*) FROM runs WHERE id = ?) + (SELECT count(*) FROM leases WHERE run_id = ?)
+"""
+
+
 class Lease:
-    """A registered run's lease: renewed by a thread of its own until ``close()``."""
+    """Registered runs' leases: renewed together, in one transaction, by a thread of
+    their own until ``close()``; a run's own, or a batch's runs' (each :meth:`add`-ed
+    as it begins and :meth:`drop`-ped once committed or failed)."""
 
     def __init__(self, catalog: LakeCatalog, run_id: int, name: str):
-        self._catalog, self.run_id, self.name = catalog, run_id, name
+        self._catalog = catalog
+        self._runs = {run_id: name}
+        self._runs_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="tracelake-lease", daemon=True)
         self._thread.start()
 
+    def add(self, run_id: int, name: str) -> None:
+        with self._runs_lock:
+            self._runs[run_id] = name
+
+    def drop(self, run_id: int) -> None:
+        with self._runs_lock:
+            self._runs.pop(run_id, None)
+
     def _renew(self) -> None:
         period = lease_seconds() / 3
         while not self._stop.wait(period):
+            with self._runs_lock:
+                runs = list(self._runs.items())
             with contextlib.suppress(Exception):  # the next renewal, or the commit, says
-                self._catalog._lease(self.run_id, self.name, RECORDING)
+                self._catalog._renew(runs)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+class _Member:
+    """A batch's run's share of the batch's :class:`Lease`: closing it (the run
+    committed or failed) stops renewing that run's lease alone."""
+
+    def __init__(self, lease: Lease, run_id: int):
+        self._lease, self._run_id = lease, run_id
+
+    def close(self) -> None:
+        self._lease.drop(self._run_id)
 
 
 class LakeCatalog(CatalogWriter):
@@ -296,9 +348,16 @@ class LakeCatalog(CatalogWriter):
                 raise
 
     def _lease(self, run_id: int, name: str, state: str, error: str | None = None) -> None:
-        """Insert a lease row (a renewal, or the run's end: ``failed``)."""
+        """Insert a lease row (the run's end: ``failed``)."""
         with self.transaction() as con:
             self._insert_lease(con, run_id, name, state, error)
+
+    def _renew(self, runs: list[tuple[int, str]]) -> None:
+        """Renew the leases of ``runs`` (id, name), in one transaction."""
+        if runs:
+            with self.transaction() as con:
+                for run_id, name in runs:
+                    self._insert_lease(con, run_id, name, RECORDING)
 
     @staticmethod
     def _insert_lease(
@@ -336,37 +395,35 @@ class LakeCatalog(CatalogWriter):
         return [] if row is None else [int(row[0])]
 
     @guarded("cannot register the run in the catalog")
-    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, Any]:
+    def reserve(
+        self, name: str, overwrite: bool, info: dict[str, Any], lease: Lease | None = None
+    ) -> tuple[int, Lease]:
         """Register a run: a new random id, unused by any run or lease, and its first
-        lease (renewed until the run commits or fails), in one transaction."""
+        lease (renewed until the run commits or fails), in one transaction; return the
+        id and its :class:`Lease` (``lease``'s, where given: a batch's, which renews it
+        from now on)."""
         created = _now()
         meta = {k: info.get(k) for k in ("model_class", "torch_version", "meta")}
         with self.transaction() as con:
-            clash = self._complete(con, name)
-            live = con.execute(
-                "SELECT run_id FROM leases WHERE name = ? AND run_id NOT IN "
-                "(SELECT id FROM runs) GROUP BY run_id "
-                "HAVING max(expires) > ? AND bool_and(state = ?)",
-                [name, created, RECORDING],
-            ).fetchall()
-            if (clash or live) and not overwrite:
-                what = COMPLETE if clash else RECORDING
-                raise RunExistsError(
-                    f"the store already has a run named {name!r} ({what}); choose "
-                    "another name, or pass overwrite=True to replace it"
-                )
-            while True:
+            while True:  # (one statement a try: each costs the lake's round trips)
                 run_id = _ID_LOW + secrets.randbelow(_ID_HIGH - _ID_LOW)
-                used = con.execute(
-                    "SELECT count(*) FROM (SELECT id FROM runs WHERE id = ? UNION ALL "
-                    "SELECT run_id FROM leases WHERE run_id = ?)",
-                    [run_id, run_id],
-                ).fetchone()
-                if used is not None and not used[0]:
+                ((clash, live, used),) = con.execute(
+                    _RESERVE_SQL, [name, name, created, RECORDING, run_id, run_id]
+                ).fetchall()
+                if (clash or live) and not overwrite:
+                    what = COMPLETE if clash else RECORDING
+                    raise RunExistsError(
+                        f"the store already has a run named {name!r} ({what}); choose "
+                        "another name, or pass overwrite=True to replace it"
+                    )
+                if not used:
                     break
             self._insert_lease(con, run_id, name, RECORDING, info=meta)
         self._reserved[run_id] = {**meta, "created": created}
-        return run_id, Lease(self, run_id, name)
+        if lease is None:
+            return run_id, Lease(self, run_id, name)
+        lease.add(run_id, name)
+        return run_id, lease
 
     @guarded("cannot commit the run to the catalog")
     def commit(
@@ -378,66 +435,132 @@ class LakeCatalog(CatalogWriter):
         summary: dict[str, Any],
     ) -> dict[str, Any]:
         """Insert the run's rows and its ``runs`` row in one transaction."""
-        import pyarrow as pa
-
-        from .schema import RUN_TABLES, arrow_schema
-
-        info = self._reserved.pop(run_id, {})
-        with self.transaction() as con:
-            clash = [i for i in self._complete(con, name) if i != run_id]
-            if clash and not overwrite:
-                raise RunExistsError(
-                    f"a run named {name!r} was committed while this one was recording; "
-                    "pass overwrite=True to replace it"
-                )
-            # a healthy writer renewed within the last third of the lease: one with less
-            # than a third left stalled, and gc() may be about to judge it dead
-            margin = _now() + timedelta(seconds=lease_seconds() / 3)
-            row = con.execute(
-                "SELECT count(*), count(*) FILTER (WHERE state != ?), "
-                "coalesce(max(expires) > ?, false) FROM leases WHERE run_id = ?",
-                [RECORDING, margin, run_id],
-            ).fetchone()
-            taken = con.execute("SELECT count(*) FROM runs WHERE id = ?", [run_id]).fetchone()
-            if row is None or not row[0] or row[1] or (taken and taken[0]):
-                raise StoreError(f"run {name!r} (id {run_id}) has no lease of its own to commit")
-            if not row[2]:
-                raise StoreError(
-                    f"run {name!r}'s lease expired before its commit (its writer stalled "
-                    f"for over {lease_seconds():g} s), so gc() may have removed its "
-                    "arrays: record it again"
-                )
-            for table in RUN_TABLES:
-                data = tables.get(table)
-                if data is not None:
-                    insert(con, table, data)
-            values = {
-                "id": run_id,
-                "name": name,
-                "status": COMPLETE,
-                "created": info.get("created", _now()),
-                "finished": _now(),
-                "steps": summary["steps"],
-                "op_count": summary["op_count"],
-                "bytes": summary["bytes"],
-                "model_class": info.get("model_class"),
-                "param_fingerprint": summary.get("param_fingerprint"),
-                "input_fingerprint": summary.get("input_fingerprint"),
-                "torch_version": info.get("torch_version"),
-                "device": summary.get("device"),
-                "meta": json.dumps(info.get("meta")),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "error": None,
-                "seq": time.time_ns() // 1000,
-            }
-            runs = pa.Table.from_pylist([values], schema=arrow_schema(TABLES["runs"]))
-            insert(con, "runs", runs)
-        return values
+        staged = StagedRun(Path(str(run_id)), name, overwrite, _now(), {}, tables, summary)
+        return self._commit_runs([staged])[0]
 
     @guarded("cannot commit the batch's runs to the catalog")
-    def commit_batch(self, runs: list[Any], built: Any = ()) -> list[dict[str, Any]]:
-        raise StoreError("store.batch() is not available on a DuckLake catalog yet")
+    def commit_batch(
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
+        """Insert the rows of a batch's registered runs (each ``staged`` directory is
+        named by its id) and their ``runs`` rows in one transaction: one data file a
+        table for the batch, not one a run. ``built``: tables of several of the runs at
+        once, whose ``run_id`` holds each row's run's position in ``runs``."""
+        return self._commit_runs(runs, built)
+
+    def _commit_runs(
+        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
+        import pyarrow as pa
+
+        ids = [int(run.staged.name) for run in runs]
+        infos = [self._reserved.pop(run_id, {}) for run_id in ids]
+        incoming: dict[str, list[Any]] = {table: [] for table in RUN_TABLES}
+        for run in runs:
+            for table, data in run.tables.items():
+                if data is not None and data.num_rows:
+                    incoming[table].append(data)
+        for tables in built:
+            for table, data in tables.items():
+                if data is not None and data.num_rows:
+                    incoming[table].append(_at_run_ids(data, ids))
+        with self.transaction() as con:
+            self._check_commits(con, runs, ids)
+            for table, parts in incoming.items():
+                if parts:
+                    insert(con, table, _concat(parts))
+            first = time.time_ns() // 1000
+            rows = [
+                self._runs_row(run, run_id, info, first + k)
+                for k, (run, run_id, info) in enumerate(zip(runs, ids, infos, strict=True))
+            ]
+            insert(con, "runs", pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"])))
+        return rows
+
+    def _check_commits(
+        self, con: duckdb.DuckDBPyConnection, runs: list[StagedRun], ids: list[int]
+    ) -> None:
+        """That the registered runs (``ids``) may commit now, with three queries however
+        many they are: no name taken since they began (unless ``overwrite``; a name twice
+        in the batch, only with ``overwrite`` on the later), and each one's lease its own
+        and healthy."""
+        names = sorted({run.name for run in runs})
+        taken_names = {
+            name
+            for (name,) in con.execute(
+                "SELECT DISTINCT name FROM runs WHERE name IN (SELECT unnest(?::VARCHAR[])) "
+                "AND id NOT IN (SELECT run_id FROM tombstones) "
+                "AND id NOT IN (SELECT run_id FROM collected)",
+                [names],
+            ).fetchall()
+        }
+        # a healthy writer renewed within the last third of the lease: one with less
+        # than a third left stalled, and gc() may be about to judge it dead
+        margin = _now() + timedelta(seconds=lease_seconds() / 3)
+        leases = {
+            int(run_id): (int(n), int(ended), bool(healthy))
+            for run_id, n, ended, healthy in con.execute(
+                "SELECT run_id, count(*), count(*) FILTER (WHERE state != ?), "
+                "coalesce(max(expires) > ?, false) FROM leases "
+                "WHERE run_id IN (SELECT unnest(?::BIGINT[])) GROUP BY run_id",
+                [RECORDING, margin, ids],
+            ).fetchall()
+        }
+        committed = {
+            int(i)
+            for (i,) in con.execute(
+                "SELECT id FROM runs WHERE id IN (SELECT unnest(?::BIGINT[]))", [ids]
+            ).fetchall()
+        }
+        named: set[str] = set()
+        for run, run_id in zip(runs, ids, strict=True):
+            if run.name in named and not run.overwrite:
+                raise RunExistsError(
+                    f"this batch recorded two runs named {run.name!r}; pass "
+                    "overwrite=True to the later to replace the earlier"
+                )
+            if run.name in taken_names and run.name not in named and not run.overwrite:
+                raise RunExistsError(
+                    f"a run named {run.name!r} was committed while this one was recording; "
+                    "pass overwrite=True to replace it"
+                )
+            named.add(run.name)
+            n, ended, healthy = leases.get(run_id, (0, 0, False))
+            if not n or ended or run_id in committed:
+                raise StoreError(
+                    f"run {run.name!r} (id {run_id}) has no lease of its own to commit"
+                )
+            if not healthy:
+                raise StoreError(
+                    f"run {run.name!r}'s lease expired before its commit (its writer "
+                    f"stalled for over {lease_seconds():g} s), so gc() may have removed "
+                    "its arrays: record it again"
+                )
+
+    @staticmethod
+    def _runs_row(run: StagedRun, run_id: int, info: dict[str, Any], seq: int) -> dict[str, Any]:
+        """The ``runs`` row of a committed run (``info``: what its registration kept)."""
+        summary = run.summary
+        return {
+            "id": run_id,
+            "name": run.name,
+            "status": COMPLETE,
+            "created": info.get("created", _now()),
+            "finished": _now(),
+            "steps": summary["steps"],
+            "op_count": summary["op_count"],
+            "bytes": summary["bytes"],
+            "model_class": info.get("model_class"),
+            "param_fingerprint": summary.get("param_fingerprint"),
+            "input_fingerprint": summary.get("input_fingerprint"),
+            "torch_version": info.get("torch_version"),
+            "device": summary.get("device"),
+            "meta": json.dumps(info.get("meta")),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "error": None,
+            "seq": seq,
+        }
 
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
@@ -624,11 +747,43 @@ class LakeMirror(CatalogMirror):
         self._scratch.cleanup()
 
 
+class LakeBatch(Batch):
+    """``store.batch()`` on a DuckLake catalog. Each run registers as it begins (an id
+    and a lease, as a run on its own: ``LakeCatalog.reserve``), one thread renewing the
+    leases of all the batch's runs; its arrays go to the object store as it records
+    (durable as each write returns); the batch commits every run's rows in one DuckLake
+    transaction: one data file a table for the batch, where runs on their own make one
+    a run each. A crash before that commit loses the open batch's runs, whose leases
+    then expire and ``gc()`` removes their arrays, as a lone run's."""
+
+    def __init__(self, store: Store):
+        super().__init__(store)
+        self._lease: Lease | None = None
+
+    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, Any]:
+        self._refuse_taken(name, overwrite)  # (the lake's complete runs: reserve checks)
+        catalog = cast(LakeCatalog, self.store._catalog)
+        run_id, lease = catalog.reserve(name, overwrite, info, self._lease)
+        self._lease = lease
+        self._names.add(name)
+        return run_id, _Member(lease, run_id)
+
+    def _durable(self, runs: list[StagedRun]) -> list[int]:
+        return [self.store._durable(run.staged) for run in runs]
+
+    def _let_go(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
+
+
 class LakeStore(Store):
     """A store whose catalog is a DuckLake and whose arrays are objects under the same
     URL (``URL/runs/<id>/``, the local store's Zarr v3 layout): the local store's API,
     with the catalog's operations on the lake and no files of its own on local disk
     (runs register with an empty scratch directory, made and removed by this process)."""
+
+    _batch_class = LakeBatch
 
     def __init__(
         self,
@@ -684,11 +839,6 @@ class LakeStore(Store):
         if self._mirror is None:
             self._mirror = LakeMirror(*self._args)
         return self._mirror
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[Any]:
-        raise StoreError("store.batch() is not available on a DuckLake catalog yet")
-        yield  # (a generator: the error comes at `with`)
 
     def arrays(self, run_id: int, name: str | None = None, created: Any = None) -> Any:
         from .tensors import RunArrays

@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tracelake.errors import (
     ConcurrentRecordingError,
@@ -322,7 +322,8 @@ class Recording:
         self._progress: Progress | None = None
         self._steps: list[tuple[OpTable, list[Any], StoreEmitter]] = []
         self._writer: TensorWriter | None = None
-        self._lock: io.FileIO | None = None  # the run's writing lock, held
+        #: The run's writing lock, held (on DuckLake: its lease, renewed); closed to let go.
+        self._lock: io.FileIO | Held | None = None
         self._hooks: list[Any] = []
         self._eager: EagerStance | None = None
         # the step the model's own hooks started: (recording, table, emitter, args, kwargs)
@@ -371,8 +372,9 @@ class Recording:
         # runs then, so no __exit__ will.
         try:
             _OPEN.add(self)
-            if batch is None and not self.store._catalog.stages_runs:  # (DuckLake's)
-                self.run_id, self._lock = self._lake.reserve(self.name, self._overwrite, info)
+            if not self.store._catalog.stages_runs:  # (DuckLake's: registered first)
+                reserve = self._lake.reserve if batch is None else batch.reserve
+                self.run_id, self._lock = reserve(self.name, self._overwrite, info)
                 self._dir = self.store.paths.run_dir(self.run_id)
             else:  # a directory of its own, no catalog transaction before its commit's
                 stage = self.store._stage if batch is None else batch.stage
@@ -892,11 +894,11 @@ class Recording:
         try:
             if self._writer is not None:
                 self._writer.abort()
-            if self._batch is not None:  # nothing in the catalog: just its directory
+            if self.run_id >= 0:  # registered (DuckLake's)
+                self._lake.set_status(self.run_id, FAILED, reason)
+            elif self._batch is not None:  # nothing in the catalog: just its directory
                 if self._lock is not None:
                     self.store._remove_dir(self._dir)
-            elif self.run_id >= 0:
-                self._lake.set_status(self.run_id, FAILED, reason)
             elif self._lock is not None:  # staged: listed failed until gc() removes it
                 write_staged(self._dir, self._about(reason or "failed"))
         except (StoreError, OSError) as exc:
@@ -924,6 +926,12 @@ class Recording:
                 lock.close()
 
 
+class Held(Protocol):
+    """What a run holds while it records and lets go of by ``close()``."""
+
+    def close(self) -> None: ...
+
+
 #: A batch builds the op tables of its runs of up to this many ops together (each
 #: Arrow conversion has a fixed cost, which per run dominates a run of a few ops)...
 DEFERRED_RUN_OPS = 2_000
@@ -940,7 +948,7 @@ class Batch:
 
     def __init__(self, store: Store):
         self.store = store
-        self._staged: list[tuple[StagedRun, io.FileIO]] = []
+        self._staged: list[tuple[StagedRun, Held]] = []
         #: Small runs' op tables, built together (``rows.runs_tables``; ``run_id``: the
         #: run's position in ``_staged``), with those positions; and about how many ops
         #: wait to be built (a run whose ``steps`` are set and no group holds).
@@ -959,16 +967,26 @@ class Batch:
         #: The runs committed, in order (after the block).
         self.names: list[str] = []
 
+    def _refuse_taken(self, name: str, overwrite: bool, complete: Collection[str] = ()) -> None:
+        """``RunExistsError`` for a name this batch took already, or one of ``complete``
+        (unless ``overwrite``)."""
+        if not overwrite and (name in self._names or name in complete):
+            raise RunExistsError(
+                f"the store already has a run named {name!r} (or this batch does); choose "
+                "another name, or pass overwrite=True to replace it"
+            )
+
+    def reserve(self, name: str, overwrite: bool, info: dict[str, Any]) -> tuple[int, Any]:
+        """Register run ``name`` where the catalog registers runs as they begin (DuckLake:
+        :class:`.lake.LakeBatch`); a local catalog stages them instead (:meth:`stage`)."""
+        raise NotImplementedError
+
     def stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
         """A new directory for run ``name`` in the batch's, and its writing lock (the
         open file: the batch's lock, shared, so closing it lets nothing go). A name
         already complete in the store, or taken earlier in this batch, is refused here
         (unless ``overwrite``), not only at the commit."""
-        if not overwrite and (name in self._names or name in self._complete()):
-            raise RunExistsError(
-                f"the store already has a run named {name!r} (or this batch does); choose "
-                "another name, or pass overwrite=True to replace it"
-            )
+        self._refuse_taken(name, overwrite, () if overwrite else self._complete())
         lock = self._lock if self._lock is not None else self._open()
         assert self._dir is not None
         staged = self._dir / str(self._made)
@@ -986,6 +1004,10 @@ class Batch:
         take its writing lock."""
         self._dir, self._lock = self.store._staged_dir("the batch's runs")
         return self._lock
+
+    def _durable(self, runs: list[StagedRun]) -> list[int]:
+        """Make the runs' files durable, all at once; return each one's bytes."""
+        return durable_trees([run.staged for run in runs])
 
     def _let_go(self) -> None:
         """Remove the batch's directory if no run is left in it (all committed or
@@ -1042,7 +1064,7 @@ class Batch:
                 arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
                 run._bind(info, arrays, self.store._run_query(info["id"]))
 
-    def add(self, run: StagedRun, lock: io.FileIO) -> None:
+    def add(self, run: StagedRun, lock: Held) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
         directory's writing lock, released after the commit)."""
         self._staged.append((run, lock))  # (first: a Ctrl-C after it leaves it the batch's)
@@ -1086,7 +1108,7 @@ class Batch:
             built = [tables for _, tables in self._built]
             runs = [run for run, _ in staged]
             with _os_errors("cannot make the batch's runs durable"):
-                for run, nbytes in zip(runs, durable_trees([r.staged for r in runs]), strict=True):
+                for run, nbytes in zip(runs, self._durable(runs), strict=True):
                     run.summary["bytes"] = nbytes
             rows = self.store._catalog.commit_batch(runs, built)
             self.names += [run.name for run in runs]
@@ -1107,6 +1129,9 @@ class Store:
     ``store[name]`` reads it back (a :class:`Run`, lazily); ``store.runs()`` lists runs.
     Several processes may record into one store at once while others read it.
     """
+
+    #: What ``batch()`` makes (a DuckLake store's registers its runs as they begin).
+    _batch_class: type[Batch] = Batch
 
     def __init__(
         self,
@@ -1272,7 +1297,7 @@ class Store:
         id before); afterwards ``batch.names`` lists the committed runs."""
         if self._batch is not None:
             raise StoreError("a batch is already open on this store; batches do not nest")
-        batch = self._batch = Batch(self)
+        batch = self._batch = self._batch_class(self)
         try:
             yield batch
         finally:

@@ -116,6 +116,22 @@ def _opening(lake: dict[str, object]) -> str:
     )
 
 
+def _killed_once_recorded(lake: dict[str, object], script: str) -> set[str]:
+    """Run the writer ``script`` in a process of its own, SIGKILL it once it printed
+    "recorded"; return the run prefixes it left in the bucket."""
+    _open(lake).runs()  # (makes the lake's tables)
+    env = dict(os.environ, TRACELAKE_LEASE_SECONDS=str(LEASE))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "recorded"
+        return _run_prefixes(lake)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_clear_error_without_the_extra(servers: tuple[str, str]) -> None:
     """Where the ducklake extra is missing (the default install's DuckDB 2), opening a
     store with a PostgreSQL catalog says which extra to install."""
@@ -226,17 +242,7 @@ with torch.no_grad(), store.recording("victim", model) as rec:
     print("recorded", flush=True)
     time.sleep(120)
 """
-    _open(lake).runs()  # (makes the lake's tables)
-    env = dict(os.environ, TRACELAKE_LEASE_SECONDS=str(LEASE))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "recorded"
-        assert _run_prefixes(lake), "the writer had written objects"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    assert _killed_once_recorded(lake, script), "the writer had written objects"
     store = _open(lake)
     assert list(store) == []
     with pytest.raises(tl.RunNotFoundError):
@@ -250,6 +256,73 @@ with torch.no_grad(), store.recording("victim", model) as rec:
     assert store.gc()["runs"] == 1
     assert not _run_prefixes(lake)
     assert store.runs(all=True)["status"].tolist() == []
+
+
+@needs_lake
+def test_a_batch_commits_its_runs_in_one_transaction(lake: dict[str, object]) -> None:
+    """store.batch() on DuckLake: runs register as they begin and become visible together
+    when the block ends, bitwise as recorded, with one data file a table for the whole
+    batch; a name taken twice is refused; a run that raised is failed and the others
+    commit; gc() collects what the failed run wrote."""
+    import torch
+    from test_aggregate import Tower, _inputs, _plain
+
+    store = _open(lake)
+    model = Tower()
+    store.runs()  # (makes the lake's tables)
+    empty = set(_objects(lake, "catalog/"))
+    with torch.no_grad():
+        store.record(model, *_inputs(1), name="before")
+    files = set(_objects(lake, "catalog/"))
+    one_run = len(files - empty)  # the data files a run on its own adds
+    reader = _open(lake, create=False)
+    with torch.no_grad(), store.batch() as batch:
+        tiny = torch.nn.Linear(4, 4)
+        for k in range(5):
+            store.record(tiny, torch.full((2, 4), float(k)), name=f"tiny{k}")
+        store.record(model, *_inputs(2), name="tower")
+        with pytest.raises(tl.RunExistsError):
+            store.record(tiny, torch.ones(2, 4), name="tiny0")
+        store.record(tiny, torch.ones(2, 4), name="tiny0", overwrite=True)
+        with pytest.raises(RuntimeError, match="boom"), store.recording("broken", tiny) as rec:
+            rec.record(tiny, torch.ones(2, 4))
+            raise RuntimeError("boom")
+        assert list(reader) == ["before"]  # nothing of the batch is visible yet
+        assert set(_objects(lake, "catalog/")) == files
+    assert batch.names == [f"tiny{k}" for k in range(5)] + ["tower", "tiny0"]
+    assert sorted(reader) == ["before", *(f"tiny{k}" for k in range(5)), "tower"]
+    added = set(_objects(lake, "catalog/")) - files
+    assert 0 < len(added) <= one_run, (len(added), one_run)  # seven runs, one commit
+    for k in range(5):
+        x = torch.ones(2, 4) if k == 0 else torch.full((2, 4), float(k))
+        assert_bitwise(reader[f"tiny{k}"]["linear_1_1"].out, tiny(x).detach(), f"tiny{k}")
+    tanh = reader.query("select out from ops where run = 'tower' and func = 'tanh'").stack()
+    assert_bitwise(tanh, torch.stack(_plain(model, 2)["tanh"]), "tower")
+    statuses = store.runs(all=True).set_index("name")["status"].to_dict()
+    assert statuses["broken"] == "failed"
+    assert store.gc()["runs"] == 2  # the failed run, and the first tiny0 (replaced)
+    assert store.verify().ok
+
+
+@needs_lake
+def test_a_killed_batch_loses_its_runs_and_gc_collects_them(lake: dict[str, object]) -> None:
+    script = f"""
+import sys, time, torch, tracelake as tl
+store = {_opening(lake)}
+model = torch.nn.Linear(4, 4)
+with torch.no_grad(), store.batch():
+    for k in range(3):
+        store.record(model, torch.randn(2, 4), name=f"lost{{k}}")
+    print("recorded", flush=True)
+    time.sleep(120)
+"""
+    assert len(_killed_once_recorded(lake, script)) == 3, "the runs had written arrays"
+    store = _open(lake)
+    assert list(store) == []
+    time.sleep(LEASE + 0.5)
+    assert store.runs(all=True)["status"].tolist() == ["interrupted"] * 3
+    assert store.gc()["runs"] == 3
+    assert not _run_prefixes(lake)
 
 
 WRITER = (
