@@ -31,7 +31,10 @@ fall while the run gets faster: ``x raw, saved`` is the rate of keeping the acti
 a dump of every one of them being what the raw write stands for); below the tables,
 the process's CPU time per sample (``getrusage``: every thread, the writer's included;
 steadier than wall time on a loaded machine), and a tracelake sample's by thread (the
-forward thread, the writer's workers, the rest: ``/proc/self/task/*/schedstat``).
+forward thread, the writer's workers, the rest: ``/proc/self/task/*/schedstat``), and the
+calling (forward) thread's time off a core a sample, split into waiting for one (runnable:
+the machine's other work, or the writer's threads, had the cores) and blocked (asleep: the
+GIL, locks, the disk), which says whether a slow sample lacked cores or waited on itself.
 Targets from the store issue: large tensors (the wide model) >= 0.7x raw; >= 20,000
 small ops per second end to end; mid-size tensors (GPT-2) >= 0.8x raw (printed for
 both rates).
@@ -122,6 +125,9 @@ class Condition:
     after: Callable[[Path], None] | None = None  # untimed, before the directory goes
     phases: dict[str, list[float]] = field(default_factory=dict)  # tracelake's, by phase
     threads: dict[str, list[float]] = field(default_factory=dict)  # CPU s, by thread
+    # the calling (forward) thread's seconds a sample waiting for a core (runnable, on
+    # the run queue) and blocked (asleep: the GIL, locks, the disk), where Linux says
+    waits: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
@@ -293,6 +299,17 @@ def _thread_cpu() -> dict[int, float]:
     return out
 
 
+def _this_thread() -> tuple[float, float] | None:
+    """This thread's CPU seconds and seconds spent runnable but waiting for a core, so
+    far (Linux's ``/proc/thread-self/schedstat``; None elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run, delay = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(run) / 1e9, int(delay) / 1e9
+
+
 def _by_thread(before: dict[int, float], after: dict[int, float], total: float) -> dict:
     """A sample's CPU by thread: the forward's (the main thread: registration, forward,
     commit), the writer's workers, and the rest (threads that ended during the sample:
@@ -317,11 +334,15 @@ def _by_thread(before: dict[int, float], after: dict[int, float], total: float) 
 def sample(cond: Condition, root: Path) -> tuple[float, int]:
     where = Path(tempfile.mkdtemp(dir=root))
     try:
-        threads = _thread_cpu()
+        threads, mine = _thread_cpu(), _this_thread()
         cpu, start = _cpu(), time.perf_counter()
         nbytes = cond.run(where)
         seconds = time.perf_counter() - start
         cond.cpu.append(_cpu() - cpu)
+        now = _this_thread()
+        if mine is not None and now is not None:
+            ran, waited = now[0] - mine[0], now[1] - mine[1]
+            cond.waits.append((waited, max(seconds - ran - waited, 0.0)))
         if threads and cond.name.startswith("tracelake"):
             for key, used in _by_thread(threads, _thread_cpu(), cond.cpu[-1]).items():
                 cond.threads.setdefault(key, []).append(used)
@@ -346,6 +367,7 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
             cond.cpu.clear()
             cond.saved.clear()
             cond.threads.clear()
+            cond.waits.clear()
         ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         saved_ratios: dict[str, list[float]] = {c.name: [] for c in conds}
         for r in range(repeats):
@@ -381,6 +403,11 @@ def measure(name: str, repeats: int, root: Path) -> list[dict[str, Any]]:
                 "cpu": statistics.median(cond.cpu),
                 "phases": {k: statistics.median(v) for k, v in cond.phases.items()},
                 "threads": {k: statistics.median(v) for k, v in cond.threads.items()},
+                "waits": (
+                    tuple(statistics.median(w[k] for w in cond.waits) for k in range(2))
+                    if cond.waits
+                    else None
+                ),
             }
         )
     return rows
@@ -458,6 +485,15 @@ def breakdown(rows: list[dict[str, Any]]) -> str:
             f"{r['condition']} {r['cpu'] * 1e3:.0f}" for r in rows if r["model"] == model
         )
         out.append(f"{model}: CPU ms a sample (every thread): {cpu}")
+        waits = ", ".join(
+            f"{r['condition']} {r['waits'][0] * 1e3:.0f} / {r['waits'][1] * 1e3:.0f}"
+            for r in rows
+            if r["model"] == model and r["waits"] is not None
+        )
+        if waits:  # (a core: a machine this busy, or the writer's threads, took it)
+            out.append(
+                f"{model}: calling thread ms a sample, waiting for a core / blocked: {waits}"
+            )
     return "\n".join(out)
 
 
