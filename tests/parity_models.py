@@ -728,6 +728,25 @@ class PoolIndices(nn.Module):
         return self.unpool(y, indices).sum() + values * where + direct.sum()
 
 
+@model((1, 2, 8, 8))
+class DispatchedBranches(nn.Module):
+    # torch's boolean_dispatch functions run the branch their flag picks, which TorchLens
+    # sees the calls of: torch.unique records torch._unique2 (three outputs),
+    # AdaptiveMaxPool2d adaptive_max_pool2d_with_indices (two), lu torch._lu_with_info;
+    # unique(dim=) calls an unwrapped function, so it stays one op
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveMaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(x).flatten()
+        values, counts = torch.unique(y.round(), return_counts=True)
+        rows = torch.unique(x[0, 0].round(), dim=0).sum() + x.round().unique().sum()
+        lu = torch.functional.lu(y[:4].reshape(2, 2) + 4 * torch.eye(2))[0]
+        pooled = F.max_pool1d(y[None], 2).sum() + F.adaptive_max_pool1d(y[None], 2).sum()
+        return values.sum() * counts.sum() + rows + lu.sum() + pooled + y.sum()
+
+
 class _Biased(nn.Module):
     def __init__(self) -> None:
         super().__init__()
