@@ -28,6 +28,7 @@ from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTab
 from .held import held_tensors
 from .inputs import input_entries
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
+from .parents import FOREACH, zipped
 from .prune import renumber
 from .record import make_row
 
@@ -349,8 +350,12 @@ class Labeller:
         live = self._live
         root = live[_ROOT]
         shapes = self._shapes
+        # a torch._foreach_* call's outputs: each with its own members' parents
+        members = zipped(name, parents, where, len(tensors)) if name.startswith(FOREACH) else None
         i = 0
         for tensor in tensors:
+            if members is not None:
+                parents, where = members[i]
             index = len(rows)
             size = tensor.shape
             try:

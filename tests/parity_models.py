@@ -684,6 +684,26 @@ def _repeated_operands(x: torch.Tensor) -> torch.Tensor:
     return a + b + c
 
 
+@functional("ArgumentOrder", (4, 4))
+def _argument_order(x: torch.Tensor) -> torch.Tensor:
+    # TorchLens lists index_put's values before its indices and _foreach_add's second
+    # list before its first (its argument specs); a torch._foreach_* output's parents
+    # are its own members; an out= call's are crawled (each once, lists' members last)
+    i, j = x[0].argsort()[:2], x[1].argsort()[:2]
+    put = x.index_put((i,), x[:2] * 2) + torch.index_put(x, [i, j], x[0, :2], accumulate=True)
+    written = x.clone()
+    written.index_put_((j,), x[2:] * 3)
+    a, b = x * 2, x + 1
+    summed = torch._foreach_add([a, b], [b, a])
+    scaled = torch._foreach_addcmul([a, b], [x, a], [b, x], torch.tensor([0.5, 2.0]))
+    into = torch.zeros(8, 4)
+    torch.cat([x, a], out=into)
+    product = torch.zeros(4, 4)
+    torch.mm(x, x, out=product)
+    h, c = torch.lstm_cell(x, (a, b), x.repeat(4, 1), b.repeat(4, 1), x[0].repeat(4), None)
+    return put + written + sum(summed) + sum(scaled) + into[4:] + product + h + c
+
+
 @functional("ArgumentsHandedBack", (4, 4), (1, 4))
 def _handed_back(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # broadcast_tensors and atleast_2d return an argument itself inside their tuple where
