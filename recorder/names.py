@@ -102,6 +102,8 @@ _OPERATOR_CALLS = {
     ("remainder_", 19): "imod",
     ("sub_", 23): "isub",
     ("div_", 24): "idiv",
+    ("floor_divide_", 15): "ifloordiv",
+    ("pow_", 21): "ipow",
 }
 OPERATOR_FUNCS = frozenset(func for func, _ in _OPERATOR_CALLS)
 _OPERATOR_ARGS = frozenset(arg for _, arg in _OPERATOR_CALLS)

@@ -68,6 +68,8 @@ def _inplace_operators(x: torch.Tensor) -> torch.Tensor:
     y -= 0.5
     y /= 3
     y.add_(1).mul_(2)
+    y //= 0.5  # (through torch.floor_divide_ and pow_, named for the operator)
+    y **= 2
     return y
 
 
