@@ -99,12 +99,13 @@ def _writes_out(where: tuple[Any, ...]) -> bool:
 def _crawled(slots: list[tuple[int | str, int]], parents: tuple[int, ...]) -> list[int]:
     """The order of a crawl (breadth first, each entry once): top-level arguments,
     positional then keywords in call order, then the members of lists likewise."""
-    keywords = list(dict.fromkeys(slot for slot, _ in slots if slot.__class__ is str))
+    keywords = list(dict.fromkeys(slot for slot, _ in slots if isinstance(slot, str)))
 
     def level(at: int) -> tuple[bool, bool, int, int]:
         slot, member = slots[at]
-        keyword = slot.__class__ is str
-        return member >= 0, keyword, keywords.index(slot) if keyword else slot, member  # type: ignore[return-value]
+        if isinstance(slot, str):
+            return member >= 0, True, keywords.index(slot), member
+        return member >= 0, False, slot, member
 
     seen: set[int] = set()
     order = []
@@ -123,12 +124,12 @@ def _spec_order(
     spelled = [_key(keyword) for keyword in keywords]
     ranks = []
     for slot, member in slots:
-        if slot.__class__ is int:
+        if isinstance(slot, int):
             if slot not in positions:
                 return None
-            rank = positions.index(slot)  # type: ignore[arg-type]
+            rank = positions.index(slot)
         else:
-            key = _key(slot)  # type: ignore[arg-type]
+            key = _key(slot)
             if key not in spelled:
                 return None
             rank = len(positions) + spelled.index(key)
