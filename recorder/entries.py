@@ -128,6 +128,10 @@ def block_of(path: str) -> int | None:
     return None
 
 
+#: The kinds of entries listed after the other children of their parent.
+_LISTED_LAST = frozenset({"buffer", "output"})
+
+
 def _with(row: tuple, field: int, value: Any) -> tuple:
     """``row`` with the value at position ``field`` replaced."""
     return (*row[:field], value, *row[field + 1 :])
@@ -358,14 +362,16 @@ class OpTable:
         if self._children is None:
             kids: list[list[int]] = [[] for _ in self.rows]
             writes: list[tuple[int, int]] = []
+            outputs: list[tuple[int, int]] = []
             for child, row in enumerate(self.rows):
-                if row[KIND] == "buffer" and row[PARENTS]:
-                    writes.append((row[PARENTS][0], child))
+                if row[KIND] in _LISTED_LAST and row[PARENTS]:
+                    (writes if row[KIND] == "buffer" else outputs).append((row[PARENTS][0], child))
                     continue
                 for parent in row[PARENTS]:
                     kids[parent].append(child)
-            # As TorchLens lists them: the buffers a call wrote after its other children.
-            for parent, child in writes:
+            # As TorchLens lists them: the buffers a call wrote after its other children
+            # (it links them after the forward), and the model's outputs after those.
+            for parent, child in writes + outputs:
                 kids[parent].append(child)
             self._children = [tuple(dict.fromkeys(k)) for k in kids]
         return self._children[index]

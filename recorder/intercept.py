@@ -491,6 +491,7 @@ class _Mode(TorchFunctionMode):
         if writes.__class__ is not bool:
             if writes is None:  # see BUFFER_WRITERS
                 writes = False
+                self._before_write(name, args, kwargs or _NO_KWARGS)
             elif writes is _OPEN:
                 return self._open(func, name, args, kwargs or _NO_KWARGS)
             else:  # _HIDDEN

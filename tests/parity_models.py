@@ -418,6 +418,25 @@ class BatchNormEval(nn.Module):
         return self.bn(x).relu()
 
 
+@model((2, 3, 4, 4), train=True)
+class BatchNormTrain(nn.Module):
+    # in train mode BatchNorm adds 1 to num_batches_tracked and updates its running
+    # statistics: each buffer written gets a new entry, and the entries of the buffers
+    # read keep what they held before the write; so for a buffer written in place
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+        self.norm = nn.InstanceNorm1d(3, track_running_stats=True)
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("last", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x).relu()
+        self.ema.mul_(0.9).add_(y.mean((0, 2, 3)) * 0.1)
+        self.last.copy_(y.amax((0, 2, 3)))
+        return self.norm(y.flatten(2)).sum() + y * self.ema[:, None, None] + self.last.sum()
+
+
 @model((2, 4))
 class IdentityModule(nn.Module):
     def __init__(self) -> None:

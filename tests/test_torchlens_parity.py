@@ -70,9 +70,13 @@ def _our_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> Graph:
 def differences(model: torch.nn.Module, inputs: tuple[Any, ...]) -> list[str]:
     """How tracelake's graph of ``model(*inputs)`` differs from TorchLens's (empty: not
     at all)."""
+    # TorchLens's run starts from the state tracelake's did (a BatchNorm in train mode
+    # updates its buffers)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours = _our_graph(model, inputs)
+        model.load_state_dict(state)
         theirs = _torchlens_graph(model, inputs)
     ours_labels = [op["label"] for op in ours]
     their_labels = [op["label"] for op in theirs]
