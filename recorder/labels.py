@@ -270,7 +270,10 @@ class Labeller:
             training = args[5] if len(args) > 5 else kwargs.get("training")
             if not (training or kwargs.get("use_input_stats")):
                 return
-            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, _Tensor)]
+            # (only buffers: TorchLens saves other tensors it updates as they end up)
+            params = self._params
+            values = (*args, *kwargs.values())
+            tensors = [t for t in values if params.get(id(t)).__class__ is tuple]
         else:
             written = kwargs.get("out") if kwargs else None
             tensors = flatten_tensors(args[0] if written is None and args else written)
