@@ -152,10 +152,12 @@ def test_store_keeps_the_labels_and_func_takes_either_name(tmp_path: Any) -> Non
 def test_store_keeps_in_place_activations_and_handed_back_arguments(tmp_path: Any) -> None:
     # The ops the recorder found only since matching TorchLens on these (an in-place
     # write by a call TorchLens does not see; arguments a call hands back; repeated
-    # operands of a crawled call) reach the store and another process as recorded.
+    # operands of a crawled call; parents in TorchLens's order, the branches of torch's
+    # boolean_dispatch functions) reach the store and another process as recorded.
     store = tl.open(tmp_path / "runs.tl")
     traces = {}
-    for name in ("InplaceActivations", "ArgumentsHandedBack", "RepeatedOperands"):
+    names = ("InplaceActivations", "ArgumentsHandedBack", "RepeatedOperands", "ArgumentOrder")
+    for name in (*names, "DispatchedBranches"):
         model, inputs = MODELS[name]()
         with torch.no_grad():
             plain = model(*[x.clone() for x in inputs])
