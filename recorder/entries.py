@@ -21,7 +21,8 @@ import torch
 from . import compiled
 from .arguments import renumber_ops
 from .loops import group_layers
-from .names import OPERATOR_FUNCS, crawls_arguments, operator_name, spelling
+from .names import OPERATOR_FUNCS, operator_name, spelling
+from .parents import in_torchlens_order
 from .prune import kept_entries, renumber
 from .record import Stats, position
 from .trees import Structure, plain_spec
@@ -125,6 +126,10 @@ def block_of(path: str) -> int | None:
         if part.isdigit():
             return int(part)
     return None
+
+
+#: The kinds of entries listed after the other children of their parent.
+_LISTED_LAST = frozenset({"buffer", "output"})
 
 
 def _with(row: tuple, field: int, value: Any) -> tuple:
@@ -285,17 +290,16 @@ class OpTable:
                 if named != func:
                     rows[index] = _with(row, FUNC, named)
         layers, pass_nums = group_layers(rows)
-        # Only now (the grouping keys ops by every tensor argument, as TorchLens does):
-        # the parents TorchLens lists once each (names.crawls_arguments), with the
-        # argument each first came in.
+        # Only now (the grouping keys ops by every tensor argument in argument order,
+        # as TorchLens does): the parents in TorchLens's order, where it is another
+        # (parents.in_torchlens_order: crawled calls list each entry once).
         for index, row in enumerate(rows):
             parents = row[PARENTS]
-            if len(parents) > 1 and crawls_arguments(row[FUNC]):
-                once = [at for at, parent in enumerate(parents) if parent not in parents[:at]]
-                if len(once) < len(parents):
-                    where = row[PARENT_ARGS]
-                    row = _with(row, PARENTS, tuple(parents[at] for at in once))
-                    rows[index] = _with(row, PARENT_ARGS, tuple(where[at] for at in once))
+            if len(parents) > 1:
+                listed = in_torchlens_order(row[FUNC], parents, row[PARENT_ARGS])
+                if listed is not None:
+                    row = _with(row, PARENTS, listed[0])
+                    rows[index] = _with(row, PARENT_ARGS, listed[1])
         passes: dict[int, int] = {}
         for layer, pass_num in zip(layers, pass_nums, strict=True):
             if pass_num > 1:
@@ -358,14 +362,16 @@ class OpTable:
         if self._children is None:
             kids: list[list[int]] = [[] for _ in self.rows]
             writes: list[tuple[int, int]] = []
+            outputs: list[tuple[int, int]] = []
             for child, row in enumerate(self.rows):
-                if row[KIND] == "buffer" and row[PARENTS]:
-                    writes.append((row[PARENTS][0], child))
+                if row[KIND] in _LISTED_LAST and row[PARENTS]:
+                    (writes if row[KIND] == "buffer" else outputs).append((row[PARENTS][0], child))
                     continue
                 for parent in row[PARENTS]:
                     kids[parent].append(child)
-            # As TorchLens lists them: the buffers a call wrote after its other children.
-            for parent, child in writes:
+            # As TorchLens lists them: the buffers a call wrote after its other children
+            # (it links them after the forward), and the model's outputs after those.
+            for parent, child in writes + outputs:
                 kids[parent].append(child)
             self._children = [tuple(dict.fromkeys(k)) for k in kids]
         return self._children[index]

@@ -272,6 +272,9 @@ BUFFER_WRITERS = frozenset({"batch_norm", "instance_norm"})
 #: recorded, and the opened function is recorded in its place.
 _OPEN = "open"
 _HIDDEN = "hidden"
+#: The one function torch's Python code calls (``torch.unique(x, dim=0)``) that
+#: TorchLens does not wrap besides ``torch._C._nn``'s: it has no name in ``torch``.
+_UNIQUE_DIM = torch._C._VariableFunctions.unique_dim
 #: The dispatch checks at the head of torch's Python functions, answered "no" in an
 #: opened body's globals (the calls inside it still dispatch to the mode).
 _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -295,6 +298,9 @@ class _BodyGlobals(dict):
 #: the body applies an operator torch reports under another name), or None where the
 #: function cannot be opened (it dispatched again from its body).
 _BODIES: dict[Any, tuple[Any, bool] | None] = {}
+#: The code of torch's ``boolean_dispatch`` functions, and their branches' names.
+_BOOLEAN_DISPATCH = "boolean_dispatch.<locals>.fn"
+_BRANCHES = ("if_true", "if_false")
 
 
 def _opened(func: Any) -> tuple[Any, bool] | None:
@@ -303,17 +309,32 @@ def _opened(func: Any) -> tuple[Any, bool] | None:
     scope = _BodyGlobals({name: _no_torch_function for name in _DISPATCH_CHECKS})
     scope.real = func.__globals__
     scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)
-    body = types.FunctionType(
-        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
-    )
+    code, closure = func.__code__, func.__closure__
+    operators = has_operator_calls(code)
+    if code.co_qualname == _BOOLEAN_DISPATCH:
+        # A boolean_dispatch function has no dispatch check: it calls the branch its
+        # flag picks, which dispatches under the function's name (so the mode sees it
+        # again). Its body calls the branches opened instead (``torch.unique`` ->
+        # ``_return_output`` -> ``torch._unique2``; ``F.adaptive_max_pool2d`` ->
+        # ``adaptive_max_pool2d_with_indices``), as TorchLens sees them.
+        cells = []
+        for free, cell in zip(code.co_freevars, closure or (), strict=True):
+            value = cell.cell_contents
+            branch = _opened(value) if free in _BRANCHES else None
+            if branch is not None:
+                value, more = branch
+                operators = operators or more
+            cells.append(types.CellType(value))
+        closure = tuple(cells)
+    else:
+        operators = operators or any(
+            has_operator_calls(cell.cell_contents.__code__)
+            for cell in closure or ()
+            if isinstance(cell.cell_contents, types.FunctionType)
+        )
+    body = types.FunctionType(code, scope, func.__name__, func.__defaults__, closure)
     body.__kwdefaults__ = func.__kwdefaults__
-    codes = [func.__code__]
-    codes += [
-        cell.cell_contents.__code__
-        for cell in func.__closure__ or ()
-        if isinstance(cell.cell_contents, types.FunctionType)
-    ]
-    known = _BODIES[func] = (body, any(map(has_operator_calls, codes)))
+    known = _BODIES[func] = (body, operators)
     return known
 
 
@@ -334,6 +355,8 @@ def _calls_kind(func: Any, name: str) -> Any:
         return _OPEN if _BODIES.get(func, True) is not None else _writes(name)
     if getattr(func, "__self__", None) is torch._C._nn and func not in _nn_functional():
         return _HIDDEN
+    if func is _UNIQUE_DIM:
+        return _HIDDEN
     return _writes(name)
 
 
@@ -346,10 +369,10 @@ def _dispatched() -> dict[Any, tuple[Any, str]]:
     for module in (torch.nn.functional, torch.functional):
         for value in vars(module).values():
             code = getattr(value, "__code__", None)
-            if code is None or code.co_qualname != "boolean_dispatch.<locals>.fn":
+            if code is None or code.co_qualname != _BOOLEAN_DISPATCH:
                 continue
             cells = dict(zip(code.co_freevars, value.__closure__ or (), strict=True))
-            for branch in ("if_true", "if_false"):
+            for branch in _BRANCHES:
                 if branch in cells:
                     found[cells[branch].cell_contents] = (code, value.__name__)
     return found
@@ -468,6 +491,7 @@ class _Mode(TorchFunctionMode):
         if writes.__class__ is not bool:
             if writes is None:  # see BUFFER_WRITERS
                 writes = False
+                self._before_write(name, args, kwargs or _NO_KWARGS)
             elif writes is _OPEN:
                 return self._open(func, name, args, kwargs or _NO_KWARGS)
             else:  # _HIDDEN

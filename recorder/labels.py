@@ -28,6 +28,7 @@ from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTab
 from .held import held_tensors
 from .inputs import input_entries
 from .intercept import BUFFER_WRITERS, SourceFinder, flatten_tensors
+from .parents import FOREACH, zipped
 from .prune import renumber
 from .record import make_row
 
@@ -263,10 +264,25 @@ class Labeller:
         )
 
     def before_write(self, name: str, args: tuple, kwargs: dict) -> None:
-        written = kwargs.get("out") if kwargs else None
-        if written is None and args:
-            written = args[0]
-        for tensor in flatten_tensors(written):
+        if name in BUFFER_WRITERS:
+            # batch_norm / instance_norm update the running statistics they are given
+            # where training= / use_input_stats= (position 5) says so
+            training = args[5] if len(args) > 5 else kwargs.get("training")
+            if not (training or kwargs.get("use_input_stats")):
+                return
+            # (only buffers: TorchLens saves other tensors it updates as they end up)
+            params = self._params
+            values = (*args, *kwargs.values())
+            tensors = [t for t in values if params.get(id(t)).__class__ is tuple]
+        else:
+            written = kwargs.get("out") if kwargs else None
+            tensors = flatten_tensors(args[0] if written is None and args else written)
+        producers, params = self._producers, self._params
+        for tensor in tensors:
+            if id(tensor) not in producers and params.get(id(tensor)).__class__ is tuple:
+                # a buffer read first by the call that writes it: its entry, and the
+                # value it saves, are what it held before the call
+                self._boundary("buffer", tensor, -1)
             self._emitter.before_write(tensor)
 
     def on_call(
@@ -349,8 +365,12 @@ class Labeller:
         live = self._live
         root = live[_ROOT]
         shapes = self._shapes
+        # a torch._foreach_* call's outputs: each with its own members' parents
+        members = zipped(name, parents, where, len(tensors)) if name.startswith(FOREACH) else None
         i = 0
         for tensor in tensors:
+            if members is not None:
+                parents, where = members[i]
             index = len(rows)
             size = tensor.shape
             try:
@@ -400,12 +420,16 @@ class Labeller:
             i += 1  # a counter costs a third of enumerate here, per op
         if inplace and i:
             self._written_through_view(tensors[0], len(rows) - i)
+            if self._params.get(id(tensors[0])).__class__ is tuple and name not in BUFFER_WRITERS:
+                # a buffer written in place (self.ema.mul_(0.9), BatchNorm's
+                # num_batches_tracked.add_(1)): a new entry, as TorchLens gives it
+                self._boundary("buffer", tensors[0], len(rows) - i)
         if name in BUFFER_WRITERS:
             # batch_norm may update the running statistics it reads: as TorchLens does,
             # each buffer it takes gets a new entry, a child of the call, which later
             # reads see.
             written = len(rows) - i
-            for value in args:
+            for value in (*args, *kwargs.values()) if kwargs else args:
                 known = self._params.get(id(value)) if isinstance(value, _Tensor) else None
                 if known.__class__ is tuple:
                     self._boundary("buffer", value, written)

@@ -15,7 +15,6 @@ __all__ = [
     "N_SPELLINGS",
     "OPERATOR_ALIASES",
     "OPERATOR_FUNCS",
-    "crawls_arguments",
     "func_family",
     "func_name",
     "func_spellings",
@@ -103,23 +102,10 @@ _OPERATOR_CALLS = {
     ("remainder_", 19): "imod",
     ("sub_", 23): "isub",
     ("div_", 24): "idiv",
+    ("floor_divide_", 15): "ifloordiv",
+    ("pow_", 21): "ipow",
 }
 OPERATOR_FUNCS = frozenset(func for func, _ in _OPERATOR_CALLS)
-#: Functions whose parents TorchLens finds by crawling the call's arguments, each tensor
-#: once (TorchLens 2.36.1's ``arg_positions.VARIADIC_TENSOR_ARG_FUNCS``: a variable number
-#: of tensor operands, and names it shares with collectives, ``scatter`` among them),
-#: where other calls list a tensor once per argument: ``torch.einsum(eq, x, x)`` and
-#: ``x.scatter(0, i, x)`` have ``x``'s entry once, ``torch.mm(x, x)`` twice. Keyed as
-#: TorchLens keys them: lower case, no underscores (``scatter_`` is ``scatter``).
-_CRAWLED = frozenset(
-    {
-        *("aligntensors", "atleast1d", "atleast2d", "atleast3d", "blockdiag"),
-        *("broadcasttensors", "cartesianprod", "chainmatmul", "einsum", "meshgrid"),
-        *("reducescatter", "alltoall", "scatter"),
-    }
-)
-
-
 _OPERATOR_ARGS = frozenset(arg for _, arg in _OPERATOR_CALLS)
 
 
@@ -142,13 +128,6 @@ def operator_name(func: str, site: Any) -> str:
     if offset + 1 >= len(raw) or raw[offset] != _BINARY_OP:
         return func
     return _OPERATOR_CALLS.get((func, raw[offset + 1]), func)
-
-
-@functools.cache
-def crawls_arguments(func: str) -> bool:
-    """Whether TorchLens lists each tensor of a call of ``func`` once among its parents,
-    however many arguments it came in (:data:`_CRAWLED`)."""
-    return func.lower().replace("_", "") in _CRAWLED
 
 
 @functools.cache

@@ -68,6 +68,8 @@ def _inplace_operators(x: torch.Tensor) -> torch.Tensor:
     y -= 0.5
     y /= 3
     y.add_(1).mul_(2)
+    y //= 0.5  # (through torch.floor_divide_ and pow_, named for the operator)
+    y **= 2
     return y
 
 
@@ -416,6 +418,25 @@ class BatchNormEval(nn.Module):
         return self.bn(x).relu()
 
 
+@model((2, 3, 4, 4), train=True)
+class BatchNormTrain(nn.Module):
+    # in train mode BatchNorm adds 1 to num_batches_tracked and updates its running
+    # statistics: each buffer written gets a new entry, and the entries of the buffers
+    # read keep what they held before the write; so for a buffer written in place
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+        self.norm = nn.InstanceNorm1d(3, track_running_stats=True)
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("last", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x).relu()
+        self.ema.mul_(0.9).add_(y.mean((0, 2, 3)) * 0.1)
+        self.last.copy_(y.amax((0, 2, 3)))
+        return self.norm(y.flatten(2)).sum() + y * self.ema[:, None, None] + self.last.sum()
+
+
 @model((2, 4))
 class IdentityModule(nn.Module):
     def __init__(self) -> None:
@@ -684,6 +705,26 @@ def _repeated_operands(x: torch.Tensor) -> torch.Tensor:
     return a + b + c
 
 
+@functional("ArgumentOrder", (4, 4))
+def _argument_order(x: torch.Tensor) -> torch.Tensor:
+    # TorchLens lists index_put's values before its indices and _foreach_add's second
+    # list before its first (its argument specs); a torch._foreach_* output's parents
+    # are its own members; an out= call's are crawled (each once, lists' members last)
+    i, j = x[0].argsort()[:2], x[1].argsort()[:2]
+    put = x.index_put((i,), x[:2] * 2) + torch.index_put(x, [i, j], x[0, :2], accumulate=True)
+    written = x.clone()
+    written.index_put_((j,), x[2:] * 3)
+    a, b = x * 2, x + 1
+    summed = torch._foreach_add([a, b], [b, a])
+    scaled = torch._foreach_addcmul([a, b], [x, a], [b, x], torch.tensor([0.5, 2.0]))
+    into = torch.zeros(8, 4)
+    torch.cat([x, a], out=into)
+    product = torch.zeros(4, 4)
+    torch.mm(x, x, out=product)
+    h, c = torch.lstm_cell(x, (a, b), x.repeat(4, 1), b.repeat(4, 1), x[0].repeat(4), None)
+    return put + written + sum(summed) + sum(scaled) + into[4:] + product + h + c
+
+
 @functional("ArgumentsHandedBack", (4, 4), (1, 4))
 def _handed_back(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # broadcast_tensors and atleast_2d return an argument itself inside their tuple where
@@ -726,6 +767,25 @@ class PoolIndices(nn.Module):
         values, where = F.adaptive_max_pool2d(y, 2, return_indices=True)
         direct = F.max_pool2d_with_indices(x, 4)[0]  # (called directly: its own name)
         return self.unpool(y, indices).sum() + values * where + direct.sum()
+
+
+@model((1, 2, 8, 8))
+class DispatchedBranches(nn.Module):
+    # torch's boolean_dispatch functions run the branch their flag picks, which TorchLens
+    # sees the calls of: torch.unique records torch._unique2 (three outputs),
+    # AdaptiveMaxPool2d adaptive_max_pool2d_with_indices (two), lu torch._lu_with_info;
+    # unique(dim=) calls an unwrapped function, so it stays one op
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveMaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(x).flatten()
+        values, counts = torch.unique(y.round(), return_counts=True)
+        rows = torch.unique(x[0, 0].round(), dim=0).sum() + x.round().unique().sum()
+        lu = torch.functional.lu(y[:4].reshape(2, 2) + 4 * torch.eye(2))[0]
+        pooled = F.max_pool1d(y[None], 2).sum() + F.adaptive_max_pool1d(y[None], 2).sum()
+        return values.sum() * counts.sum() + rows + lu.sum() + pooled + y.sum()
 
 
 class _Biased(nn.Module):

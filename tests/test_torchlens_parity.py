@@ -70,9 +70,13 @@ def _our_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> Graph:
 def differences(model: torch.nn.Module, inputs: tuple[Any, ...]) -> list[str]:
     """How tracelake's graph of ``model(*inputs)`` differs from TorchLens's (empty: not
     at all)."""
+    # TorchLens's run starts from the state tracelake's did (a BatchNorm in train mode
+    # updates its buffers)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours = _our_graph(model, inputs)
+        model.load_state_dict(state)
         theirs = _torchlens_graph(model, inputs)
     ours_labels = [op["label"] for op in ours]
     their_labels = [op["label"] for op in theirs]
@@ -148,10 +152,12 @@ def test_store_keeps_the_labels_and_func_takes_either_name(tmp_path: Any) -> Non
 def test_store_keeps_in_place_activations_and_handed_back_arguments(tmp_path: Any) -> None:
     # The ops the recorder found only since matching TorchLens on these (an in-place
     # write by a call TorchLens does not see; arguments a call hands back; repeated
-    # operands of a crawled call) reach the store and another process as recorded.
+    # operands of a crawled call; parents in TorchLens's order, the branches of torch's
+    # boolean_dispatch functions) reach the store and another process as recorded.
     store = tl.open(tmp_path / "runs.tl")
     traces = {}
-    for name in ("InplaceActivations", "ArgumentsHandedBack", "RepeatedOperands"):
+    names = ("InplaceActivations", "ArgumentsHandedBack", "RepeatedOperands", "ArgumentOrder")
+    for name in (*names, "DispatchedBranches"):
         model, inputs = MODELS[name]()
         with torch.no_grad():
             plain = model(*[x.clone() for x in inputs])
