@@ -124,6 +124,41 @@ def test_model_zoo_graph_is_torchlens_graph(name: str) -> None:
     assert not found, "\n".join(found)
 
 
+def _transformers_case(name: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
+    """Small random-weight ``transformers`` models on which tracelake once differed from
+    TorchLens (found by differential sweeps): the model, its inputs, and whether it
+    runs in train mode."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 90, (2, 12))
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    if name == "t5-labels":  # the position_bias= its layers hand back; labels=ids
+        config = hf.T5Config(
+            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
+            decoder_start_token_id=0,
+        )  # fmt: skip
+        return hf.T5ForConditionalGeneration(config), (ids, *[None] * 7, ids), False
+    if name == "gemma":  # self.weight.float() hands the parameter back
+        config = hf.GemmaConfig(num_key_value_heads=2, head_dim=8, intermediate_size=64, **sizes)
+        return hf.GemmaModel(config), (ids,), False
+    if name == "bert-mlm-labels":  # model(ids, labels=ids): one input
+        config = hf.BertConfig(intermediate_size=64, **sizes)
+        return hf.BertForMaskedLM(config), (ids, None, None, None, None, None, ids), False
+    assert name == "resnet-train"  # BatchNorm's running statistics, written in training
+    config = hf.ResNetConfig(hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8)
+    return hf.ResNetModel(config), (torch.randn(2, 3, 32, 32),), True
+
+
+@pytest.mark.parametrize("name", ["t5-labels", "gemma", "bert-mlm-labels", "resnet-train"])
+def test_transformers_graph_is_torchlens_graph(name: str) -> None:
+    pytest.importorskip("transformers")
+    model, inputs, train = _transformers_case(name)
+    model.train(train)
+    found = differences(model, inputs)
+    assert not found, "\n".join(found)
+
+
 def test_labels_are_stable_between_runs() -> None:
     for name in ("LoopSinMul", "ReusedSequential", "LstmCellLoop"):
         model, inputs = MODELS[name]()
