@@ -9,6 +9,7 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -200,9 +201,15 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+#: Numbers the names this process generates: with it no two are equal, however many
+#: runs start in one second (random bits alone repeat: 24 of them within a few
+#: thousand runs a second); the random part tells processes apart.
+_NAMES = itertools.count()
+
+
 def _generated_name(model: Any) -> str:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}"
+    return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}{next(_NAMES):x}"
 
 
 def _meta_json(meta: Any) -> str:

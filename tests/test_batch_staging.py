@@ -231,3 +231,25 @@ def test_a_fingerprint_is_the_same_whichever_path_hashes_the_tensor(dtype: torch
         [("w", values)]
     )
     assert _fingerprint([("w", values)]) != _fingerprint([("w", torch.zeros_like(values))])
+
+
+def test_names_the_store_makes_up_never_repeat_however_fast_runs_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run recorded without a name gets one the store makes up, from the model's class,
+    the second and random bits. Thousands of runs a second (a batch of tiny runs) made
+    24 random bits repeat, and the batch failed with ``RunExistsError`` for a name its
+    user never chose. Here the random bits always repeat: the names must not."""
+    import os
+
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: b"\0" * n if n == 3 else real(n))
+    store = tl.open(tmp_path / "s", create=True)
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with store.batch():
+        runs = [store.record(model, x) for _ in range(3)]
+    alone = store.record(model, x)
+    names = [run.name for run in [*runs, alone]]
+    assert len(set(names)) == 4
+    assert sorted(store.runs()["name"]) == sorted(names)
+    assert all(name.startswith("linear-") for name in names)
