@@ -6,13 +6,14 @@ dicts, namedtuples, ``torch.Size``, torch's return types, transformers' ``ModelO
 classes (transformers registers them) and whatever the user registered. Flattening yields
 the leaves in pytree's order and a ``TreeSpec`` that rebuilds the same types.
 
-Some containers of tensors are not pytree nodes: transformers' ``Cache`` classes. Their
-instances are *opened*: walked attribute by attribute under one private node type,
-:class:`Opened`, whose context names the class. No user type is registered with pytree:
-transformers' exporters register ``Cache`` types themselves and silently keep a
-registration someone else made first, so registering them here would change what
-``torch.export`` does with them after a recording. Opened classes are found only among
-modules already imported (``sys.modules``); tracelake never imports them.
+Some containers of tensors are not pytree nodes: dataclasses (a model's own output type)
+and transformers' ``Cache`` classes. Their instances are *opened*: walked attribute by
+attribute under one private node type, :class:`Opened`, whose context names the class.
+No user type is registered with pytree: transformers' exporters register ``Cache`` types
+themselves and silently keep a registration someone else made first, so registering them
+here would change what ``torch.export`` does with them after a recording. Opened classes
+are found only among modules already imported (``sys.modules``); tracelake never imports
+them.
 """
 
 from __future__ import annotations
@@ -133,10 +134,16 @@ def _openable_bases() -> tuple[type, ...]:
 
 
 def is_openable(cls: type) -> bool:
-    """Whether instances of ``cls`` are opened: a subclass of a class in :data:`OPENABLE`
-    (from a module already imported) that pytree does not know."""
+    """Whether instances of ``cls`` are opened: a dataclass, or a subclass of a class in
+    :data:`OPENABLE` (from a module already imported), that pytree does not know. (A
+    model that returns a dataclass of its own returns its tensors, as TorchLens finds
+    them; ``ModelOutput`` is a dataclass pytree knows.)"""
+    if cls in pytree.SUPPORTED_NODES:
+        return False
+    if hasattr(cls, "__dataclass_fields__"):  # (``dataclasses.is_dataclass``, for a class)
+        return True
     bases = _openable_bases()
-    return bool(bases) and issubclass(cls, bases) and cls not in pytree.SUPPORTED_NODES
+    return bool(bases) and issubclass(cls, bases)
 
 
 def _node_key(cls: type) -> Any:

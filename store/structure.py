@@ -10,8 +10,8 @@ of its children (``"$of"``) with what names the type:
   ``$ctx`` is left out when the context is not JSON.
 - ``{"$namedtuple": "module:qualname", "$fields": [...], "$of": {"$tuple": ...}}``.
 - ``{"$object": "module:qualname", "$static": {...}, "$of": {"$dict": ...}}``: an
-  opened object (a transformers cache); ``$static`` holds its other attributes, left out
-  when one is not JSON.
+  opened object (a transformers cache, a dataclass); ``$static`` holds its other
+  attributes, left out when one is not JSON.
 
 Reading resolves a name only against what this process already has: types registered
 with pytree, classes of modules already imported that are namedtuples with the same fields

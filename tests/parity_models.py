@@ -4,6 +4,7 @@ is in eval mode unless its name says train, and seeded."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -824,6 +825,26 @@ class DictOutput(nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.fc(x)
         return {"logits": logits, "probs": logits.softmax(-1)}
+
+
+@dataclasses.dataclass
+class _Scores:
+    """A model's own output type (not a pytree node, not a ``ModelOutput``)."""
+
+    logits: torch.Tensor
+    extra: list[torch.Tensor]
+    note: str = "scores"
+
+
+@model((2, 4))
+class DataclassOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> _Scores:
+        h = self.fc(x)
+        return _Scores(h.relu(), [h.sigmoid(), h * 2])
 
 
 @model((2, 4), (2, 4), (2, 4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -12,3 +13,12 @@ class Pair(NamedTuple):
 
     first: torch.Tensor
     second: Any
+
+
+@dataclasses.dataclass
+class Scored:
+    """A model's own output type: a plain dataclass, not registered with pytree."""
+
+    logits: torch.Tensor
+    hidden: list[torch.Tensor]
+    note: str = "scored"

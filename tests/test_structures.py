@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from hook_capture import assert_bitwise
-from structures_zoo import Pair
+from structures_zoo import Pair, Scored
 from torch import nn
 
 import tracelake as tl
@@ -53,8 +53,20 @@ _A, _B, _C = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
         (collections.OrderedDict(x=_C, y=[_A]), [_C, _A]),
         (_nested(40, _A), [_A]),  # deeper than the old cap of 8
         (object(), []),
+        (Scored(_A, [_B, _C]), [_A, _B, _C]),
     ],
-    ids=["tensor", "tuple", "mixed", "dict", "namedtuple", "size", "ordereddict", "deep", "obj"],
+    ids=[
+        "tensor",
+        "tuple",
+        "mixed",
+        "dict",
+        "namedtuple",
+        "size",
+        "ordereddict",
+        "deep",
+        "obj",
+        "dataclass",
+    ],
 )
 def test_flatten_tensors(obj: Any, want: list[torch.Tensor]) -> None:
     got = flatten_tensors(obj)
@@ -260,6 +272,19 @@ def test_a_context_with_no_json_form_reads_back_plain() -> None:
 # -- stores -----------------------------------------------------------------------------
 
 
+def _facts_from(script: str) -> Any:
+    """What ``script``, run in a new process beside this file, prints last (JSON)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_stored_structures_read_back_in_a_new_process(tmp_path: Path) -> None:
     """Types come back where the reading process has them, plain forms where it has not."""
     from model_zoo import gpt2
@@ -290,21 +315,55 @@ def test_stored_structures_read_back_in_a_new_process(tmp_path: Path) -> None:
         print(json.dumps(facts))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=HERE,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
-    )
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = _facts_from(script)
     # before the defining module is imported: a stand-in namedtuple, plain dicts
     assert facts["plain_pair"] == ["Pair", ["first", "second"], "dict"]
     assert facts["pair"] is True
     assert facts["plain_gpt2"] == ["dict", "dict"]
     assert facts["gpt2"] == ["BaseModelOutputWithPastAndCrossAttentions", "DynamicCache", 8]
     assert facts["outputs"] == n_out == 5
+
+
+def test_a_model_returning_its_own_dataclass_returns_its_tensors(tmp_path: Path) -> None:
+    """A plain dataclass (not a pytree node, not a ``ModelOutput``) returned by a model
+    or a module: its fields' tensors are the outputs, as TorchLens finds them (before,
+    tracelake found none), and ``.out`` rebuilds the dataclass, in a new process too
+    once its module is imported there (a plain dict before)."""
+    model = Outer(lambda h: Scored(h.relu(), [h * 2, h + 1]))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        want = model(x)
+    log = tl.trace(model, x, save=tl.all())
+    tensors = [want.logits, *want.hidden]
+    assert [e.label for e in log.outputs] == ["output_1", "output_2", "output_3"]
+    for entry, tensor in zip(log.outputs, tensors, strict=True):
+        assert_bitwise(entry.out, tensor, entry.label)
+    out = log["inner"].out
+    assert type(out) is Scored and out.note == "scored"
+    _same(out.hidden, want.hidden)
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, name="scored", save=tl.all())
+    del store
+    script = textwrap.dedent(
+        f"""
+        import json
+        import torch
+        import tracelake as tl
+        store = tl.open({str(tmp_path / "s.tl")!r})
+        facts = {{"outputs": [e.label for e in store["scored"].outputs]}}
+        facts["plain"] = sorted(store["scored"]["inner"].out)
+        import structures_zoo
+        out = store["scored"]["inner"].out
+        facts["type"] = type(out) is structures_zoo.Scored and out.note == "scored"
+        facts["sums"] = [float(out.logits.sum()), *(float(h.sum()) for h in out.hidden)]
+        print(json.dumps(facts))
+        """
+    )
+    facts = _facts_from(script)
+    assert facts["outputs"] == ["output_1", "output_2", "output_3"]
+    assert facts["plain"] == ["hidden", "logits"]
+    assert facts["type"] is True
+    assert facts["sums"] == [float(t.sum()) for t in tensors]
 
 
 def test_format1_store_module_outputs_still_read(tmp_path: Path) -> None:
