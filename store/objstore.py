@@ -7,8 +7,11 @@ obstore store of the same URL). A ``put`` is one PUT of the whole object: the ob
 store makes it durable, and visible whole, before it answers, so :meth:`commit` has
 nothing left to wait for. Credentials come from the usual environment (``AWS_*``) or
 ``storage_options`` (obstore's config keys: ``endpoint``, ``region``, ``access_key_id``,
-``secret_access_key``, ...; ``allow_http`` and the other client options may be given
-in the same dict).
+``secret_access_key``, ...; ``allow_http``, ``timeout`` and the other client options,
+and ``retry_config``, may be given in the same dict). obstore retries a failed or
+stalled request for up to three minutes by default; ``retry_config`` (obstore's:
+``max_retries``, ``retry_timeout``, ``backoff``: ``init_backoff``, ``max_backoff``,
+``base``; durations as seconds or ``timedelta``) bounds that.
 
 obstore comes with the ``scale`` extra and is imported only when a URL store is opened.
 """
@@ -16,6 +19,7 @@ obstore comes with the ``scale`` extra and is imported only when a URL store is 
 from __future__ import annotations
 
 import builtins
+import datetime
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,10 +67,42 @@ def open_object_store(url: str, storage_options: Mapping[str, Any] | None = None
         ) from exc
     options: Any = dict(storage_options or {})
     client: Any = {k: options.pop(k) for k in list(options) if k in CLIENT_OPTIONS}
+    retry = _retry_config(options.pop("retry_config", None))
     try:
-        return from_url(url, config=options or None, client_options=client or None)  # type: ignore[arg-type, unused-ignore]
+        return from_url(  # type: ignore[call-overload, unused-ignore]
+            url, config=options or None, client_options=client or None, retry_config=retry
+        )
     except Exception as exc:  # obstore: a bad URL or option
         raise StoreError(f"cannot open the object store {url!r}: {exc}") from exc
+
+
+#: The durations of obstore's ``retry_config`` (``backoff``'s, and its own).
+_DURATIONS = frozenset({"retry_timeout", "init_backoff", "max_backoff"})
+
+
+def _retry_config(given: Any) -> Any:
+    """obstore's ``retry_config`` from ``storage_options``'s, its durations given as
+    seconds made ``timedelta`` (what obstore takes; a number is what JSON and the
+    command line can give)."""
+    if given is None:
+        return None
+    if not isinstance(given, Mapping):
+        raise StoreError(
+            f"storage_options' retry_config must be a dict (max_retries, retry_timeout, "
+            f"backoff), not {type(given).__name__}"
+        )
+
+    def durations(items: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            k: datetime.timedelta(seconds=v)
+            if k in _DURATIONS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            else durations(v)
+            if isinstance(v, Mapping)
+            else v
+            for k, v in items.items()
+        }
+
+    return durations(given)
 
 
 class ObjectBackend(ByteStore):

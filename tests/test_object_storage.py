@@ -258,6 +258,31 @@ def test_open_errors(s3: str, tmp_path: Path) -> None:
         tl.open(f"s3://{BUCKET}/two", catalog=tmp_path / "c", storage_options=s3_options(s3))
 
 
+def test_a_bucket_that_does_not_answer_fails_within_the_retries_given(tmp_path: Path) -> None:
+    """obstore retries a failed request for up to three minutes by default: a user can
+    bound that with ``retry_config`` in ``storage_options`` (durations in seconds, as
+    JSON and the command line give them). Here the endpoint refuses every connection:
+    the run fails with a ``StoreError`` after one retry, and nothing of it is listed."""
+    import socket
+
+    import torch
+
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    options = {
+        **s3_options(f"http://127.0.0.1:{port}"),
+        "retry_config": {"max_retries": 1, "retry_timeout": 5, "backoff": {"init_backoff": 0.01}},
+    }
+    store = tl.open(f"s3://{BUCKET}/gone", catalog=tmp_path / "c", storage_options=options)
+    with pytest.raises(tl.StoreError, match=r"127\.0\.0\.1") as failed:
+        store.record(torch.nn.Linear(4, 4), torch.randn(2, 4), name="never")
+    assert "retry_config" not in str(failed.value)
+    assert len(store) == 0
+    with pytest.raises(tl.StoreError, match="retry_config must be a dict"):
+        open_object_store(f"s3://{BUCKET}/x", {**options, "retry_config": 3})
+
+
 _WRITER = (
     """
 import json, sys, time, torch, tracelake as tl
