@@ -207,6 +207,34 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
 _NAMES = itertools.count()
 
 
+def _name_and_model(
+    given: tuple[Any, ...], name: str | None, model: torch.nn.Module | None
+) -> tuple[str | None, torch.nn.Module | None]:
+    """``Store.recording``'s run name and model from its positional arguments (a name,
+    a module, or both, in either order) and its keywords; ``TypeError`` for anything
+    else, or for one given twice."""
+    import torch  # (not at import: the command line lists runs without it)
+
+    if len(given) > 2:
+        raise TypeError(
+            f"recording() takes a run name and a model, not {len(given)} positional arguments"
+        )
+    for value in given:
+        if value is None:
+            continue
+        if isinstance(value, str) and name is None:
+            name = value
+        elif isinstance(value, torch.nn.Module) and model is None:
+            model = value
+        else:
+            what = "name" if isinstance(value, str) else "model"
+            raise TypeError(
+                f"recording() got a second {what} ({value!r:.60}) or a value that is "
+                "neither: give the run's name (a str) and the model (an nn.Module) once each"
+            )
+    return name, model
+
+
 def _generated_name(model: Any) -> str:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}{next(_NAMES):x}"
@@ -1258,9 +1286,9 @@ class Store:
 
     def recording(
         self,
+        *given: str | torch.nn.Module | None,
         name: str | None = None,
         model: torch.nn.Module | None = None,
-        *,
         save: Any = None,
         meta: Any = None,
         stats: str = "saved",
@@ -1276,7 +1304,10 @@ class Store:
         ``capture=tl.options.CaptureOptions(backward_ready=True)``, ``rec.backward(loss)``
         stores gradients too (of the ops ``save_grads`` selects; default ``save``).
         ``progress``: a bar (bytes written, steps) for recordings over a second; None:
-        where someone watches (a terminal, a notebook), False: never."""
+        where someone watches (a terminal, a notebook), False: never. The run's name and
+        the model may be given by position in either order (``recording("gen", model)``,
+        ``recording(model, name="gen")``, as :meth:`record` takes them), or by keyword."""
+        name, model = _name_and_model(given, name, model)
         return Recording(
             self,
             name,

@@ -227,6 +227,41 @@ def test_recording_block_records_each_forward_as_a_step(tmp_path: Path) -> None:
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 
+def test_recording_takes_the_model_and_name_as_record_does(tmp_path: Path) -> None:
+    """``store.record(model, x, name=...)`` takes the model first; ``recording(model,
+    name="gen")`` failed with Python's 'got multiple values for argument name', since
+    ``recording`` took the name first. Either order works now, by position or keyword;
+    a second name or model, or something that is neither, is a clear ``TypeError``."""
+    model, (x,) = BUILDERS["mlp"]()
+    store = tl.open(tmp_path / "s")
+    calls = {
+        "a": lambda: store.recording("a", model),
+        "b": lambda: store.recording(model, "b"),
+        "c": lambda: store.recording(model, name="c"),
+        "d": lambda: store.recording(name="d", model=model),
+        "e": lambda: store.recording("e", model=model),
+    }
+    for recording in calls.values():
+        with recording():
+            model(x)
+    assert sorted(store.runs()["name"]) == sorted(calls)
+    for name in calls:
+        assert_bitwise(store[name]["output_1"].out, model(x), name)
+    with store.recording(model):  # a name made up from the model's class
+        model(x)
+    assert len(store) == 6 and store.runs()["name"].str.startswith("sequential-").sum() == 1
+    for wrong, message in (
+        (lambda: store.recording("f", "g"), "second name"),
+        (lambda: store.recording(model, model), "second model"),
+        (lambda: store.recording(model, name="h", model=model), "second model"),
+        (lambda: store.recording(3), "neither"),
+        (lambda: store.recording("i", model, 3), "not 3 positional"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            wrong()
+    assert len(store.runs(all=True)) == 6
+
+
 def test_recording_that_raises_is_never_visible(tmp_path: Path) -> None:
     model, (x,) = BUILDERS["mlp"]()
     store = tl.open(tmp_path / "s")
