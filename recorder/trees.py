@@ -173,9 +173,13 @@ def _open(obj: Any) -> tuple[tuple[str, ...], list[Any], tuple[tuple[str, Any], 
     return tuple(names), children, tuple(static)
 
 
-def _walk(node: Any, leaves: list[Any], build: bool) -> pytree.TreeSpec | None:
+def _walk(
+    node: Any, leaves: list[Any], build: bool, opening: frozenset[int] = frozenset()
+) -> pytree.TreeSpec | None:
     """pytree's ``tree_flatten`` walk, plus opened objects; builds the spec on request.
-    A node whose registered flatten function fails is kept as a leaf."""
+    A node whose registered flatten function fails is kept as a leaf, and so is an
+    object met again inside itself (``opening``: the opened objects on the way here; a
+    user's dataclass may point back at its parent)."""
     if isinstance(node, _Tensor):
         leaves.append(node)
         return _LEAF
@@ -188,11 +192,17 @@ def _walk(node: Any, leaves: list[Any], build: bool) -> pytree.TreeSpec | None:
         except Exception:  # a flatten function that rejects this instance
             pass
         else:
-            specs = [_walk(child, leaves, build) for child in children]
+            specs = [_walk(child, leaves, build, opening) for child in children]
             return pytree.TreeSpec(key, context, specs) if build else None  # type: ignore[arg-type]
-    elif not isinstance(node, _PLAIN) and is_openable(cls) and hasattr(node, "__dict__"):
+    elif (
+        not isinstance(node, _PLAIN)
+        and is_openable(cls)
+        and hasattr(node, "__dict__")
+        and id(node) not in opening
+    ):
         names, children, static = _open(node)
-        specs = [_walk(child, leaves, build) for child in children]
+        inside = opening | {id(node)}
+        specs = [_walk(child, leaves, build, inside) for child in children]
         return opened_spec(cls, names, static, specs) if build else None  # type: ignore[arg-type]
     leaves.append(node)
     return _LEAF

@@ -5,6 +5,7 @@ read back in a new process), and that stores written before still read."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -364,6 +365,33 @@ def test_a_model_returning_its_own_dataclass_returns_its_tensors(tmp_path: Path)
     assert facts["plain"] == ["hidden", "logits"]
     assert facts["type"] is True
     assert facts["sums"] == [float(t.sum()) for t in tensors]
+
+
+@dataclasses.dataclass
+class _Node:
+    value: torch.Tensor
+    parent: _Node | None = None
+    kids: list[_Node] = dataclasses.field(default_factory=list)
+
+
+class _Tree(nn.Module):
+    def forward(self, x: torch.Tensor) -> _Node:
+        root = _Node(x + 1)
+        root.kids.append(_Node(x * 2, parent=root))
+        return root
+
+
+def test_a_dataclass_that_points_back_at_itself_is_walked_once(tmp_path: Path) -> None:
+    """Opening a user's dataclass must end where it points back at an object being
+    opened (a child's ``parent``): that one is a leaf, not opened again for ever (a
+    ``RecursionError`` in the forward, before)."""
+    x = torch.randn(2, 3)
+    log = tl.trace(_Tree(), x, save=tl.all())
+    assert [e.label for e in log.outputs] == ["output_1", "output_2"]
+    assert_bitwise(log.outputs[1].out, x * 2, "the kid's value")
+    store = tl.open(tmp_path / "s.tl")
+    store.record(_Tree(), x, name="tree", save=tl.all())
+    assert_bitwise(tl.open(tmp_path / "s.tl")["tree"]["output_2"].out, x * 2, "stored")
 
 
 def test_format1_store_module_outputs_still_read(tmp_path: Path) -> None:
