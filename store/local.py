@@ -278,21 +278,38 @@ def _write_direct(path: Path, staged: Staged, pending: Unsynced | None) -> bool:
     return True
 
 
+_HUGE_PAGE = 2 << 20
+
+
 @contextlib.contextmanager
 def _staging() -> Iterator[np.ndarray]:
-    """A staging buffer of ``STAGE_BYTES``: a kept one, else a new anonymous map (page-
-    aligned), kept afterwards while fewer than ``_STAGES_KEPT`` are."""
+    """A staging buffer of ``STAGE_BYTES``: a kept one, else a new one, kept afterwards
+    while fewer than ``_STAGES_KEPT`` are."""
     with _STAGES_LOCK:
         stage = _STAGES.pop() if _STAGES else None
     if stage is None:
-        memory = mmap.mmap(-1, STAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        stage = np.frombuffer(memory, dtype=np.uint8)
+        stage = _new_stage()
     try:
         yield stage
     finally:
         with _STAGES_LOCK:
             if len(_STAGES) < _STAGES_KEPT:
                 _STAGES.append(stage)
+
+
+def _new_stage() -> np.ndarray:
+    """An anonymous map's ``STAGE_BYTES`` from a huge-page boundary, its whole huge pages
+    advised to be huge (where the system has them): the device's direct reads pin a
+    few pages where they pinned a thousand, and the copies into it cost fewer TLB
+    misses."""
+    memory = mmap.mmap(-1, STAGE_BYTES + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(memory, dtype=np.uint8)
+    skip = -whole.ctypes.data % _HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            memory.madvise(advice, skip, STAGE_BYTES - STAGE_BYTES % _HUGE_PAGE)
+    return whole[skip : skip + STAGE_BYTES]
 
 
 def _write_staged(fd: int, pieces: Sequence[Any], stage: np.ndarray) -> tuple[int, bool]:
