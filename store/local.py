@@ -377,6 +377,7 @@ class LocalBackend(ByteStore):
         # links; each directory below the root on the way is looked at (lstat) once it
         # exists (a root reached through a link of the user's own is fine).
         self._dirs_ok: set[str] = set()
+        self._direct = True  # until the filesystem refuses O_DIRECT (tmpfs)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self._root!r})"
@@ -447,12 +448,10 @@ class LocalBackend(ByteStore):
             raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
         path = Path(self._file(key))  # (refuses a key under a linked directory)
         try:
-            if not (
-                staged is not None
-                and nbytes >= DIRECT_BYTES
-                and DIRECT
-                and _write_direct(path, staged, pending)
-            ):
+            direct = staged is not None and nbytes >= DIRECT_BYTES and DIRECT and self._direct
+            if direct and staged is not None and not _write_direct(path, staged, pending):
+                self._direct = direct = False  # refused at the open: not asked again
+            if not direct:
                 _write_with(path, write, pending)
         except OSError as exc:
             if path.is_symlink():

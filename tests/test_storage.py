@@ -179,18 +179,21 @@ class TestLocalBackend(ByteStoreTests):
     def test_filesystems_refusing_direct_writes_get_the_same_bytes(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
     ) -> None:
-        """Where ``O_DIRECT`` is refused (tmpfs at the open; some filesystems at the first
-        write), large files are written through the page cache instead, byte for byte,
-        and left to the caller's durability they are written back as any such file."""
+        """Where ``O_DIRECT`` is refused (tmpfs at the open, and the backend asks no
+        more; some filesystems at the first write), large files are written through the
+        page cache instead, byte for byte, and left to the caller's durability they are
+        written back as any such file."""
         import errno
 
         if not local.DIRECT:
             pytest.skip("no O_DIRECT here")
         create, write = local._create, os.write
+        asked: list[int] = []
         if refusal == "at the open":
 
             def refused(path: Path, extra: int = 0) -> int:
                 if extra:
+                    asked.append(extra)
                     raise OSError(errno.EINVAL, "Invalid argument")
                 return create(path, extra)
 
@@ -210,9 +213,11 @@ class TestLocalBackend(ByteStoreTests):
         data = np.random.default_rng(0).integers(0, 256, 3 * local.STAGE_BYTES // 2, np.uint8)
         pending = store.pending(sync=False)
         store.put("big", [data[:5], data[5:], b"end"], pending)
+        store.put("again", [data], pending)
         pending.close()
-        assert store.get("big") == data.tobytes() + b"end"
-        assert len(backs) == 1, "written through the page cache: written back"
+        assert store.get("big") == data.tobytes() + b"end" and store.get("again") == data.tobytes()
+        assert len(backs) == 2, "written through the page cache: written back"
+        assert len(asked) == (1 if refusal == "at the open" else 0)
 
     def test_writes_are_fdatasynced(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         synced: list[int] = []
