@@ -361,7 +361,7 @@ def _buffered(fd: int) -> None:
 
 
 def _write_all(fd: int, data: np.ndarray) -> None:
-    view = memoryview(data).cast("B")
+    view = data.data.cast("B")
     while view.nbytes:  # (short writes: finish them)
         view = view[os.write(fd, view) :]
 
