@@ -11,6 +11,10 @@ the same model and input:
 * ``raw write``: the bytes tracelake stored, as one file written sequentially in 4 MiB
   blocks, fsync'd, and its directory fsync'd (a new file's name is durable only then,
   as tracelake's are): the disk's durable speed, without any forward.
+* ``raw write, O_DIRECT`` (Linux): the same file written with ``O_DIRECT`` from a
+  page-aligned buffer (the last partial block buffered), fsync'd likewise: the disk
+  without the page cache, as tracelake writes its files of 1 MiB or more where the
+  filesystem takes it (``x raw`` is still over the buffered raw write).
 * ``hooks+torch.save``: forward hooks on every module keep ``output.detach().clone()``,
   then ``torch.save`` of that dict and fsync (module outputs only: fewer bytes).
 * ``hooks+safetensors``: the same dict through ``safetensors.torch.save_file`` + fsync.
@@ -50,6 +54,8 @@ the run's files) are shared as they are in real use.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import mmap
 import os
 import resource
 import shutil
@@ -91,6 +97,9 @@ MiB = 1 << 20
 CHAIN_STEPS = 20
 PHASES = ("open", "register", "forward", "commit")  # of a tracelake sample
 NO_TORCHLENS = False  # --no-torchlens
+#: The raw write again with O_DIRECT (Linux), beside the buffered one: the disk without
+#: the page cache, as tracelake writes its large files where the filesystem takes it.
+DIRECT_RAW = hasattr(os, "O_DIRECT")
 
 
 class Wide(nn.Module):
@@ -227,6 +236,33 @@ def build_conditions(
         fsync_dir(where)  # durable as tracelake's files are: the new name too
         return total
 
+    def raw_direct(where: Path) -> int:
+        total = raw_bytes[0] if raw_bytes else 256 * MiB
+        memory = mmap.mmap(-1, 4 * MiB)  # (page-aligned, as O_DIRECT needs)
+        memory.write(os.urandom(4 * MiB))
+        block = memoryview(memory)
+        path = where / "raw.bin"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError:  # (a filesystem refusing O_DIRECT, tmpfs: as tracelake, buffered)
+            block.release()
+            memory.close()
+            return raw(where)
+        try:
+            left = total
+            while left >= 4096:  # whole blocks directly, the last partial one buffered
+                left -= os.write(fd, block[: min(left, len(block)) & ~4095])
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            if left:
+                os.write(fd, block[:left])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            block.release()
+            memory.close()
+        fsync_dir(where)
+        return total
+
     def hooks_torch_save(where: Path) -> int:
         saved = _hook_dict(model, args)
         path = where / "acts.pt"
@@ -248,6 +284,7 @@ def build_conditions(
         ),
         Condition("raw write", raw),
         Condition("tracelake, existing store", record(kept_store, 3), after=forget),
+        *([Condition("raw write, O_DIRECT", raw_direct)] if DIRECT_RAW else []),
         Condition("hooks+torch.save", hooks_torch_save),
     ]
     if HAVE_SAFETENSORS:

@@ -1397,17 +1397,57 @@ static int writev_all(int fd, struct iovec *iov, int n) {
     return 0;
 }
 
-/* write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs): write the shard of
- * the nbytes at address (inner chunks of `inner` bytes, at most `slots` of them) to fd;
- * return the bytes written. refs: the address of nrefs rows of four int64s (first
- * inner chunk, how many, their bytes' address, the address of their uint32 CRC32Cs or
- * 0): whole inner chunks read there instead. The GIL is released meanwhile. */
+#include <fcntl.h>
+#ifndef O_DIRECT
+#define O_DIRECT 0
+#endif
+#define DIRECT_ALIGN 4096 /* O_DIRECT: buffer address, file offset and length aligned so */
+
+static int write_all(int fd, const unsigned char *p, size_t n) {
+    while (n > 0) {
+        ssize_t done = write(fd, p, n);
+        if (done < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += done, n -= (size_t)done;
+    }
+    return 0;
+}
+
+/* Write the n bytes at stage (DIRECT_ALIGN-aligned) to fd, a new file opened O_DIRECT:
+ * the whole blocks straight to the device, the last partial block through the page
+ * cache (O_DIRECT cleared), and everything so where the filesystem refuses the direct
+ * write (EINVAL). 1: the blocks went direct, 0: all buffered, -1 with errno: failed. */
+static int write_staged(int fd, const unsigned char *stage, size_t n) {
+    size_t head = n & ~(size_t)(DIRECT_ALIGN - 1);
+    int direct = 1;
+    if (head && write_all(fd, stage, head) < 0) {
+        if (errno != EINVAL || lseek(fd, 0, SEEK_CUR) != 0) return -1;
+        direct = 0, head = 0;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_DIRECT) < 0) return -1;
+    return write_all(fd, stage + head, n - head) < 0 ? -1 : direct;
+}
+
+/* write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs[, stage, stage_bytes]):
+ * write the shard of the nbytes at address (inner chunks of `inner` bytes, at most
+ * `slots` of them) to fd; return the bytes written. refs: the address of nrefs rows of
+ * four int64s (first inner chunk, how many, their bytes' address, the address of their
+ * uint32 CRC32Cs or 0): whole inner chunks read there instead. With stage (DIRECT_ALIGN-
+ * aligned, stage_bytes long, the whole shard fits): fd is a new file opened O_DIRECT;
+ * the shard is gathered there (each inner chunk's CRC32C taken from the copy, still in
+ * cache) and written by write_staged; return (bytes, whether its blocks went directly).
+ * The GIL is released meanwhile. */
 static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs)");
+    if (nargs != 7 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "write_raw_shard(fd, address, nbytes, inner, slots, "
+                                         "refs, nrefs[, stage, stage_bytes])");
         return NULL;
     }
+    unsigned char *stage = nargs == 9 ? PyLong_AsVoidPtr(a[7]) : NULL;
+    Py_ssize_t stage_bytes = nargs == 9 ? PyLong_AsSsize_t(a[8]) : 0;
     int fd = PyLong_AsLong(a[0]);
     const unsigned char *data = PyLong_AsVoidPtr(a[1]);
     Py_ssize_t nbytes = PyLong_AsSsize_t(a[2]), inner = PyLong_AsSsize_t(a[3]);
@@ -1417,7 +1457,9 @@ static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssi
     if (PyErr_Occurred()) return NULL;
     Py_ssize_t count = inner > 0 ? (nbytes + inner - 1) / inner : 0;
     if (fd < 0 || nbytes < 0 || (nbytes && !data) || inner <= 0 || inner > SHARD_ZEROS ||
-        slots <= 0 || slots > 4096 || count > slots || nrefs < 0 || (nrefs && !refs)) {
+        slots <= 0 || slots > 4096 || count > slots || nrefs < 0 || (nrefs && !refs) ||
+        (stage && ((uintptr_t)stage % DIRECT_ALIGN ||
+                   stage_bytes < count * (inner + 4) + 16 * slots + 4))) {
         PyErr_SetString(PyExc_ValueError, "write_raw_shard: bad shard");
         return NULL;
     }
@@ -1437,7 +1479,7 @@ static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssi
         free(at), free(crcs), free(known), free(table), free(iov);
         return PyErr_NoMemory();
     }
-    int failed = 0, error = 0;
+    int failed = 0, error = 0, direct = 0;
     Py_ssize_t total = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < count; j++) at[j] = data + j * inner;
@@ -1452,42 +1494,64 @@ static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssi
     }
     Py_ssize_t last = nbytes - (count - 1) * inner; /* bytes of the last inner chunk */
     Cut cut = crc32c_cut((size_t)inner);
+    unsigned char *into = stage; /* staged: where the next inner chunk is gathered */
     int n = 0;
     for (Py_ssize_t j = 0; j < count; j++) {
         Py_ssize_t size = j == count - 1 ? last : inner;
+        if (into) {
+            memcpy(into, at[j], (size_t)size);
+            if (size < inner) memset(into + size, 0, (size_t)(inner - size));
+        }
         if (!known[j]) {
-            uint32_t crc = size == inner ? crc32c_with(0, at[j], (size_t)inner, cut)
-                                         : crc32c(0, at[j], (size_t)size);
-            if (size < inner) crc = crc32c(crc, shard_zeros, (size_t)(inner - size));
+            uint32_t crc;
+            if (into) /* (of the copy, still in cache) */
+                crc = crc32c_with(0, into, (size_t)inner, cut);
+            else {
+                crc = size == inner ? crc32c_with(0, at[j], (size_t)inner, cut)
+                                    : crc32c(0, at[j], (size_t)size);
+                if (size < inner) crc = crc32c(crc, shard_zeros, (size_t)(inner - size));
+            }
             put_le32(crcs + 4 * j, crc);
         }
-        iov[n].iov_base = (void *)at[j], iov[n++].iov_len = (size_t)size;
-        if (size < inner)
-            iov[n].iov_base = (void *)shard_zeros, iov[n++].iov_len = (size_t)(inner - size);
-        iov[n].iov_base = crcs + 4 * j, iov[n++].iov_len = 4;
+        if (into) {
+            memcpy(into + inner, crcs + 4 * j, 4);
+            into += inner + 4;
+        } else {
+            iov[n].iov_base = (void *)at[j], iov[n++].iov_len = (size_t)size;
+            if (size < inner)
+                iov[n].iov_base = (void *)shard_zeros, iov[n++].iov_len = (size_t)(inner - size);
+            iov[n].iov_base = crcs + 4 * j, iov[n++].iov_len = 4;
+        }
         total += inner + 4;
     }
+    unsigned char *index = into ? into : table;
     for (Py_ssize_t j = 0; j < slots; j++) {
         int here = j < count;
-        put_le64(table + 16 * j, here ? (uint64_t)(j * (inner + 4)) : UINT64_MAX);
-        put_le64(table + 16 * j + 8, here ? (uint64_t)(inner + 4) : UINT64_MAX);
+        put_le64(index + 16 * j, here ? (uint64_t)(j * (inner + 4)) : UINT64_MAX);
+        put_le64(index + 16 * j + 8, here ? (uint64_t)(inner + 4) : UINT64_MAX);
     }
-    put_le32(table + 16 * slots, crc32c(0, table, 16 * (size_t)slots));
-    iov[n].iov_base = table, iov[n++].iov_len = 16 * (size_t)slots + 4;
+    put_le32(index + 16 * slots, crc32c(0, index, 16 * (size_t)slots));
     total += 16 * slots + 4;
-    if (writev_all(fd, iov, n) < 0) failed = 1, error = errno;
+    if (stage) {
+        direct = write_staged(fd, stage, (size_t)total);
+        if (direct < 0) failed = 1, error = errno;
+    } else {
+        iov[n].iov_base = table, iov[n++].iov_len = 16 * (size_t)slots + 4;
+        if (writev_all(fd, iov, n) < 0) failed = 1, error = errno;
+    }
     Py_END_ALLOW_THREADS
     free(at), free(crcs), free(known), free(table), free(iov);
     if (failed) {
         errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    if (stage) return Py_BuildValue("(nO)", total, direct ? Py_True : Py_False);
     return PyLong_FromSsize_t(total);
 }
 #define WRITE_RAW_SHARD                                                                    \
     {"write_raw_shard", (PyCFunction)(void (*)(void))write_raw_shard_py, METH_FASTCALL,    \
-     "write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs): a raw pack's "    \
-     "shard written to fd (store/format.py)."},
+     "write_raw_shard(fd, address, nbytes, inner, slots, refs, nrefs[, stage, "          \
+     "stage_bytes]): a raw pack's shard written to fd (store/format.py)."},
 #else
 #define WRITE_RAW_SHARD
 #endif

@@ -43,6 +43,7 @@ __all__ = [
     "INNER_BYTES",
     "INNER_PER_SHARD",
     "SHARD_INDEX_BYTES",
+    "ShardWrite",
     "chunk_grid",
     "chunk_key",
     "chunk_shape",
@@ -235,12 +236,33 @@ def encode_shard(data: np.ndarray, codec: Chain, sources: Sources = ()) -> list[
     return pieces
 
 
-def shard_writer(data: np.ndarray, codec: Chain, sources: Sources = ()) -> Any | None:
-    """A function writing to a file descriptor (returning the bytes it wrote) the shard
-    ``encode_shard(data, codec, sources)`` makes, byte for byte, in one compiled call
-    with the GIL released (``_hot.write_raw_shard``: checksums, index, ``writev``),
-    without a Python object per inner chunk (a worker's per-shard Python cost GPT-2's
-    forward thread the GIL); ``None`` where that call is missing or the codec
+class ShardWrite:
+    """Writes a raw shard to a file descriptor in one compiled call with the GIL
+    released (``_hot.write_raw_shard``): ``write(fd)`` with ``writev`` from where the
+    bytes are (returning how many), ``write.staged(fd, stage)`` gathered into the
+    page-aligned ``stage`` first, for a file opened ``O_DIRECT`` (``local.Staged``)."""
+
+    def __init__(self, args: tuple[int, ...], kept: list[Any]):
+        self._args = args
+        self._kept = kept  # what the addresses in args point into, alive while this is
+
+    def __call__(self, fd: int) -> int:
+        return int(_hot_call()(fd, *self._args))
+
+    def staged(self, fd: int, stage: np.ndarray) -> tuple[int, bool]:
+        total, direct = _hot_call()(fd, *self._args, stage.ctypes.data, stage.nbytes)
+        return int(total), bool(direct)
+
+
+def _hot_call() -> Any:
+    return compiled.hot().write_raw_shard  # (ShardWrite is made only where it exists)
+
+
+def shard_writer(data: np.ndarray, codec: Chain, sources: Sources = ()) -> ShardWrite | None:
+    """A :class:`ShardWrite` of the shard ``encode_shard(data, codec, sources)`` makes,
+    byte for byte, in one compiled call with the GIL released (checksums, index, the
+    write), without a Python object per inner chunk (a worker's per-shard Python cost
+    GPT-2's forward thread the GIL); ``None`` where that call is missing or the codec
     compresses."""
     hot = compiled.hot()
     if codec.compressors or hot is None or not hasattr(hot, "write_raw_shard"):
@@ -262,16 +284,8 @@ def shard_writer(data: np.ndarray, codec: Chain, sources: Sources = ()) -> Any |
     if data.dtype != np.uint8 or not data.flags.c_contiguous:
         return None
     address = data.ctypes.data if data.nbytes else 0
-
-    def write(fd: int) -> int:
-        assert kept is not None  # (the sources' memory, referenced while this runs)
-        return int(
-            hot.write_raw_shard(
-                fd, address, data.nbytes, INNER_BYTES, INNER_PER_SHARD, refs.ctypes.data, len(refs)
-            )
-        )
-
-    return write
+    args = (address, data.nbytes, INNER_BYTES, INNER_PER_SHARD, refs.ctypes.data, len(refs))
+    return ShardWrite(args, [data, refs, kept])
 
 
 def parse_shard_index(raw: bytes) -> np.ndarray | None:

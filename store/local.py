@@ -1,36 +1,53 @@
 """The local-filesystem :class:`~.backend.ByteStore`: one file per object under a root.
 
-Writes are the fast path of recording. Each object is written with one ``writev`` (the
-payload and its checksum are separate pieces, never joined into a copy), its writeback
-is started at once (``posix_fadvise``) so that the device writes while the workers
-encode the next chunks, and it is made durable with ``fdatasync`` either on the spot or
-by :class:`Unsynced`, a thread that syncs the oldest files first so that no worker waits
-on a device cache flush while it could encode. Where the caller makes the whole tree
-durable at once (a store's run at its commit: ``layout.durable_trees``), that thread only waits for
-each file's writeback (``sync_file_range``: no journal commit and device flush a file)
-and drops its pages. Names become durable in :meth:`commit`, which fsyncs every file and
+Writes are the fast path of recording. A file of :data:`DIRECT_BYTES` or more (a
+shard, a large tensor's chunk) is written with ``O_DIRECT`` where the filesystem takes
+it (:data:`DIRECT`): its bytes are gathered into a page-aligned staging buffer (a
+shard's layout, a 4-byte checksum after each 64 KiB inner chunk, is not aligned) and
+its whole blocks go from there to the device, the last partial block through the page
+cache. That costs the writer's threads a plain copy where the page cache cost the
+kernel's copy, page allocation, dirty accounting and writeback, and the cores are
+what a recording on a small machine lacks. Other files are written with one ``writev``
+(the payload and its checksum are separate pieces, never joined into a copy), their
+writeback started at once (``posix_fadvise``) so that the device writes while the
+workers encode the next chunks. Either way a file is made durable with ``fdatasync``
+on the spot or by :class:`Unsynced`, a thread that syncs the oldest files first so
+that no worker waits on a device cache flush while it could encode. Where the caller
+makes the whole tree durable at once (a store's run at its commit:
+``layout.durable_trees``), that thread only waits for each buffered file's writeback
+(``sync_file_range``: no journal commit and device flush a file) and drops its pages,
+and a file written directly is closed at once (its blocks are on the device already;
+its metadata, its last block and the device's cache wait for the commit like every
+other file's). Names become durable in :meth:`commit`, which fsyncs every file and
 directory under the root; a run is committed to the catalog only after that.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
+import errno
+import fcntl
+import mmap
 import os
 import shutil
 import stat
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tracelake.errors import ObjectNotFoundError, StoreError
+from tracelake.recorder.forks import fork_safe_lock
 
 from .backend import ByteStore, Pending, check_key, check_prefix
 from .layout import fsync_tree, libc_function
 
-__all__ = ["LocalBackend", "Unsynced"]
+__all__ = ["DIRECT", "DIRECT_ALIGN", "DIRECT_BYTES", "STAGE_BYTES", "LocalBackend", "Unsynced"]
 
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
 _WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
@@ -38,6 +55,26 @@ _WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
 #: written back and dropped from the page cache as they go; smaller ones (metadata, a
 #: tiny run's shard) are just closed.
 _WRITEBACK_BYTES = 1 << 20
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Whether files of ``DIRECT_BYTES`` or more are written with ``O_DIRECT`` (where the
+#: filesystem refuses it, as tmpfs does, they are written through the page cache as
+#: any other). ``TRACELAKE_BUFFERED_WRITES=1`` in the environment: never (A/B
+#: measurements). Read at the moment of use (tests switch it).
+DIRECT = bool(_O_DIRECT) and not os.environ.get("TRACELAKE_BUFFERED_WRITES")
+#: From this size a file is written directly: smaller ones (metadata, a tiny run's shard)
+#: would wait on the device for each write where the page cache takes them at once.
+DIRECT_BYTES = _WRITEBACK_BYTES
+#: ``O_DIRECT``'s alignment of the buffer's address, the file offset and the length: a
+#: multiple of every logical block size Linux filesystems use (512 or 4096).
+DIRECT_ALIGN = 4096
+#: A staging buffer's bytes: a whole shard fits (``format.CHUNK_BYTES`` with its inner
+#: chunks' checksums and its index; tests/test_storage.py checks), a large tensor's chunk
+#: file goes through in pieces of this size.
+STAGE_BYTES = (4 << 20) + (8 << 10)
+_STAGES_KEPT = 4  # staging buffers kept for reuse (the workers and the forward thread)
+_STAGES: list[np.ndarray] = []
+_STAGES_LOCK = fork_safe_lock()  # (a writer in a forked child takes it too)
 
 
 _SYNC_FILE_RANGE = libc_function(
@@ -181,18 +218,29 @@ def _writev_all(fd: int, pieces: Sequence[Any]) -> int:
     return nbytes
 
 
-def _write_with(path: Path, write: Callable[[int], int], pending: Unsynced | None) -> None:
-    """Create the file ``path`` (its directory if missing), ``write(fd)`` its bytes
-    (returning how many), then make it durable here (on the calling worker thread, while
-    the forward pass goes on) or hand it to ``pending``.
-    ``O_NOFOLLOW``: a symbolic link planted at the name is refused (ELOOP), never
-    written through."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+#: ``staged(fd, stage)``: a file's bytes written to ``fd``, a new file opened with
+#: ``O_DIRECT``, through ``stage`` (``STAGE_BYTES``, page-aligned): returns how many, and
+#: whether its whole blocks went to the device directly (``_write_staged``'s contract).
+Staged = Callable[[int, np.ndarray], tuple[int, bool]]
+
+
+def _create(path: Path, extra: int = 0) -> int:
+    """The new (truncated) file ``path`` opened for writing, its directory made if
+    missing (only then: no mkdir a shard). ``O_NOFOLLOW``: a symbolic link planted at
+    the name is refused (ELOOP), never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | extra
     try:
-        fd = os.open(path, flags, 0o644)
-    except FileNotFoundError:  # (its directory made only then: no mkdir a shard)
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o644)
+
+
+def _write_with(path: Path, write: Callable[[int], int], pending: Unsynced | None) -> None:
+    """Create the file ``path``, ``write(fd)`` its bytes (returning how many), then make
+    it durable here (on the calling worker thread, while the forward pass goes on) or
+    hand it to ``pending``."""
+    fd = _create(path)
     try:
         nbytes = write(fd)
     except BaseException:
@@ -202,6 +250,120 @@ def _write_with(path: Path, write: Callable[[int], int], pending: Unsynced | Non
         _durable(fd)
     else:
         pending.add(fd, nbytes)
+
+
+def _write_direct(path: Path, staged: Staged, pending: Unsynced | None) -> bool:
+    """``_write_with`` for a file opened with ``O_DIRECT`` and written by ``staged``;
+    ``False`` (nothing written) where the filesystem refuses ``O_DIRECT`` at the open.
+    A file whose blocks went directly and that ``pending`` leaves to the caller's
+    durability is closed at once: it has no writeback to wait for."""
+    try:
+        fd = _create(path, _O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # (tmpfs, some FUSE filesystems)
+            return False
+        raise
+    try:
+        with _staging() as stage:
+            nbytes, direct = staged(fd, stage)
+    except BaseException:
+        os.close(fd)
+        raise
+    if pending is None:
+        _durable(fd)
+    elif direct and not pending.sync:
+        os.close(fd)
+    else:
+        pending.add(fd, nbytes)
+    return True
+
+
+_HUGE_PAGE = 2 << 20
+
+
+@contextlib.contextmanager
+def _staging() -> Iterator[np.ndarray]:
+    """A staging buffer of ``STAGE_BYTES``: a kept one, else a new one, kept afterwards
+    while fewer than ``_STAGES_KEPT`` are."""
+    with _STAGES_LOCK:
+        stage = _STAGES.pop() if _STAGES else None
+    if stage is None:
+        stage = _new_stage()
+    try:
+        yield stage
+    finally:
+        with _STAGES_LOCK:
+            if len(_STAGES) < _STAGES_KEPT:
+                _STAGES.append(stage)
+
+
+def _new_stage() -> np.ndarray:
+    """An anonymous map's ``STAGE_BYTES`` from a huge-page boundary, its whole huge pages
+    advised to be huge (where the system has them): the device's direct reads pin a
+    few pages where they pinned a thousand, and the copies into it cost fewer TLB
+    misses."""
+    memory = mmap.mmap(-1, STAGE_BYTES + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(memory, dtype=np.uint8)
+    skip = -whole.ctypes.data % _HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            memory.madvise(advice, skip, STAGE_BYTES - STAGE_BYTES % _HUGE_PAGE)
+    return whole[skip : skip + STAGE_BYTES]
+
+
+def _write_staged(fd: int, pieces: Sequence[Any], stage: np.ndarray) -> tuple[int, bool]:
+    """Write ``pieces`` one after the other to ``fd`` (opened ``O_DIRECT``, at its start)
+    through ``stage``: whole ``DIRECT_ALIGN`` blocks directly, the last partial block
+    through the page cache (``O_DIRECT`` cleared), and all of it so where the
+    filesystem refuses the first direct write (EINVAL). Returns how many bytes, and
+    whether the blocks went directly."""
+    room = stage.nbytes - stage.nbytes % DIRECT_ALIGN
+    at = total = 0
+    direct = True
+    for piece in pieces:
+        view = np.frombuffer(memoryview(piece).cast("B"), dtype=np.uint8)
+        start = 0
+        while start < view.nbytes:
+            n = min(room - at, view.nbytes - start)
+            stage[at : at + n] = view[start : start + n]
+            at, start = at + n, start + n
+            if at == room:
+                direct = _write_blocks(fd, stage[:at], direct, first=not total)
+                total, at = total + at, 0
+    head = at - at % DIRECT_ALIGN
+    if head:
+        direct = _write_blocks(fd, stage[:head], direct, first=not total)
+    _buffered(fd)
+    _write_all(fd, stage[head:at])
+    return total + at, direct
+
+
+def _write_blocks(fd: int, blocks: np.ndarray, direct: bool, first: bool) -> bool:
+    """Write ``blocks`` (aligned) to ``fd``, directly if ``direct``; a refusal of the
+    file's first direct write clears ``O_DIRECT`` and writes them buffered. Whether the
+    file is still written directly."""
+    if direct:
+        try:
+            _write_all(fd, blocks)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not first or os.lseek(fd, 0, os.SEEK_CUR):
+                raise
+            _buffered(fd)
+    _write_all(fd, blocks)
+    return False
+
+
+def _buffered(fd: int) -> None:
+    """Clear ``O_DIRECT`` on ``fd``: what follows goes through the page cache."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    view = data.data.cast("B")
+    while view.nbytes:  # (short writes: finish them)
+        view = view[os.write(fd, view) :]
 
 
 class LocalBackend(ByteStore):
@@ -215,6 +377,7 @@ class LocalBackend(ByteStore):
         # links; each directory below the root on the way is looked at (lstat) once it
         # exists (a root reached through a link of the user's own is fine).
         self._dirs_ok: set[str] = set()
+        self._direct = True  # until the filesystem refuses O_DIRECT (tmpfs)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self._root!r})"
@@ -260,18 +423,36 @@ class LocalBackend(ByteStore):
         )
 
     def put(self, key: str, pieces: Sequence[Any], pending: Pending | None = None) -> None:
-        self.put_with(key, lambda fd: _writev_all(fd, pieces), pending)
+        nbytes = sum(memoryview(p).nbytes for p in pieces)
+        self.put_with(
+            key,
+            lambda fd: _writev_all(fd, pieces),
+            pending,
+            lambda fd, stage: _write_staged(fd, pieces, stage),
+            nbytes,
+        )
 
     def put_with(
-        self, key: str, write: Callable[[int], int], pending: Pending | None = None
+        self,
+        key: str,
+        write: Callable[[int], int],
+        pending: Pending | None = None,
+        staged: Staged | None = None,
+        nbytes: int = 0,
     ) -> None:
         """``put`` of the bytes ``write(fd)`` writes into the new file (returning how
-        many): a writer that needs no list of pieces (``format.shard_writer``)."""
+        many): a writer that needs no list of pieces (``format.shard_writer``).
+        ``staged``: the same bytes written through a staging buffer (``Staged``), used
+        for a file of ``nbytes`` >= ``DIRECT_BYTES`` where ``DIRECT``."""
         if pending is not None and not isinstance(pending, Unsynced):
             raise TypeError(f"a local put takes its own pending writes, not {pending!r}")
         path = Path(self._file(key))  # (refuses a key under a linked directory)
         try:
-            _write_with(path, write, pending)
+            direct = staged is not None and nbytes >= DIRECT_BYTES and DIRECT and self._direct
+            if direct and staged is not None and not _write_direct(path, staged, pending):
+                self._direct = direct = False  # refused at the open: not asked again
+            if not direct:
+                _write_with(path, write, pending)
         except OSError as exc:
             if path.is_symlink():
                 raise self._link_error(key) from exc

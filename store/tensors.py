@@ -237,7 +237,7 @@ class RunArrays:
         local = self.backend if isinstance(self.backend, LocalBackend) else None
         write = shard_writer(data, codec, sources) if local is not None else None
         if local is not None and write is not None:
-            local.put_with(key, write, pending)
+            local.put_with(key, write, pending, write.staged, data.nbytes)
         else:
             self.backend.put(key, encode_shard(data, codec, sources), pending)
 

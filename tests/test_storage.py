@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracelake.errors import ChunkCorruptError, InvalidKeyError, ObjectNotFoundError, StoreError
+from tracelake.store import local
 from tracelake.store.backend import ByteStore, MemoryBackend
 from tracelake.store.catalog import FileChangeToken
 from tracelake.store.codecs import CHAINS, RAW, ZSTD, choose_codec, codec_named
@@ -174,6 +175,50 @@ class TestLocalBackend(ByteStoreTests):
             store.put("a/b", [b"y"])  # its "directory" is a file
         assert isinstance(err.value.__cause__, OSError)
 
+    @pytest.mark.parametrize("refusal", ["at the open", "at the first write"])
+    def test_filesystems_refusing_direct_writes_get_the_same_bytes(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+    ) -> None:
+        """Where ``O_DIRECT`` is refused (tmpfs at the open, and the backend asks no
+        more; some filesystems at the first write), large files are written through the
+        page cache instead, byte for byte, and left to the caller's durability they are
+        written back as any such file."""
+        import errno
+
+        if not local.DIRECT:
+            pytest.skip("no O_DIRECT here")
+        create, write = local._create, os.write
+        asked: list[int] = []
+        if refusal == "at the open":
+
+            def refused(path: Path, extra: int = 0) -> int:
+                if extra:
+                    asked.append(extra)
+                    raise OSError(errno.EINVAL, "Invalid argument")
+                return create(path, extra)
+
+            monkeypatch.setattr(local, "_create", refused)
+        else:
+            import fcntl
+
+            def refusing(fd: int, data: object) -> int:
+                if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+                return write(fd, data)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(local.os, "write", refusing)
+        backs: list[int] = []
+        monkeypatch.setattr(local, "_SYNC_FILE_RANGE", lambda fd, *a: backs.append(fd) or 0)
+        store = LocalBackend(tmp_path)
+        data = np.random.default_rng(0).integers(0, 256, 3 * local.STAGE_BYTES // 2, np.uint8)
+        pending = store.pending(sync=False)
+        store.put("big", [data[:5], data[5:], b"end"], pending)
+        store.put("again", [data], pending)
+        pending.close()
+        assert store.get("big") == data.tobytes() + b"end" and store.get("again") == data.tobytes()
+        assert len(backs) == 2, "written through the page cache: written back"
+        assert len(asked) == (1 if refusal == "at the open" else 0)
+
     def test_writes_are_fdatasynced(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         synced: list[int] = []
         real = os.fdatasync
@@ -311,6 +356,25 @@ def test_a_raw_shard_written_in_one_call_is_the_encoded_shard(
     finally:
         os.close(fd)
     assert path.read_bytes() == want
+    # staged: gathered into an aligned buffer, written with O_DIRECT where it is taken
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # (a filesystem refusing O_DIRECT: the stage is written buffered)
+        fd = os.open(path, flags & ~getattr(os, "O_DIRECT", 0))
+    try:
+        with local._staging() as stage:
+            assert write.staged(fd, stage)[0] == len(want)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == want
+
+
+def test_a_whole_shard_fits_a_staging_buffer() -> None:
+    from tracelake.store.format import INNER_PER_SHARD, SHARD_INDEX_BYTES
+
+    assert CHUNK_BYTES + 4 * INNER_PER_SHARD + SHARD_INDEX_BYTES <= local.STAGE_BYTES
+    assert local.STAGE_BYTES % local.DIRECT_ALIGN == 0
 
 
 def test_codecs_are_objects_that_know_their_metadata() -> None:

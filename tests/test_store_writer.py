@@ -403,14 +403,16 @@ def test_files_left_to_the_caller_are_written_back_not_synced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store's writer leaves durability to the run's commit (``sync=False``): its large
-    files are written back (pages out and waited for, then dropped), never fdatasync'd
-    one by one; small ones are just closed; every descriptor is closed; a failed
-    writeback surfaces at close(), and the files read back as written."""
+    files, written through the page cache (``DIRECT`` off, or a filesystem refusing
+    ``O_DIRECT``), are written back (pages out and waited for, then dropped), never
+    fdatasync'd one by one; small ones are just closed; every descriptor is closed; a
+    failed writeback surfaces at close(), and the files read back as written."""
     import ctypes
     import os
 
     from tracelake.store import local
 
+    monkeypatch.setattr(local, "DIRECT", False)
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(local.os, "fdatasync", lambda fd: calls.append(("fdatasync", fd)))
     real = local._SYNC_FILE_RANGE
@@ -574,6 +576,54 @@ class Heads(nn.Module):
         elif self.write:
             qkv.add_(1)
         return heads[0]
+
+
+def test_files_written_directly_wait_for_nothing_but_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large files are written with ``O_DIRECT`` (their blocks from a staging buffer, the
+    last partial block through the page cache): left to the caller's durability they
+    are closed at once, neither written back nor fdatasync'd; made durable on the spot
+    they are fdatasync'd (their metadata and the device's cache); they read back as
+    written, and every descriptor is closed."""
+    import os
+
+    from tracelake.store import local
+
+    if not local.DIRECT:
+        pytest.skip("no O_DIRECT here")
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    calls: list[str] = []
+    monkeypatch.setattr(local.os, "fdatasync", lambda fd: calls.append("fdatasync"))
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", lambda *a: calls.append("range") or 0)
+    opened_direct: list[bool] = []
+    create = local._create
+    monkeypatch.setattr(
+        local,
+        "_create",
+        lambda path, extra=0: (opened_direct.append(bool(extra)), create(path, extra))[1],
+    )
+    store = local.LocalBackend(tmp_path / "objects")
+    opened = set(os.listdir("/proc/self/fd"))
+    pending = store.pending(window=2, sync=False)
+    big = [bytes([k + 1]) * (local.DIRECT_BYTES + 4096 * k + 3 * k) for k in range(4)]
+    for k, data in enumerate(big):
+        store.put(f"big/{k}", [data[:1001], data[1001:]], pending)
+    store.put("small", [b"s" * 100], pending)
+    pending.close()
+    assert opened_direct == [True] * 4 + [False]
+    assert calls == [], "no writeback, no fdatasync: the commit makes them durable"
+    assert [store.get(f"big/{k}") for k in range(4)] == big
+    assert set(os.listdir("/proc/self/fd")) <= opened, "a descriptor was left open"
+    store.put("now", [big[1]])  # durable on the spot
+    assert calls == ["fdatasync"] and store.get("now") == big[1]
+    huge = np.arange(3 * local.STAGE_BYTES // 8 + 5, dtype=np.int64)  # several stagings
+    store.put("huge", [huge, b"tail"])
+    assert store.get("huge") == huge.tobytes() + b"tail"
 
 
 def _gathered(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
