@@ -677,7 +677,7 @@ DEMO_QUERIES = (
     "select run, label, module, out from ops where func = 'relu' order by run",
     "select run, label, absmax from ops where func = 'linear' and absmax > :limit "
     "order by absmax desc limit 5",
-    "select run, out[0, -1, :4] as last_token from ops where label = 'relu_1_21' "
+    "select run, label, out[0, -1, :4] as last_token from ops where func = 'relu' "
     "and meta.prompt like '%Paris%'",
     "select func, count(*) as n, avg(l2) as mean_l2 from ops group by func order by n desc limit 6",
     "select run, label, shape from ops where func = 'linear' and parent.func = 'layer_norm' "
