@@ -161,6 +161,10 @@ def test_query_text_from_stdin_or_a_file(store_path: Path, tmp_path: Path) -> No
     path.write_text(text + "\n")
     from_file = run("query", str(store_path), "-f", str(path), "--format", "json")
     assert json.loads(from_file.stdout) == json.loads(piped.stdout)
+    # a .sql file ends its statement with a semicolon, as SQL does
+    path.write_text(text + ";\n")
+    with_semicolon = run("query", str(store_path), "-f", str(path), "--format", "json")
+    assert json.loads(with_semicolon.stdout) == json.loads(piped.stdout), with_semicolon.stderr
     both = run("query", str(store_path), text, "-f", str(path))
     assert both.returncode != 0 and "not both" in both.stderr
     bad = run("query", str(store_path), "select run frm ops")
