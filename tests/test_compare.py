@@ -248,6 +248,17 @@ def test_tracelake_diff_command(tmp_path: Path) -> None:
     assert diff("a", "same", "--exit-code").returncode == 0
     rows = json.loads(diff("a", "b", "--format", "json", "--where", "func = 'relu'").stdout)
     assert [r["func"] for r in rows] == ["relu", "relu"]
+    # CSV cells as `tracelake query --format csv` writes them: lists as JSON text
+    import csv
+    import io
+
+    csv_rows = list(csv.DictReader(io.StringIO(diff("a", "b", "--format", "csv").stdout)))
+    by_key = {r["key"]: r for r in rows}
+    assert len(csv_rows) == len(store["a"])
+    for got in csv_rows:
+        if got["key"] in by_key:
+            assert json.loads(got["shape_a"]) == by_key[got["key"]]["shape_a"]
+            assert float(got["max_abs_diff"]) == by_key[got["key"]]["max_abs_diff"]
     out = tmp_path / "d.parquet"
     assert diff("a", "b", "--format", "parquet", "-o", str(out)).returncode == 0
     assert pq.read_table(out).num_rows == len(store["a"])

@@ -549,10 +549,12 @@ def _diff(args: argparse.Namespace) -> int:
         elif args.format == "csv":
             import csv
 
+            from tracelake.query.export import csv_text
+
             writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["key"])
             writer.writeheader()
             for r in rows:
-                writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in r.items()})
+                writer.writerow({k: csv_text(v) for k, v in r.items()})
         else:
             shown = console(out)
             title = f"{comparison!r}" if not args.first else "first divergence"
