@@ -264,6 +264,11 @@ COMPILE = [
     ("select label from opz", "unknown table 'opz'; did you mean 'ops'?"),
     ("select label from tensors", "unknown table 'tensors'"),
     ("select meen(out) from ops", "unknown function 'meen'; did you mean 'mean'?"),
+    # a mistyped function among aggregates is a mistyped function, not an ungrouped one
+    ("select avg(l2), stddev(l2) from ops", "unknown function 'stddev'; did you mean 'std'?"),
+    ("select func, median(l2) from ops group by func", "unknown function 'median'"),
+    ("select func from ops group by func order by mx(l2)", "unknown function 'mx'"),
+    ("select func from ops group by func having cnt(*) > 1", "unknown function 'cnt'"),
     ("select label from ops where parent.fucn = 'x'", "did you mean 'func'?"),
     ("select out from runs", "out is a column of ops"),
     ("select mean(out) from modules", "out is a column of ops"),
