@@ -588,10 +588,10 @@ def _graph(args: argparse.Namespace) -> int:
         drawn = run.graph(  # type: ignore[attr-defined]  # (the pictures branch's)
             step=args.step, depth=args.depth, color=args.color, diff=diff, collapse=args.collapse
         )
-    except ValueError as exc:  # a statistic or metric that does not exist
+        drawn.save(args.output)
+    except ValueError as exc:  # a statistic, metric, module or file type that does not exist
         print(f"tracelake graph: {exc}", file=sys.stderr)
         return 2
-    drawn.save(args.output)
     if args.json:
         print_json({"output": args.output, "nodes": drawn.nodes, "ops": drawn.ops})
     else:
