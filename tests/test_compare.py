@@ -63,6 +63,13 @@ def test_fp32_against_bf16_grows_with_depth_by_block(tmp_path: Path) -> None:
     assert set(compared["dtype_a"]) >= {"float32"} and "bfloat16" in set(compared["dtype_b"])
     blocks = comparison.by_block()
     assert list(blocks.index) == [0, 1, 2, 3]
+    # block numbers are integers, shown as 3 rather than 3.0, with or without ops that
+    # belong to no block (the embedding, the final norm)
+    assert rows["block"].isna().any() and rows["block"].dtype.name == "Int64"
+    assert blocks.index.dtype.kind == "i"
+    stats = store.compare("fp32", ["bf16"], tensors=False)
+    assert stats.df()["block"].dtype.name == "Int64"
+    assert stats.by_block().index.get_level_values("block").dtype.kind == "i"
     assert (blocks["max_abs_diff"] > 0).all()
     # the error accumulates through the residual stream: the last block's residual
     # differs more than the first's
