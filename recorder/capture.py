@@ -252,7 +252,7 @@ def trace(
     result = Trace(table, emitter, recording.labeller.module_entries, output, type(model).__name__)
     result.interventions = interventions
     result.call = encode_call(inputs, model_kwargs, recording.rng.drawn)
-    interventions.warn_unused()
+    interventions.warn_unused(result.labels)
     result.model_ref = weakref.ref(model)
     if selector.constant is None:  # a name in save= that matched nothing: likely a typo
         warn_unmatched(selector, result, result.modules)

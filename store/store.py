@@ -819,7 +819,8 @@ class Recording:
             merged.update(audit_tables(self.run_id, self.interventions, self._calls))
         else:  # (built by the batch, with its other small runs')
             merged = {}
-        self.interventions.warn_unused(stacklevel=4)
+        labels = {label for table, _, _ in self._steps for label in table.labels}
+        self.interventions.warn_unused(labels, stacklevel=4)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
             merged = run_tables(
