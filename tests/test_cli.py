@@ -3,6 +3,7 @@ outputs; catalog-only commands without torch; exports that give back every value
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -208,6 +209,18 @@ def test_help_is_written_for_users() -> None:
     assert "examples:" in done.stdout and "TRACELAKE_STORE" in done.stdout
     assert "Terminal output lives here" not in done.stdout  # not the module's docstring
     assert run("--version").stdout.startswith("tracelake ")
+    # every argument of every command says what it is in `tracelake COMMAND --help`
+    from tracelake.cli import build_parser
+
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [
+        f"{name} {action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not action.help
+    ]
+    assert bare == []
 
 
 def _stored(store_path: Path, run_name: str) -> dict[str, torch.Tensor]:

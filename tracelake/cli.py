@@ -341,7 +341,12 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("rm", "delete runs (gc reclaims their space)", arg("run", nargs="+"), _JSON)
+@command(
+    "rm",
+    "delete runs (gc reclaims their space)",
+    arg("run", nargs="+", help="the names of the runs to delete"),
+    _JSON,
+)
 def _rm(args: argparse.Namespace) -> int:
     store = open_store(args)
     for name in args.run:
@@ -504,14 +509,24 @@ _DIFF_SHOWN = (
     "compare two runs op by op (store.compare)",
     arg("a", help="the reference run"),
     arg("b", help="the run compared with it"),
-    arg("--on", choices=("key", "label", "module"), default="key"),
+    arg(
+        "--on",
+        choices=("key", "label", "module"),
+        default="key",
+        help="align ops by stable key (default), label, or module call",
+    ),
     arg("--where", default=None, help="a query condition on ops, e.g. \"func = 'relu'\""),
-    arg("--atol", type=float, default=1e-8),
-    arg("--rtol", type=float, default=1e-5),
+    arg("--atol", type=float, default=1e-8, help="absolute tolerance of allclose (1e-8)"),
+    arg("--rtol", type=float, default=1e-5, help="relative tolerance of allclose (1e-5)"),
     arg("--steps", type=int, nargs=2, metavar=("I", "J"), help="step I of a, J of b"),
     arg("--first", action="store_true", help="only the first divergence"),
     arg("--exit-code", action="store_true", help="exit 1 when anything differs (as git diff)"),
-    arg("--format", choices=("table", "csv", "json", "parquet"), default="table"),
+    arg(
+        "--format",
+        choices=("table", "csv", "json", "parquet"),
+        default="table",
+        help="table (a terminal's summary); csv, json, parquet: every row and column",
+    ),
     arg("-o", "--output", help="write to FILE instead of the terminal"),
 )
 def _diff(args: argparse.Namespace) -> int:
