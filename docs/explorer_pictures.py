@@ -49,13 +49,17 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         store = record(Path(tmp) / "demo.tl")
+        # the demo's ReLU, by its function: labels follow TorchLens's numbering
+        [relu] = store.query("select label from ops where run = 'base' and func = 'relu'").tensors(
+            "label"
+        )
         driver = chromium(1200, 760)
         try:
             with running(store) as url:
                 pages = {
                     "runs": "/",
                     "run": "/run?run=base&where=func+in+('linear',+'relu')+and+absmax+>+1",
-                    "op": "/op?run=base&label=relu_1_21",
+                    "op": f"/op?run=base&label={relu}",
                     "graph": "/graph?run=base",
                     "compare": "/compare?a=base&b=head-scaled",
                 }

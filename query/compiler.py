@@ -43,6 +43,7 @@ from .operands import (
     is_aggregate,
     is_tensor,
     predicate_operands,
+    unknown_function,
     walk,
 )
 from .pairs import PairRules, reads_pairs
@@ -567,6 +568,11 @@ class _Compiler(PairRules):
 
     def _require_grouped(self, expr: ast.Expr, where: str) -> None:
         if not self._grouped_ok(expr):
+            # a misspelt aggregate (stddev, median) is a misspelt function, not an
+            # ungrouped one: say so first
+            for node in walk(expr):
+                if isinstance(node, ast.Call) and node.name not in FUNCTIONS:
+                    raise self.refuse(unknown_function(node.name), node)
             hint = "order by an aggregate" if where == "order" else "wrap it in an aggregate"
             raise self.refuse(
                 f"{expr_text(expr)!r} is neither grouped nor aggregated; add it to "
@@ -687,9 +693,7 @@ class _Compiler(PairRules):
             return TensorItem(name, "slice", self.index_of(expr), source=location)
         assert isinstance(expr, ast.Call) and isinstance(expr.args[0], ast.OutSlice)
         if expr.name not in FUNCTIONS:
-            raise self.refuse(
-                f"unknown function {expr.name!r}{closest(expr.name, FUNCTIONS)}", expr
-            )
+            raise self.refuse(unknown_function(expr.name), expr)
         if expr.name not in REDUCTIONS:
             raise self.refuse(
                 f"{expr.name}() does not reduce a tensor; reductions: {', '.join(REDUCTIONS)}", expr

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from .results import Result
 
-__all__ = ["BATCH_BYTES", "FORMATS", "export"]
+__all__ = ["BATCH_BYTES", "FORMATS", "csv_text", "export"]
 
 #: Bytes of tensors per batch of rows written.
 BATCH_BYTES = 32 << 20
@@ -352,7 +352,9 @@ def _write_json(result: Result, out: TextIO, batches: Iterator[list[dict[str, An
     out.write("\n]\n")
 
 
-def _csv_text(value: Any) -> str:
+def csv_text(value: Any) -> str:
+    """A value that is not a tensor as CSV text: floats to the last bit, dates in ISO
+    form, lists, tuples and dicts as JSON (every CSV tracelake writes: queries, diffs)."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -385,6 +387,6 @@ def _write_csv(result: Result, out: TextIO, batches: Iterator[list[dict[str, Any
                         out.write(piece.replace('"', '""'))
                     out.write('"')
                 else:
-                    out.write(_csv_quote(_csv_text(value)))
+                    out.write(_csv_quote(csv_text(value)))
             out.write("\r\n")
         rows, row, value = [], {}, None  # (not held while the next batch is read)

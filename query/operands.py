@@ -43,10 +43,18 @@ __all__ = [
     "is_aggregate",
     "is_tensor",
     "predicate_operands",
+    "unknown_function",
     "walk",
 ]
 
 _SCALAR_TYPES = (str, int, float, bool, datetime, date, type(None))
+
+
+def unknown_function(name: str) -> str:
+    """What a query calling a function the language lacks is told."""
+    return f"unknown function {name!r}{closest(name, FUNCTIONS)}"
+
+
 Ctx = Literal["select", "where", "group", "order", "aggregate", "having", "on"]
 _CTX_WORDS = {"where": "where", "group": "group by", "on": "a join condition"}
 _KIND_WORDS = {"number": "a number", "string": "text", "bool": "true or false", "other": "a list"}
@@ -370,7 +378,7 @@ class Operands:
     def visit_Call(self, node: ast.Call) -> str:
         name = node.name
         if name not in FUNCTIONS:
-            raise self.refuse(f"unknown function {name!r}{closest(name, FUNCTIONS)}", node)
+            raise self.refuse(unknown_function(name), node)
         if name in PAIR_FUNCTIONS:
             raise self.refuse(
                 f"{name}() reads two tensors, so it stands in select, where and order by; "

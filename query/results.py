@@ -241,6 +241,12 @@ class Result:
         import torch
 
         if not isinstance(values[0], torch.Tensor):
+            odd = next((v for v in values if not isinstance(v, int | float)), None)
+            if odd is not None:  # (bool is an int)
+                raise QueryError(
+                    f"cannot stack {name!r}: it holds {type(odd).__name__} values, not "
+                    "tensors or numbers"
+                )
             return torch.tensor(values)
         return torch.stack(values)
 

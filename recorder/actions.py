@@ -49,9 +49,11 @@ _MEAN_OVER = ("self",)
 
 @dataclass(frozen=True)
 class HookContext:
-    """What an action learns about the op it changes: its layer label and pass (the
-    final label is written when the recording ends), its stable key, function, innermost
-    module, position in execution order, and the number of the rule."""
+    """What an action learns about the op it changes: its layer label and pass as
+    numbered so far (the final ones are written when the recording ends), its stable
+    key, function, innermost module, position in execution order, the number of the
+    rule, and ``label``: its final label where a graph recorded before in this process
+    tells it (the same model again), else the one numbered so far."""
 
     layer: str
     pass_num: int
@@ -60,11 +62,14 @@ class HookContext:
     module: str
     index: int
     rule: int
+    label: str = ""
 
     @property
     def where(self) -> str:
         """How messages name the op: ``add_5_20 (transformer.h.3:add#2)``."""
-        label = self.layer if self.pass_num == 1 else f"{self.layer}:{self.pass_num}"
+        label = self.label or (
+            self.layer if self.pass_num == 1 else f"{self.layer}:{self.pass_num}"
+        )
         return f"{label} ({self.key})"
 
 

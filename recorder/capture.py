@@ -24,6 +24,7 @@ from .intercept import Interceptor
 from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
 from .replay import encode_call
+from .rng import RngWatch
 from .selectors import Selector, as_selector, warn_unmatched
 from .trace import Trace
 
@@ -110,10 +111,12 @@ class ForwardRecording:
             self.labeller.record_args()
         self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
         self._eager = EagerStance(model)  # a compiled model runs eagerly while recorded
+        self.rng = RngWatch()  # what the forward draws, for a replay to draw again
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
             self.labeller.add_inputs(args, kwargs)
+        self.rng.start()
         self._eager.__enter__()
         try:
             self._interceptor.__enter__()
@@ -131,6 +134,7 @@ class ForwardRecording:
 
     def stop(self, output: Any, failed: bool = False) -> None:
         self.release()
+        self.rng.stop()
         if not failed:
             with torch._C.DisableTorchFunction():
                 self.labeller.add_outputs(output)
@@ -150,10 +154,11 @@ def record_forward(
     interventions: Interventions | None = None,
     record_args: bool = False,
     keep_orphans: bool = False,
-) -> tuple[Labeller, Any]:
+) -> tuple[ForwardRecording, Any]:
     """Run ``model(*args, **kwargs)`` once under interception, filling ``table``; return
-    the labeller and the model's output. The forward's own exceptions propagate
-    unchanged, after every mode and hook has been removed."""
+    the recording (its labeller, what it drew from the generators) and the model's
+    output. The forward's own exceptions propagate unchanged, after every mode and hook
+    has been removed."""
     recording = ForwardRecording(
         model, emitter, table, interventions, record_args=record_args, keep_orphans=keep_orphans
     )
@@ -164,7 +169,7 @@ def record_forward(
     except BaseException:
         recording.abort()  # (after a stop cut short by a Ctrl-C too: again is safe)
         raise
-    return recording.labeller, output
+    return recording, output
 
 
 def trace(
@@ -225,7 +230,7 @@ def trace(
     edges = None if grads is None else GradEdges(grads, table)
     emitter = MemoryEmitter(selector, stats, table, edges)
     options = as_options(capture)
-    labeller, output = record_forward(
+    recording, output = record_forward(
         model,
         inputs,
         model_kwargs,
@@ -244,10 +249,10 @@ def trace(
             TraceLakeWarning,
             stacklevel=2,
         )
-    result = Trace(table, emitter, labeller.module_entries, output, type(model).__name__)
+    result = Trace(table, emitter, recording.labeller.module_entries, output, type(model).__name__)
     result.interventions = interventions
-    result.call = encode_call(inputs, model_kwargs)
-    interventions.warn_unused()
+    result.call = encode_call(inputs, model_kwargs, recording.rng.drawn)
+    interventions.warn_unused(result.labels)
     result.model_ref = weakref.ref(model)
     if selector.constant is None:  # a name in save= that matched nothing: likely a typo
         warn_unmatched(selector, result, result.modules)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from .actions import Action, HookContext, action_from_spec, as_action
 from .entries import FUNC, INPLACE, INTERVENED, KIND, OUT_INDEX, PASS, RULE, OpEntry, OpTable
 from .entries import next_op_key as _next_op_key
 from .labels import Emitter, Labeller
-from .selectors import Selector, parse_selector
+from .selectors import Selector, labels_named, parse_selector
 
 __all__ = ["InterveningEmitter", "Interventions", "Rule", "as_rules", "when"]
 
@@ -113,15 +114,29 @@ class Interventions:
             for n, rule in enumerate(self.rules)
         ]
 
-    def warn_unused(self, stacklevel: int = 3) -> None:
+    def warn_unused(self, labels: Collection[str] = (), stacklevel: int = 3) -> None:
+        """Warn of each rule that changed nothing. ``labels``: the recording's final
+        labels, to tell a label rule that missed an op the recording has (its label was
+        not known yet when the op ran: see :meth:`.entries.OpTable.settled_label`)."""
         for rule, count in zip(self.rules, self.touched, strict=True):
-            if not count:
-                warnings.warn(
-                    f"{rule!r} selected no op, so it changed nothing; check the selector "
-                    "against the trace's labels, functions and modules",
-                    TraceLakeWarning,
-                    stacklevel=stacklevel,
+            if count:
+                continue
+            known = sorted(labels_named(rule.selector) & set(labels))
+            if known:
+                message = (
+                    f"{rule!r} selected no op, though this recording has {known[0]!r}: "
+                    "rules see each op during the forward, and a label (the pass of a "
+                    "layer, and the numbers after it) is final only after the forward, "
+                    "unless this process recorded the same graph before; record the "
+                    "model once first (tl.trace(model, x)), or select the op by module "
+                    "and function (tl.in_module(...) & tl.func(...))"
                 )
+            else:
+                message = (
+                    f"{rule!r} selected no op, so it changed nothing; check the selector "
+                    "against the trace's labels, functions and modules"
+                )
+            warnings.warn(message, TraceLakeWarning, stacklevel=stacklevel)
 
 
 def _unreplayable(rule: Rule) -> str | None:
@@ -189,7 +204,10 @@ class InterveningEmitter:
         for number, rule in enumerate(self._rules):
             if not rule.selector.matches_op(op):
                 continue
-            hook = HookContext(op.layer, row[PASS], key, row[FUNC], op.module, index, number)
+            label = op.settled_label() or (
+                op.layer if row[PASS] == 1 else f"{op.layer}:{row[PASS]}"
+            )
+            hook = HookContext(op.layer, row[PASS], key, row[FUNC], op.module, index, number, label)
             value = rule.action.apply(new, hook)
             _check(value, tensor, rule, hook)
             new = value

@@ -61,7 +61,7 @@ class PatchAction(Action):
         return source.step(step)
 
     def _align_key(self, op: Any) -> Any:
-        return op.key if self._on == "key" else (op.layer, op.pass_num)
+        return op.key if self._on == "key" else op.label
 
     def prepare(self, step: int, selector: Selector | None = None) -> None:
         """Read the source's values of the ops ``selector`` picks there; refuse now,
@@ -98,7 +98,7 @@ class PatchAction(Action):
         return values, unsaved
 
     def _patch(self, out: torch.Tensor, hook: HookContext) -> torch.Tensor:
-        key = hook.key if self._on == "key" else (hook.layer, hook.pass_num)
+        key = hook.key if self._on == "key" else hook.label
         value = self._values.get(key)
         if value is None:
             raise InterventionError(

@@ -21,6 +21,7 @@ import torch
 from tracelake.errors import ReplayError
 
 from .inputs import input_tensors
+from .rng import drawing_as_recorded
 
 if TYPE_CHECKING:
     import pandas
@@ -34,14 +35,17 @@ __all__ = [
     "compare_views",
     "decode_call",
     "encode_call",
+    "recorded_rng",
     "replay_trace",
 ]
 
 _PLAIN = (type(None), bool, int, str)
 
 
-def encode_call(args: tuple, kwargs: dict) -> str:
-    """How the model was called, as JSON: ``{"args": [...], "kwargs": {...}}`` with each
+def encode_call(args: tuple, kwargs: dict, drawn: dict[str, str] | None = None) -> str:
+    """How the model was called, as JSON: ``{"args": [...], "kwargs": {...}}`` (and
+    ``"rng"``: the generator states a forward that drew random numbers began with,
+    :attr:`.rng.RngWatch.drawn`) with each
     tensor as ``{"$input": k}`` (the k-th input entry: :func:`.inputs.input_tensors`),
     lists, tuples and str-keyed dicts as they are, and anything else as
     ``{"$unsupported": type}`` (such a call cannot be replayed, which
@@ -66,7 +70,17 @@ def encode_call(args: tuple, kwargs: dict) -> str:
             return {"$dict": {k: encode(v) for k, v in value.items()}}
         return {"$unsupported": type(value).__qualname__}
 
-    return json.dumps({"args": [encode(a) for a in args], "kwargs": encode(dict(kwargs))})
+    call = {"args": [encode(a) for a in args], "kwargs": encode(dict(kwargs))}
+    if drawn:
+        call["rng"] = drawn
+    return json.dumps(call)
+
+
+def recorded_rng(text: str) -> dict[str, str] | None:
+    """The generator states a recorded call began with (None: it drew nothing, or was
+    recorded before they were kept)."""
+    drawn = json.loads(text).get("rng")
+    return drawn if isinstance(drawn, dict) else None
 
 
 def decode_call(text: str, inputs: list[torch.Tensor]) -> tuple[tuple, dict]:
@@ -253,7 +267,8 @@ def replay_trace(
     inputs = [t.clone() for t in saved_inputs(trace, what)]
     args, kwargs = decode_call(trace.call, inputs)
     rules: tuple[Rule, ...] = rules_from_audit(interventions.audit()) if interventions else ()
-    again = record(model, *args, intervene=list(rules) or None, **kwargs)
+    with drawing_as_recorded(recorded_rng(trace.call)):
+        again = record(model, *args, intervene=list(rules) or None, **kwargs)
     report = ReplayReport(traces=[again])
     compare_views(0, trace, again, report, atol, rtol)
     return report

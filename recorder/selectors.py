@@ -36,6 +36,7 @@ __all__ = [
     "func",
     "in_module",
     "label",
+    "labels_named",
     "module",
     "none",
     "parse_selector",
@@ -300,6 +301,11 @@ def _leaves(selector: Selector) -> list[Selector]:
     if isinstance(selector, _Not):
         return _leaves(selector.inner)
     return [selector]
+
+
+def labels_named(selector: Selector) -> set[str]:
+    """The labels the ``tl.label`` selectors in ``selector`` name."""
+    return {n for leaf in _leaves(selector) if isinstance(leaf, _Label) for n in leaf.labels}
 
 
 def unmatched(

@@ -165,7 +165,7 @@ class Comparison:
         """One row per aligned pair (or one-sided entry)."""
         import pandas
 
-        return pandas.DataFrame(self.rows(), columns=list(_COLUMNS))
+        return _int_blocks(pandas.DataFrame(self.rows(), columns=list(_COLUMNS)))
 
     def arrow(self) -> pa.Table:
         """The comparison's rows as an Arrow table (what ``df()`` holds)."""
@@ -532,7 +532,7 @@ class StatsComparison(Comparison):
         return table.to_pylist()
 
     def df(self) -> pandas.DataFrame:
-        return self._table.to_pandas()
+        return _int_blocks(self._table.to_pandas())
 
     def arrow(self) -> pa.Table:
         """The comparison's rows as an Arrow table."""
@@ -560,6 +560,13 @@ class StatsComparison(Comparison):
             ops=("key", "size"),
             **{f"max_abs_d_{n}": (f"d_{n}", lambda v: v.abs().max()) for n in ("mean", "l2")},
         )
+
+
+def _int_blocks(frame: pandas.DataFrame) -> pandas.DataFrame:
+    """``frame`` with its block numbers as pandas' nullable integers: ops outside any
+    block have none, which would make the column float (block 3.0) otherwise."""
+    frame["block"] = frame["block"].astype("Int64")
+    return frame
 
 
 def _stats_sql(on: str) -> str:

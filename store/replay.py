@@ -23,9 +23,11 @@ from tracelake.recorder.replay import (
     call_problems,
     compare_views,
     decode_call,
+    recorded_rng,
     replay_plan,
     saved_inputs,
 )
+from tracelake.recorder.rng import drawing_as_recorded
 
 from .schema import RULES
 
@@ -95,14 +97,16 @@ def replay_run(
     if name is None:
         for view, given in zip(steps, inputs, strict=True):
             args, kwargs = decode_call(calls[view.step], given)
-            again = record_trace(model, *args, intervene=rules, **kwargs)
+            with drawing_as_recorded(recorded_rng(calls[view.step])):
+                again = record_trace(model, *args, intervene=rules, **kwargs)
             report.traces.append(again)
             compare_views(view.step, view, again, report, atol, rtol)
         return report
     with store.recording(name, model, intervene=rules, meta={"replay_of": run.name}) as rec:
         for view, given in zip(steps, inputs, strict=True):
             args, kwargs = decode_call(calls[view.step], given)
-            model(*args, **kwargs)
+            with drawing_as_recorded(recorded_rng(calls[view.step])):
+                model(*args, **kwargs)
     report.run = replayed = store[rec.name or name]
     for view in steps:
         compare_views(view.step, view, replayed.step(view.step), report, atol, rtol)

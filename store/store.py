@@ -242,7 +242,15 @@ def _generated_name(model: Any) -> str:
 
 def _meta_json(meta: Any) -> str:
     """``meta`` as the JSON text the catalog keeps; ``InvalidMetaError`` for a value
-    that has none (or that every ``meta.*`` query of the store would then fail on)."""
+    that has none (or that every ``meta.*`` query of the store would then fail on), or
+    that ``meta.<key>`` could not address as given (not a dict; a key that is no string,
+    which JSON would turn into one without a word)."""
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidMetaError(
+            f"meta= takes a dict (meta.<key> in queries reads its keys), not "
+            f"{type(meta).__name__}: meta={{'note': ...}}"
+        )
+    _check_meta_keys(meta)
     try:
         text = json.dumps(meta, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -255,6 +263,25 @@ def _meta_json(meta: Any) -> str:
             "a file name decoded with errors='surrogateescape'); decode it properly first"
         )
     return text
+
+
+def _check_meta_keys(meta: Any) -> None:
+    """``InvalidMetaError`` for a dict key, at any depth, that is not a string (a walk
+    with a list, not recursion: JSON's own depth limit is checked after)."""
+    pending, seen = [meta], 0
+    while pending and seen < 100_000:  # (a value past that is refused by JSON's checks)
+        value = pending.pop()
+        seen += 1
+        if isinstance(value, dict):
+            bad = next((k for k in value if not isinstance(k, str)), None)
+            if bad is not None:
+                raise InvalidMetaError(
+                    f"meta= keys are strings (a query reads meta.<key>); {bad!r} is "
+                    f"{type(bad).__name__}"
+                )
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
 
 
 def _loads_meta(text: str | None) -> Any:
@@ -579,7 +606,7 @@ class Recording:
         self._steps.append((table, recording.labeller.module_entries, emitter))
         from tracelake.recorder.replay import encode_call
 
-        self._calls.append(encode_call(args, kwargs))
+        self._calls.append(encode_call(args, kwargs, recording.rng.drawn))
         if emitter.grad_edges is not None:
             self._grad_steps.append(emitter.grad_edges)
         if not self._fingerprints:
@@ -820,7 +847,8 @@ class Recording:
             merged.update(audit_tables(self.run_id, self.interventions, self._calls))
         else:  # (built by the batch, with its other small runs')
             merged = {}
-        self.interventions.warn_unused(stacklevel=4)
+        labels = {label for table, _, _ in self._steps for label in table.labels}
+        self.interventions.warn_unused(labels, stacklevel=4)
         if writer.lost:  # rare: tensors written in place, unseen, while being stored
             self._drop(writer.lost)
             merged = run_tables(

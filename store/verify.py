@@ -185,9 +185,10 @@ def verify_run(run: Run, rows: list[tuple[Any, ...]], report: VerifyReport) -> N
             continue
         if name in misshapen:  # reported once; its chunk grid says nothing of the tensor
             continue
+        before = len(report.problems)
         _check_chunks(run, arrays, name, spans, report)
         if spans and spans[0][0] is not None and name.startswith("pack"):
-            _check_spans(run, arrays, name, spans, report)
+            _check_spans(run, arrays, name, spans, report, shard_problems=before)
 
 
 def _check_array_shape(
@@ -295,17 +296,34 @@ def _file_size(array: Any) -> int:
 
 
 def _check_spans(
-    run: Run, arrays: Any, name: str, spans: list[tuple[int, int, str]], report: VerifyReport
+    run: Run,
+    arrays: Any,
+    name: str,
+    spans: list[tuple[int, int, str]],
+    report: VerifyReport,
+    shard_problems: int,
 ) -> None:
     """Every packed tensor's bytes read the way queries read them (the shard index must
-    hold each inner chunk a tensor lies in, with a good checksum)."""
+    hold each inner chunk a tensor lies in, with a good checksum). A damaged shard
+    (``report.problems[shard_problems:]``, from :func:`_check_chunks`) named every
+    tensor in it; where these reads name the tensors its damaged inner chunks hold, they
+    replace it, so that a tensor which still reads back is not called damaged."""
     import torch
 
-    seen: set[str] = {p.label for p in report.problems if p.run == run.name}
+    seen: set[str] = {p.label for p in report.problems[:shard_problems] if p.run == run.name}
+    found = []
     for offset, nbytes, labels in spans:
         if labels in seen:
             continue
         try:
             arrays.read_packed(name, offset, nbytes, torch.uint8, [nbytes], labels)
         except ChunkCorruptError as exc:
-            report.problems.append(Problem(run.name, labels, str(exc)))
+            found.append(Problem(run.name, labels, str(exc)))
+    shard = f"chunk {name}/c/"
+    if found:
+        report.problems[shard_problems:] = [
+            p
+            for p in report.problems[shard_problems:]
+            if not (p.what.startswith(shard) and "is damaged" in p.what)
+        ]
+    report.problems.extend(found)

@@ -3,6 +3,7 @@ outputs; catalog-only commands without torch; exports that give back every value
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -161,6 +162,10 @@ def test_query_text_from_stdin_or_a_file(store_path: Path, tmp_path: Path) -> No
     path.write_text(text + "\n")
     from_file = run("query", str(store_path), "-f", str(path), "--format", "json")
     assert json.loads(from_file.stdout) == json.loads(piped.stdout)
+    # a .sql file ends its statement with a semicolon, as SQL does
+    path.write_text(text + ";\n")
+    with_semicolon = run("query", str(store_path), "-f", str(path), "--format", "json")
+    assert json.loads(with_semicolon.stdout) == json.loads(piped.stdout), with_semicolon.stderr
     both = run("query", str(store_path), text, "-f", str(path))
     assert both.returncode != 0 and "not both" in both.stderr
     bad = run("query", str(store_path), "select run frm ops")
@@ -204,6 +209,18 @@ def test_help_is_written_for_users() -> None:
     assert "examples:" in done.stdout and "TRACELAKE_STORE" in done.stdout
     assert "Terminal output lives here" not in done.stdout  # not the module's docstring
     assert run("--version").stdout.startswith("tracelake ")
+    # every argument of every command says what it is in `tracelake COMMAND --help`
+    from tracelake.cli import build_parser
+
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [
+        f"{name} {action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not action.help
+    ]
+    assert bare == []
 
 
 def _stored(store_path: Path, run_name: str) -> dict[str, torch.Tensor]:

@@ -63,6 +63,13 @@ def test_fp32_against_bf16_grows_with_depth_by_block(tmp_path: Path) -> None:
     assert set(compared["dtype_a"]) >= {"float32"} and "bfloat16" in set(compared["dtype_b"])
     blocks = comparison.by_block()
     assert list(blocks.index) == [0, 1, 2, 3]
+    # block numbers are integers, shown as 3 rather than 3.0, with or without ops that
+    # belong to no block (the embedding, the final norm)
+    assert rows["block"].isna().any() and rows["block"].dtype.name == "Int64"
+    assert blocks.index.dtype.kind == "i"
+    stats = store.compare("fp32", ["bf16"], tensors=False)
+    assert stats.df()["block"].dtype.name == "Int64"
+    assert stats.by_block().index.get_level_values("block").dtype.kind == "i"
     assert (blocks["max_abs_diff"] > 0).all()
     # the error accumulates through the residual stream: the last block's residual
     # differs more than the first's
@@ -248,6 +255,17 @@ def test_tracelake_diff_command(tmp_path: Path) -> None:
     assert diff("a", "same", "--exit-code").returncode == 0
     rows = json.loads(diff("a", "b", "--format", "json", "--where", "func = 'relu'").stdout)
     assert [r["func"] for r in rows] == ["relu", "relu"]
+    # CSV cells as `tracelake query --format csv` writes them: lists as JSON text
+    import csv
+    import io
+
+    csv_rows = list(csv.DictReader(io.StringIO(diff("a", "b", "--format", "csv").stdout)))
+    by_key = {r["key"]: r for r in rows}
+    assert len(csv_rows) == len(store["a"])
+    for got in csv_rows:
+        if got["key"] in by_key:
+            assert json.loads(got["shape_a"]) == by_key[got["key"]]["shape_a"]
+            assert float(got["max_abs_diff"]) == by_key[got["key"]]["max_abs_diff"]
     out = tmp_path / "d.parquet"
     assert diff("a", "b", "--format", "parquet", "-o", str(out)).returncode == 0
     assert pq.read_table(out).num_rows == len(store["a"])

@@ -109,8 +109,14 @@ def _deep(n: int) -> Any:
         ({"k": "a\udc80"}, "lone surrogate"),
         ({"k": _deep(5000)}, "nested too deeply"),
         ({"k": object()}, "JSON-serialisable"),
+        # meta.<key> reads a mapping's keys: a string or a list would answer no query,
+        # and JSON would make the key 1 the text '1' without a word
+        ("lr=0.1", "a dict"),
+        ([1, 2], "a dict"),
+        ({1: "a"}, "keys are strings"),
+        ({"k": [{"ok": 1}, {2: "b"}]}, "keys are strings"),
     ],
-    ids=["surrogate", "deep", "object"],
+    ids=["surrogate", "deep", "object", "str", "list", "int key", "nested int key"],
 )
 def test_unstorable_meta_is_refused(tmp_path: Path, meta: Any, match: str) -> None:
     model, x = _model()

@@ -163,6 +163,50 @@ def test_a_rule_that_selects_nothing_warns(tmp_path: Path) -> None:
     assert touched.values.tolist() == [[0, 2], [1, 0]]
 
 
+class _Loop(nn.Module):
+    """A parameter-free sequence run three times: one layer with three passes, known
+    only once the forward is over (TorchLens's grouping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for _ in range(3):
+            x = torch.sin(x) * 2
+        return x
+
+
+def test_a_label_rule_on_a_graph_not_seen_before_says_why_it_selected_nothing() -> None:
+    from tracelake.recorder import entries
+
+    torch.manual_seed(0)
+    model, x = _Loop().eval(), torch.randn(2, 4)
+    assert "sin_1_2:2" in tl.trace(model, x).labels
+    entries._SETTLED.clear()  # (as in a new process: this graph was never recorded)
+    rule = tl.when(tl.label("sin_1_2:2"), tl.scale(0.5))
+    with pytest.warns(tl.TraceLakeWarning, match=r"has 'sin_1_2:2'.*after the forward"):
+        first = tl.trace(model, x, intervene=rule)
+    assert not any(op.intervened for op in first)
+    again = tl.trace(model, x, intervene=rule)  # the graph is known now: the label works
+    assert [op.label for op in again if op.intervened] == ["sin_1_2:2"]
+
+
+def test_patch_from_on_label_aligns_final_labels() -> None:
+    """Labels of layers with several passes, and those numbered after them, are final
+    only after the forward: patching by label matches them (as by key)."""
+    torch.manual_seed(0)
+    model = _Loop().eval()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    source = tl.trace(model, y)
+    rule = tl.when(tl.label("mul_1_3:2"), tl.patch_from(source, on="label"))
+    log = tl.trace(model, x, intervene=rule)
+    assert [op.label for op in log if op.intervened] == ["mul_1_3:2"]
+    assert_bitwise(log["mul_1_3:2"].out, source["mul_1_3:2"].out)
+    assert_bitwise(log.output, source.output)
+
+
 def test_wrong_arguments_are_refused_clearly() -> None:
     with pytest.raises(TypeError, match="selector"):
         tl.when("relu", tl.zero_ablate())  # type: ignore[arg-type]

@@ -75,6 +75,9 @@ def test_graph_collapses_by_depth_and_by_name(stored: tl.Store) -> None:
     assert collapsed.nodes < len(run) and "box3d" in source
     named = run.graph(collapse=["transformer.h.0"]).source
     assert "transformer.h.0\\nGPT2Block" in named and "transformer.h.1\\nGPT2Block" not in named
+    # a module the run lacks (a typo) is said, not drawn as if nothing were asked
+    with pytest.raises(ValueError, match=r"no module 'transformer\.h\.O'.*'transformer\.h\.0'"):
+        run.graph(collapse=["transformer.h.O"])
     # edges between collapsed nodes stay: the graph is still connected end to end
     assert collapsed.edges >= collapsed.nodes - 1
 
@@ -143,6 +146,21 @@ def test_cli_graph_writes_svg(stored: tl.Store, tmp_path: Path) -> None:
     assert "</svg>" in out.read_text() and "colour: max_abs_diff" in out.read_text()
     assert main(["graph", stored.path, "base", "-o", str(out), "--color", "absmx"]) == 2
     assert main(["graph", stored.path, "bsae", "-o", str(out)]) == 1
+    # a file type Graphviz cannot write, or a module to collapse that is not there: a
+    # usage error saying so, not a traceback
+    text = tmp_path / "ops.txt"
+    for args in (["-o", str(text)], ["-o", str(out), "--collapse", "transfomer"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "tracelake.cli", "graph", stored.path, "base", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("tracelake graph: ")
+    assert not text.exists()
+    with pytest.raises(ValueError, match=r"'\.txt'.*\.svg"):
+        stored["base"].graph().save(text)
     env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # no dot on it
     done = subprocess.run(
         [sys.executable, "-m", "tracelake.cli", "graph", stored.path, "base", "-o", str(out)],

@@ -75,6 +75,13 @@ def test_unsaved_out_is_none_and_stack(store_and_hooks) -> None:
     mixed = store.query("select out from ops where func = 'linear' and run = 'base'")
     with pytest.raises(tl.QueryError, match="different shapes"):
         mixed.stack()
+    # a column of numbers stacks into a tensor; one of text is refused, naming it
+    numbers = store.query("select absmax, shape from ops where func = 'linear' and run = 'base'")
+    assert numbers.stack("absmax").tolist() == [r["absmax"] for r in numbers]
+    for column in ("label", "shape"):
+        texts = store.query(f"select {column} from ops where run = 'base'")
+        with pytest.raises(tl.QueryError, match=f"cannot stack '{column}'"):
+            texts.stack(column)
 
 
 def test_catalog_only_queries_and_meta(store_and_hooks) -> None:

@@ -122,6 +122,42 @@ def test_a_tensor_given_twice_is_one_input_and_replays(tmp_path: Path) -> None:
         assert_bitwise(report.traces[0].output, model(x, labels=labels).detach(), name)
 
 
+class _Noisy(nn.Module):
+    """Random draws inside the forward: dropout in training mode and torch.randn_like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        return h + 0.1 * torch.randn_like(h)
+
+
+def test_a_forward_drawing_random_numbers_replays_bit_for_bit(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = _Noisy().train(), torch.randn(4, 8)
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, name="one")
+    with store.recording("two", model):
+        model(x)
+        model(x + 1)
+    log = tl.trace(model, x)
+    store.record(model.fc, x, name="plain")
+    # the replays draw what the recordings drew, and leave the user's generator as it was
+    state = torch.get_rng_state()
+    reports = [store.replay("one", model), store.replay("two", model), log.replay(model)]
+    again = store.replay("two", model, name="two_again")
+    assert torch.equal(torch.get_rng_state(), state)
+    for report in [*reports, again]:
+        assert report.ok, report.mismatches[:2]
+        assert {row["status"] for row in report.rows} == {"same"}
+    # a forward that draws nothing keeps no generator state in its run
+    calls = store.query("select run, call from calls order by run, step").df()
+    kept = {run: '"rng"' in call for run, call in zip(calls["run"], calls["call"], strict=True)}
+    assert kept == {"one": True, "two": True, "two_again": True, "plain": False}
+
+
 def test_a_changed_model_is_reported_op_by_op(tmp_path: Path) -> None:
     model, (x,) = mlp()
     store = tl.open(tmp_path / "s.tl")

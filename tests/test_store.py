@@ -314,6 +314,16 @@ def test_partial_read_touches_only_the_chunks_it_needs(tmp_path: Path) -> None:
 # -- damage -----------------------------------------------------------------------------
 
 
+def _flip_byte(root: Path, run: tl.Run, label: str, at: int, bit: int = 0x40) -> None:
+    """Damage the first chunk file of the array holding ``label``'s tensor: one bit of
+    its byte ``at``."""
+    where = run[label].array._slot.array
+    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[at] ^= bit
+    chunk.write_bytes(bytes(data))
+
+
 def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
     model, inputs = BUILDERS["mlp"]()
     store = tl.open(tmp_path / "s")
@@ -321,12 +331,9 @@ def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
     store.record(model, *inputs, name="damaged", save=tl.func("relu"))
     assert store.verify().ok
     run = store["damaged"]
-    where = run["relu_1_2"].array._slot.array  # a small run: its only chunk, in a pack tail
-    assert where.startswith("pack_raw")
-    pack = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
-    data = bytearray(pack.read_bytes())
-    data[10] ^= 0x40
-    pack.write_bytes(bytes(data))
+    # a small run: its only chunk, in a pack tail
+    assert run["relu_1_2"].array._slot.array.startswith("pack_raw")
+    _flip_byte(tmp_path / "s", run, "relu_1_2", 10)
     fresh = tl.open(tmp_path / "s")
     with pytest.raises(tl.ChunkCorruptError) as info:
         _ = fresh["damaged"]["relu_1_2"].out
@@ -336,6 +343,29 @@ def test_corrupted_chunk_is_reported_by_run_and_label(tmp_path: Path) -> None:
     assert {p.run for p in report.problems} == {"damaged"}
     assert "relu_1_2" in report.problems[0].label
     assert_bitwise(fresh["ok"]["relu_1_2"].out, torch.relu(model[0](inputs[0])), "intact run")
+
+
+def test_verify_names_exactly_the_tensors_a_damaged_inner_chunk_holds(tmp_path: Path) -> None:
+    """A byte flipped in the first inner chunk of a pack shard: verify() names the
+    tensors whose reads fail, each once, and none that still reads back."""
+    from tracelake.demo import DemoNet, demo_inputs
+
+    store = tl.open(tmp_path / "s")
+    torch.manual_seed(0)
+    store.record(DemoNet().eval(), demo_inputs(), name="demo")
+    _flip_byte(tmp_path / "s", store["demo"], "embedding_1_1", 1000)
+    fresh = tl.open(tmp_path / "s")
+    damaged, intact = set(), set()
+    for op in fresh["demo"]:
+        try:
+            _ = op.out
+        except tl.ChunkCorruptError:
+            damaged.add(op.label)
+        else:
+            intact.add(op.label)
+    assert damaged and intact  # the shard holds more than the damaged inner chunk
+    named = [p.label for p in fresh.verify().problems]
+    assert sorted(named) == sorted(damaged)
 
 
 class _MidSize(nn.Module):
@@ -540,12 +570,7 @@ def test_cli_runs_show_verify_rm_gc(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli("runs", str(tmp_path / "none")).returncode == 1
     assert json.loads(cli("verify", root, "--json").stdout)["ok"] is True
     # damage one chunk: verify names the run and the labels, and fails
-    run = store["other"]
-    where = run["relu_1_2"].array._slot.array
-    chunk = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
-    data = bytearray(chunk.read_bytes())
-    data[3] ^= 1
-    chunk.write_bytes(bytes(data))
+    _flip_byte(tmp_path / "s", store["other"], "relu_1_2", 3, bit=1)
     bad = cli("verify", root)
     assert bad.returncode == 1 and "other" in bad.stdout and "damaged" in bad.stdout
     assert cli("rm", root, "other").returncode == 0

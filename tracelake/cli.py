@@ -341,7 +341,12 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("rm", "delete runs (gc reclaims their space)", arg("run", nargs="+"), _JSON)
+@command(
+    "rm",
+    "delete runs (gc reclaims their space)",
+    arg("run", nargs="+", help="the names of the runs to delete"),
+    _JSON,
+)
 def _rm(args: argparse.Namespace) -> int:
     store = open_store(args)
     for name in args.run:
@@ -504,14 +509,24 @@ _DIFF_SHOWN = (
     "compare two runs op by op (store.compare)",
     arg("a", help="the reference run"),
     arg("b", help="the run compared with it"),
-    arg("--on", choices=("key", "label", "module"), default="key"),
+    arg(
+        "--on",
+        choices=("key", "label", "module"),
+        default="key",
+        help="align ops by stable key (default), label, or module call",
+    ),
     arg("--where", default=None, help="a query condition on ops, e.g. \"func = 'relu'\""),
-    arg("--atol", type=float, default=1e-8),
-    arg("--rtol", type=float, default=1e-5),
+    arg("--atol", type=float, default=1e-8, help="absolute tolerance of allclose (1e-8)"),
+    arg("--rtol", type=float, default=1e-5, help="relative tolerance of allclose (1e-5)"),
     arg("--steps", type=int, nargs=2, metavar=("I", "J"), help="step I of a, J of b"),
     arg("--first", action="store_true", help="only the first divergence"),
     arg("--exit-code", action="store_true", help="exit 1 when anything differs (as git diff)"),
-    arg("--format", choices=("table", "csv", "json", "parquet"), default="table"),
+    arg(
+        "--format",
+        choices=("table", "csv", "json", "parquet"),
+        default="table",
+        help="table (a terminal's summary); csv, json, parquet: every row and column",
+    ),
     arg("-o", "--output", help="write to FILE instead of the terminal"),
 )
 def _diff(args: argparse.Namespace) -> int:
@@ -549,10 +564,12 @@ def _diff(args: argparse.Namespace) -> int:
         elif args.format == "csv":
             import csv
 
+            from tracelake.query.export import csv_text
+
             writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["key"])
             writer.writeheader()
             for r in rows:
-                writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in r.items()})
+                writer.writerow({k: csv_text(v) for k, v in r.items()})
         else:
             shown = console(out)
             title = f"{comparison!r}" if not args.first else "first divergence"
@@ -586,10 +603,10 @@ def _graph(args: argparse.Namespace) -> int:
         drawn = run.graph(  # type: ignore[attr-defined]  # (the pictures branch's)
             step=args.step, depth=args.depth, color=args.color, diff=diff, collapse=args.collapse
         )
-    except ValueError as exc:  # a statistic or metric that does not exist
+        drawn.save(args.output)
+    except ValueError as exc:  # a statistic, metric, module or file type that does not exist
         print(f"tracelake graph: {exc}", file=sys.stderr)
         return 2
-    drawn.save(args.output)
     if args.json:
         print_json({"output": args.output, "nodes": drawn.nodes, "ops": drawn.ops})
     else:
@@ -677,7 +694,7 @@ DEMO_QUERIES = (
     "select run, label, module, out from ops where func = 'relu' order by run",
     "select run, label, absmax from ops where func = 'linear' and absmax > :limit "
     "order by absmax desc limit 5",
-    "select run, out[0, -1, :4] as last_token from ops where label = 'relu_1_21' "
+    "select run, label, out[0, -1, :4] as last_token from ops where func = 'relu' "
     "and meta.prompt like '%Paris%'",
     "select func, count(*) as n, avg(l2) as mean_l2 from ops group by func order by n desc limit 6",
     "select run, label, shape from ops where func = 'linear' and parent.func = 'layer_norm' "

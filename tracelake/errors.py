@@ -202,8 +202,8 @@ class InvalidRunNameError(StoreError, ValueError):
 
 
 class InvalidMetaError(StoreError, ValueError):
-    """A run's ``meta=`` tracelake cannot store (not JSON, nested too deeply, or text
-    that is not Unicode)."""
+    """A run's ``meta=`` tracelake cannot store (not a dict with string keys, not JSON,
+    nested too deeply, or text that is not Unicode)."""
 
 
 class ObjectNotFoundError(StoreError, KeyError):

@@ -131,6 +131,11 @@ class OpGraph:
         (``.dot`` / ``.gv``: the source, which needs no ``dot``). Returns the path."""
         path = os.fspath(path)
         fmt = (format or os.path.splitext(path)[1].lstrip(".") or "svg").lower()
+        if fmt not in ("dot", "gv") and fmt not in _graphviz().FORMATS:
+            raise ValueError(
+                f"cannot write an op graph as '.{fmt}' ({path}): name the file .svg, .png, "
+                ".pdf or .dot (or pass format=, one of Graphviz's output formats)"
+            )
         data = self.source.encode() if fmt in ("dot", "gv") else self.render(fmt)
         with open(path, "wb") as f:
             f.write(data)
@@ -181,6 +186,16 @@ def _unknown(what: str, name: str, known: Iterable[str]) -> None:
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     raise ValueError(f"no {what} {name!r} to colour by{hint} (one of {', '.join(known)})")
+
+
+def _check_collapse(collapse: set[str], modules: Iterable[Any]) -> None:
+    """A ``ValueError`` for a name in ``collapse`` that is neither a module path nor a
+    module call's label of the view (a typo would draw as if nothing were asked)."""
+    known = {name for m in modules for name in (m.path, m.label)}
+    for name in sorted(collapse - known):
+        close = difflib.get_close_matches(name, sorted(known), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"no module {name!r} to collapse{hint}")
 
 
 def _auto_depth(stacks: list[tuple[Call, ...]], max_nodes: int) -> int:
@@ -236,6 +251,7 @@ def build_graph(
     if depth is None:
         depth = _auto_depth(stacks, max_nodes)
     collapse = set(collapse)
+    _check_collapse(collapse, modules.values())
     nodes: dict[str, _Node] = {}
     node_of: list[str] = []
     names: dict[Call, str] = {}  # plain node names: dot reads "a:b" in an edge as a port
