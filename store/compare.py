@@ -465,6 +465,9 @@ def compare(
     with step k, for every step); ``tensors=False`` compares statistics only."""
     if on not in _ALIGNMENTS:
         raise ValueError(f"on= is one of {', '.join(map(repr, _ALIGNMENTS))}, not {on!r}")
+    for tolerance, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{tolerance}= is a number >= 0 (as torch.allclose's), not {value!r}")
     many = isinstance(b, (list, tuple))
     if many or (
         not tensors

@@ -147,6 +147,11 @@ def test_a_stored_run_against_an_in_memory_trace_differs_by_nothing(tmp_path: Pa
     assert set(rows["status"]) == {"compared"}
     assert (rows["max_abs_diff"] == 0).all() and rows["allclose"].all()
     assert (rows["rel_l2"] == 0).all()
+    # tolerances that are not numbers >= 0 were taken, and allclose meant nothing
+    for wrong in ({"atol": "x"}, {"rtol": -1e-5}, {"atol": None}, {"atol": True}):
+        with pytest.raises(ValueError, match="is a number >= 0"):
+            store.compare("base", log, **wrong)
+    assert store.compare("base", log, atol=0, rtol=0).df()["allclose"].all()
 
 
 def test_only_one_side_shape_mismatch_and_empty_tensors(tmp_path: Path) -> None:
