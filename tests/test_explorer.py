@@ -116,6 +116,24 @@ def server(store_path: Path) -> Iterator[str]:
     assert f"http://127.0.0.1:{port}/" in proc.stdout.read()  # it said where it serves
 
 
+def test_serve_on_a_port_in_use_says_so_and_gives_no_url(store_path: Path) -> None:
+    """``tracelake serve`` printed its URL before finding the port taken: a link to
+    someone else's server, then the error. Now only the error, and a failed exit."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "tracelake.cli", "serve", str(store_path), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode != 0
+    assert "pick another --port" in done.stderr
+    assert "http://" not in done.stdout
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
     try:

@@ -624,9 +624,12 @@ def _serve(args: argparse.Namespace) -> int:
     from tracelake.explorer import serve  # Starlette and uvicorn load only for this command
 
     store = open_store(args)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"tracelake explorer of {store.path}: http://{host}:{args.port}/", flush=True)
-    serve(store, args.host, args.port)
+    serve(
+        store,
+        args.host,
+        args.port,
+        lambda url: print(f"tracelake explorer of {store.path}: {url}", flush=True),
+    )
     return 0
 
 

@@ -704,8 +704,15 @@ def _server(store: Store | str, host: str, port: int) -> Any:
     return uvicorn.Server(config)
 
 
-def serve(store: Store | str, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serve the explorer until interrupted (what ``tracelake serve`` runs)."""
+def serve(
+    store: Store | str,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve the explorer until interrupted (what ``tracelake serve`` runs); ``ready`` is
+    given its URL once the port is known to be free (not before: a URL printed for a
+    port in use leads nowhere)."""
     server = _server(store, host, port)
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         try:
@@ -714,6 +721,8 @@ def serve(store: Store | str, host: str = "127.0.0.1", port: int = 8765) -> None
             raise ExplorerError(
                 f"cannot serve on {host}:{port} ({exc.strerror}); pick another --port"
             ) from exc
+    if ready is not None:
+        ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/")
     server.run()
 
 
