@@ -23,7 +23,7 @@ from .inputs import model_arguments
 from .intercept import Interceptor
 from .intervene import Interventions, as_rules
 from .labels import Emitter, Labeller
-from .replay import encode_call
+from .replay import encode_call, training_modes
 from .rng import RngWatch
 from .selectors import Selector, as_selector, warn_unmatched
 from .trace import Trace
@@ -112,11 +112,14 @@ class ForwardRecording:
         self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
         self._eager = EagerStance(model)  # a compiled model runs eagerly while recorded
         self.rng = RngWatch()  # what the forward draws, for a replay to draw again
+        self._model = uncompiled(model)
+        self.training: bool | list[str] = False  # its modules' modes, for a replay
 
     def start(self, args: tuple, kwargs: dict) -> None:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
             self.labeller.add_inputs(args, kwargs)
         self.rng.start()
+        self.training = training_modes(self._model)
         self._eager.__enter__()
         try:
             self._interceptor.__enter__()
@@ -251,7 +254,7 @@ def trace(
         )
     result = Trace(table, emitter, recording.labeller.module_entries, output, type(model).__name__)
     result.interventions = interventions
-    result.call = encode_call(inputs, model_kwargs, recording.rng.drawn)
+    result.call = encode_call(inputs, model_kwargs, recording.rng.drawn, recording.training)
     interventions.warn_unused(result.labels)
     result.model_ref = weakref.ref(model)
     if selector.constant is None:  # a name in save= that matched nothing: likely a typo

@@ -11,8 +11,10 @@ device and dtype agree, within a tolerance where they do not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ import torch
 
 from tracelake.errors import ReplayError
 
+from .eager import named_modules
 from .inputs import input_tensors
 from .rng import drawing_as_recorded
 
@@ -31,21 +34,62 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ReplayReport",
+    "as_recorded",
     "bitwise_equal",
     "compare_views",
     "decode_call",
     "encode_call",
-    "recorded_rng",
     "replay_trace",
+    "training_modes",
 ]
 
 _PLAIN = (type(None), bool, int, str)
 
 
-def encode_call(args: tuple, kwargs: dict, drawn: dict[str, str] | None = None) -> str:
+def training_modes(model: torch.nn.Module) -> bool | list[str]:
+    """Which of ``model``'s modules are in training mode: ``True`` or ``False`` for all
+    of them alike, else the paths of those that are (``named_modules()``'s)."""
+    modes = {path: module.training for path, module in named_modules(model)}
+    kinds = set(modes.values())
+    if len(kinds) <= 1:
+        return bool(kinds.pop()) if kinds else model.training
+    return [path for path, training in modes.items() if training]
+
+
+@contextlib.contextmanager
+def as_recorded(text: str, model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model`` runs as the forward the recorded call ``text``
+    describes did: its modules in the training modes they had (``"training"``, set on
+    each module, not through ``train()``) and torch's generators where they began
+    (``"rng"``, :func:`.rng.drawing_as_recorded`); on leaving, the modes and generators
+    the caller had come back. A call recorded before these were kept leaves them alone."""
+    call = json.loads(text)
+    recorded = call.get("training")
+    kept: list[tuple[torch.nn.Module, bool]] = []
+    if isinstance(recorded, (bool, list)):
+        train = set(recorded) if isinstance(recorded, list) else None
+        for path, module in named_modules(model):
+            kept.append((module, module.training))
+            module.training = bool(recorded) if train is None else path in train
+    try:
+        drawn = call.get("rng")
+        with drawing_as_recorded(drawn if isinstance(drawn, dict) else None):
+            yield
+    finally:
+        for module, training in kept:
+            module.training = training
+
+
+def encode_call(
+    args: tuple,
+    kwargs: dict,
+    drawn: dict[str, str] | None = None,
+    training: bool | list[str] | None = None,
+) -> str:
     """How the model was called, as JSON: ``{"args": [...], "kwargs": {...}}`` (and
     ``"rng"``: the generator states a forward that drew random numbers began with,
-    :attr:`.rng.RngWatch.drawn`) with each
+    :attr:`.rng.RngWatch.drawn`; ``"training"``: its modules' training modes,
+    :func:`training_modes`) with each
     tensor as ``{"$input": k}`` (the k-th input entry: :func:`.inputs.input_tensors`),
     lists, tuples and str-keyed dicts as they are, and anything else as
     ``{"$unsupported": type}`` (such a call cannot be replayed, which
@@ -73,14 +117,9 @@ def encode_call(args: tuple, kwargs: dict, drawn: dict[str, str] | None = None) 
     call = {"args": [encode(a) for a in args], "kwargs": encode(dict(kwargs))}
     if drawn:
         call["rng"] = drawn
+    if training is not None:
+        call["training"] = training
     return json.dumps(call)
-
-
-def recorded_rng(text: str) -> dict[str, str] | None:
-    """The generator states a recorded call began with (None: it drew nothing, or was
-    recorded before they were kept)."""
-    drawn = json.loads(text).get("rng")
-    return drawn if isinstance(drawn, dict) else None
 
 
 def decode_call(text: str, inputs: list[torch.Tensor]) -> tuple[tuple, dict]:
@@ -267,7 +306,7 @@ def replay_trace(
     inputs = [t.clone() for t in saved_inputs(trace, what)]
     args, kwargs = decode_call(trace.call, inputs)
     rules: tuple[Rule, ...] = rules_from_audit(interventions.audit()) if interventions else ()
-    with drawing_as_recorded(recorded_rng(trace.call)):
+    with as_recorded(trace.call, model):
         again = record(model, *args, intervene=list(rules) or None, **kwargs)
     report = ReplayReport(traces=[again])
     compare_views(0, trace, again, report, atol, rtol)

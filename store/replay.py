@@ -20,14 +20,13 @@ from tracelake.recorder.capture import trace as record_trace
 from tracelake.recorder.intervene import rules_from_audit
 from tracelake.recorder.replay import (
     ReplayReport,
+    as_recorded,
     call_problems,
     compare_views,
     decode_call,
-    recorded_rng,
     replay_plan,
     saved_inputs,
 )
-from tracelake.recorder.rng import drawing_as_recorded
 
 from .schema import RULES
 
@@ -97,7 +96,7 @@ def replay_run(
     if name is None:
         for view, given in zip(steps, inputs, strict=True):
             args, kwargs = decode_call(calls[view.step], given)
-            with drawing_as_recorded(recorded_rng(calls[view.step])):
+            with as_recorded(calls[view.step], model):
                 again = record_trace(model, *args, intervene=rules, **kwargs)
             report.traces.append(again)
             compare_views(view.step, view, again, report, atol, rtol)
@@ -105,7 +104,7 @@ def replay_run(
     with store.recording(name, model, intervene=rules, meta={"replay_of": run.name}) as rec:
         for view, given in zip(steps, inputs, strict=True):
             args, kwargs = decode_call(calls[view.step], given)
-            with drawing_as_recorded(recorded_rng(calls[view.step])):
+            with as_recorded(calls[view.step], model):
                 model(*args, **kwargs)
     report.run = replayed = store[rec.name or name]
     for view in steps:

@@ -606,7 +606,7 @@ class Recording:
         self._steps.append((table, recording.labeller.module_entries, emitter))
         from tracelake.recorder.replay import encode_call
 
-        self._calls.append(encode_call(args, kwargs, recording.rng.drawn))
+        self._calls.append(encode_call(args, kwargs, recording.rng.drawn, recording.training))
         if emitter.grad_edges is not None:
             self._grad_steps.append(emitter.grad_edges)
         if not self._fingerprints:

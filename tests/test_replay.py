@@ -4,6 +4,7 @@ replayed is refused before the model runs; tampering is caught."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,6 +157,39 @@ def test_a_forward_drawing_random_numbers_replays_bit_for_bit(tmp_path: Path) ->
     calls = store.query("select run, call from calls order by run, step").df()
     kept = {run: '"rng"' in call for run, call in zip(calls["run"], calls["call"], strict=True)}
     assert kept == {"one": True, "two": True, "two_again": True, "plain": False}
+
+
+class _Mixed(nn.Module):
+    """A BatchNorm kept in eval mode while the rest trains (a usual fine-tuning set-up),
+    and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.drop = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.fc(x)))
+
+
+def test_a_replay_runs_the_modules_in_the_modes_they_were_recorded_in(tmp_path: Path) -> None:
+    """A run recorded in training mode (dropout drawing) replayed after ``model.eval()``
+    differed op by op from the first dropout on; each module's mode as the forward began
+    is now kept with the call, set for the replay and given back after it."""
+    torch.manual_seed(0)
+    model, x = _Mixed().train(), torch.randn(4, 8)
+    model.norm.eval()
+    store = tl.open(tmp_path / "s.tl")
+    store.record(model, x, name="mixed")
+    log = tl.trace(model, x)
+    model.eval()  # as a user does before looking at results
+    for report in (store.replay("mixed", model), log.replay(model)):
+        assert report.ok, report.mismatches[:2]
+    assert not any(m.training for m in model.modules())  # the user's modes are back
+    calls = store.query("select call from calls where run = 'mixed'").df()["call"]
+    assert json.loads(calls[0])["training"] == ["", "fc", "drop"]
+    store.record(model, x, name="eval")
+    calls = store.query("select call from calls where run = 'eval'").df()["call"]
+    assert json.loads(calls[0])["training"] is False
 
 
 def test_a_changed_model_is_reported_op_by_op(tmp_path: Path) -> None:
