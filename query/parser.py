@@ -11,6 +11,7 @@ that could have stood there and a caret excerpt.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 from typing import Literal as Lit
@@ -520,6 +521,21 @@ def _expected(names: Any) -> tuple[str, ...]:
     return tuple(sorted(described, key=lambda s: (not s.startswith("'"), s)))
 
 
+def _misspelt_keyword(text: str, token: Token, expected: tuple[str, ...]) -> str:
+    """``"; did you mean 'where' (not 'wher')?"`` where the unexpected token, or the
+    word before it, is a near miss of a keyword the parser expected there (``from ops
+    wher func = ...`` reads ``wher`` as the table's alias and stumbles on ``func``)."""
+    keywords = [e.strip("'") for e in expected if e.startswith("'") and e[1:-1].isalpha()]
+    before = text[: token.start_pos].split() if token.start_pos is not None else []
+    for word in (str(token), before[-1] if before else ""):
+        if not word.isalpha() or word.lower() in keywords:
+            continue
+        match = difflib.get_close_matches(word.lower(), keywords, n=1, cutoff=0.7)
+        if match:
+            return f"; did you mean {match[0]!r} (not {word!r})?"
+    return ""
+
+
 def _syntax_error(text: str, exc: UnexpectedInput) -> QuerySyntaxError:
     if isinstance(exc, UnexpectedToken) and exc.token.type == "$END":
         stripped = text.rstrip()
@@ -544,6 +560,8 @@ def _syntax_error(text: str, exc: UnexpectedInput) -> QuerySyntaxError:
     message = f"Unexpected {what} at line {line}, column {column}"
     if expected:
         message += "; expected one of: " + ", ".join(expected)
+    if isinstance(exc, UnexpectedToken) and exc.token.type != "$END":
+        message += _misspelt_keyword(text, exc.token, expected)
     span = ast.Span(line, column, line, column + width, 0, 0)
     return QuerySyntaxError(message, line, column, expected, span.excerpt(text))
 

@@ -387,6 +387,27 @@ def test_syntax_error_message_has_position_expected_tokens_and_caret() -> None:
     assert err.excerpt == "\n".join(lines[1:])
 
 
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ("select label from ops wher func = 'relu'", "did you mean 'where' (not 'wher')?"),
+        ("select label form ops", "did you mean 'from' (not 'form')?"),
+        (
+            "select label from ops where step = 0 oder by label",
+            "did you mean 'order' (not 'oder')?",
+        ),
+        ("select label from ops limt 3", "did you mean 'limit' (not 'limt')?"),
+        ("selct label from ops", "did you mean 'select' (not 'selct')?"),
+    ],
+)
+def test_a_misspelt_keyword_is_named(text: str, hint: str) -> None:
+    """``... from ops wher func = 'relu'`` read ``wher`` as the table's alias and said
+    only that ``func`` was unexpected; the near miss of an expected keyword is named."""
+    with pytest.raises(QuerySyntaxError) as info:
+        compile_query(text)
+    assert str(info.value).splitlines()[0].endswith(hint)
+
+
 def test_compile_error_points_at_the_culprit() -> None:
     with pytest.raises(QueryCompileError) as info:
         compile_query("select label, fucn from ops")
