@@ -64,13 +64,15 @@ class HookContext:
     rule: int
     label: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.label:  # (no final label known yet: the one numbered so far)
+            label = self.layer if self.pass_num == 1 else f"{self.layer}:{self.pass_num}"
+            object.__setattr__(self, "label", label)
+
     @property
     def where(self) -> str:
         """How messages name the op: ``add_5_20 (transformer.h.3:add#2)``."""
-        label = self.label or (
-            self.layer if self.pass_num == 1 else f"{self.layer}:{self.pass_num}"
-        )
-        return f"{label} ({self.key})"
+        return f"{self.label} ({self.key})"
 
 
 Apply = Callable[[torch.Tensor, HookContext], torch.Tensor]

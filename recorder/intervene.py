@@ -204,9 +204,7 @@ class InterveningEmitter:
         for number, rule in enumerate(self._rules):
             if not rule.selector.matches_op(op):
                 continue
-            label = op.settled_label() or (
-                op.layer if row[PASS] == 1 else f"{op.layer}:{row[PASS]}"
-            )
+            label = op.settled_label() or ""
             hook = HookContext(op.layer, row[PASS], key, row[FUNC], op.module, index, number, label)
             value = rule.action.apply(new, hook)
             _check(value, tensor, rule, hook)

@@ -49,11 +49,11 @@ _PLAIN = (type(None), bool, int, str)
 def training_modes(model: torch.nn.Module) -> bool | list[str]:
     """Which of ``model``'s modules are in training mode: ``True`` or ``False`` for all
     of them alike, else the paths of those that are (``named_modules()``'s)."""
-    modes = {path: module.training for path, module in named_modules(model)}
-    kinds = set(modes.values())
-    if len(kinds) <= 1:
-        return bool(kinds.pop()) if kinds else model.training
-    return [path for path, training in modes.items() if training]
+    modules = named_modules(model)
+    training = [path for path, module in modules if module.training]
+    if not modules:
+        return model.training
+    return training if 0 < len(training) < len(modules) else bool(training)
 
 
 @contextlib.contextmanager

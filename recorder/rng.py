@@ -62,18 +62,19 @@ def drawing_as_recorded(drawn: Any) -> Iterator[None]:
     if not drawn:
         yield
         return
-    cuda = [
-        int(name.split(":")[1])
-        for name in drawn
-        if name.startswith("cuda:")
-        and torch.cuda.is_available()
-        and int(name.split(":")[1]) < torch.cuda.device_count()
-    ]
-    with torch.random.fork_rng(devices=cuda):
-        for name, text in drawn.items():
-            state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-            if name == "cpu":
-                torch.set_rng_state(state)
-            elif name.startswith("cuda:") and int(name.split(":")[1]) in cuda:
-                torch.cuda.set_rng_state(state, int(name.split(":")[1]))
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = {
+        int(name[5:]): text
+        for name, text in drawn.items()
+        if name.startswith("cuda:") and int(name[5:]) < here
+    }
+    with torch.random.fork_rng(devices=list(cuda)):
+        if "cpu" in drawn:
+            torch.set_rng_state(_state(drawn["cpu"]))
+        for device, text in cuda.items():
+            torch.cuda.set_rng_state(_state(text), device)
         yield
+
+
+def _state(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

@@ -92,17 +92,20 @@ def _retry_config(given: Any) -> Any:
             f"backoff), not {type(given).__name__}"
         )
 
-    def durations(items: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            k: datetime.timedelta(seconds=v)
-            if k in _DURATIONS and isinstance(v, (int, float)) and not isinstance(v, bool)
-            else durations(v)
-            if isinstance(v, Mapping)
-            else v
-            for k, v in items.items()
-        }
+    return _with_durations(given)
 
-    return durations(given)
+
+def _with_durations(items: Mapping[str, Any]) -> dict[str, Any]:
+    """``items`` (and the mappings in it) with the numbers of :data:`_DURATIONS` keys as
+    seconds' ``timedelta``s."""
+    out: dict[str, Any] = {}
+    for key, value in items.items():
+        if isinstance(value, Mapping):
+            value = _with_durations(value)
+        elif key in _DURATIONS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = datetime.timedelta(seconds=value)
+        out[key] = value
+    return out
 
 
 class ObjectBackend(ByteStore):

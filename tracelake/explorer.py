@@ -722,8 +722,13 @@ def serve(
                 f"cannot serve on {host}:{port} ({exc.strerror}); pick another --port"
             ) from exc
     if ready is not None:
-        ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/")
+        ready(_base_url(host, port) + "/")
     server.run()
+
+
+def _base_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 @contextlib.contextmanager
@@ -743,7 +748,7 @@ def running(store: Store | str, host: str = "127.0.0.1", port: int = 0) -> Itera
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise ExplorerError(f"the explorer did not start on {host}:{port}")
             time.sleep(0.02)
-        yield f"http://{host}:{port}"
+        yield _base_url(host, port)
     finally:
         server.should_exit = True
         if thread.is_alive():
