@@ -141,6 +141,11 @@ class ByteStore(ABC):
     def commit(self) -> int:
         """Make everything written so far durable; return the bytes stored."""
 
+    def put_unsynced(self, key: str, data: bytes) -> None:
+        """Write the small object ``key``, left to the caller to make durable (with the
+        rest of a run, at its commit): ``put`` with a ``pending(sync=False)``."""
+        self.put(key, [data], self.pending(sync=False))
+
     def pending(self, window: int = 16, background: bool = True, sync: bool = True) -> Pending:
         """A set of writes made durable together, at most ``window`` waiting at a time,
         by a thread of its own (``background``) or by the writer that adds one too many.

@@ -679,8 +679,10 @@ class CatalogWriter:
         self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
     ) -> list[dict[str, Any]]:
         then: list[Callable[[], None]] = []
-        size = sum(_nbytes(run.tables.values()) for run in runs)
-        size += sum(_nbytes(tables.values()) for tables in built)
+        size = _nbytes(
+            [t for run in runs for t in run.tables.values()]
+            + [t for tables in built for t in tables.values()]
+        )
         with self._transaction(then, size) as con:
             if self._known_top is not None:  # (as this writer's last commit left them)
                 top, seq = self._known_top
@@ -847,8 +849,20 @@ class StagedRun:
 def _nbytes(tables: Collection[Any]) -> int:
     """The Arrow size of a change's tables (what it adds to DuckDB's log, about): their
     buffers' sizes (Arrow's ``nbytes``, which leaves out what a slice does not use,
-    costs ~20 times more, ~0.1 ms a table, and the tables are not slices)."""
-    return sum(int(t.get_total_buffer_size()) for t in tables if t is not None)
+    costs ~20 times more, ~0.1 ms a table, and the tables are not slices). Counted only
+    until past :data:`LOG_BYTES`, the one size it is compared with (``_commit``); a
+    table whose rows alone are far past it (a batch's: its count walks thousands of
+    buffers, a millisecond) is taken as past it uncounted."""
+    total = 0
+    for table in tables:
+        if table is None:
+            continue
+        if table.num_rows * table.num_columns > LOG_BYTES:  # (nearly every value a byte or more)
+            return total + table.num_rows * table.num_columns
+        total += int(table.get_total_buffer_size())
+        if total > LOG_BYTES:
+            break
+    return total
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:

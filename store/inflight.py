@@ -302,10 +302,15 @@ def _unchanging(
 
 
 def storage_holders(live: Live) -> int | None:
-    """How many tensors and handles share a live tensor's storage, if torch says."""
+    """How many tensors and handles share a live tensor's storage, if torch says.
+
+    Without ``live.lock``, which a worker holds while it writes a chunk of the tensor
+    (a 4 MiB write: the forward thread's end of step waited ~12 ms a GPT-2 run on
+    them): ``source`` is read once, and a worker only ever sets it to None, once done
+    (the forward thread, this one, is what replaces it with a copy); the tensor read
+    keeps its storage's count as it was."""
     count = getattr(torch._C, "_storage_Use_Count", None)
-    with live.lock:
-        if count is None or live.source is None:
-            return None
-        storage = live.source.untyped_storage()
-        return int(count(storage._cdata)) - 1  # minus the handle just taken
+    source = live.source
+    if count is None or source is None:
+        return None
+    return int(count(source.untyped_storage()._cdata)) - 1  # minus the handle just taken

@@ -400,13 +400,24 @@ def fsync_tree(root: Path) -> int:
 def _walk_tree(root: Path, files: list[str], dirs: list[str]) -> int:
     """Add the files and directories under ``root`` to ``files`` and ``dirs``; return
     the bytes of the files."""
+    # (``os.scandir`` itself, not ``os.walk``: that lstats each directory once more,
+    # and a batched tiny run's tree is four directories and four files)
     total = 0
-    for dirpath, _, names in os.walk(root):
-        dirs.append(dirpath)
-        for name in names:
-            path = os.path.join(dirpath, name)
-            files.append(path)
-            total += os.lstat(path).st_size
+    stack = [os.fspath(root)]
+    while stack:
+        here = stack.pop()
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue  # (as os.walk: one it cannot list is passed over)
+        dirs.append(here)
+        for entry in entries:
+            if entry.is_dir():  # (a link to one is neither walked nor synced, as os.walk)
+                if not entry.is_symlink():
+                    stack.append(entry.path)
+            else:
+                files.append(entry.path)
+                total += entry.stat(follow_symlinks=False).st_size
     return total
 
 
@@ -605,19 +616,20 @@ def write_staged(staged: Path, about: dict[str, Any]) -> None:
     os.replace(tmp, staged / STAGED_FILE)
 
 
-def note_staged(batch: Path, run: Path, about: dict[str, Any]) -> None:
-    """Add what listing the run staged in ``run`` (a directory of the batch's, ``batch``)
-    shows to the batch's :data:`STAGED_LINES` (appended whole in one write; not
-    synced). Where the run's directory is gone (a run of the batch that failed) its
-    line is passed over."""
-    line = json.dumps({**about, "dir": run.name}).encode() + b"\n"
-    fd = os.open(
+def open_staged_lines(batch: Path) -> int:
+    """The batch directory ``batch``'s :data:`STAGED_LINES`, opened (created) for
+    :func:`note_staged`: once a batch, not once a run."""
+    return os.open(
         batch / STAGED_LINES, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644
     )
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+
+
+def note_staged(lines: int, run: Path, about: dict[str, Any]) -> None:
+    """Add what listing the run staged in ``run`` (a directory of a batch's) shows to
+    that batch's :data:`STAGED_LINES`, open at ``lines`` (:func:`open_staged_lines`),
+    appended whole in one write; not synced. Where the run's directory is gone (a run
+    of the batch that failed) its line is passed over."""
+    os.write(lines, json.dumps({**about, "dir": run.name}).encode() + b"\n")
 
 
 def read_staged(staged: Path) -> dict[str, Any] | None:

@@ -369,14 +369,17 @@ def _write_all(fd: int, data: np.ndarray) -> None:
 class LocalBackend(ByteStore):
     """Objects as files under ``root`` (keys are their relative paths)."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], made: bool = False):
         self.root = Path(root)
         self._root = str(self.root)  # reads build paths with plain string joins
         # A store may come from someone else: no key may lead out of the root through a
         # symbolic link. The last component is opened or stat'ed without following
         # links; each directory below the root on the way is looked at (lstat) once it
-        # exists (a root reached through a link of the user's own is fine).
+        # exists (a root reached through a link of the user's own is fine). ``made``:
+        # the root is new, made by the caller (a batch's run's), and only this backend
+        # makes directories below it: none to look at.
         self._dirs_ok: set[str] = set()
+        self._made = made
         self._direct = True  # until the filesystem refuses O_DIRECT (tmpfs)
 
     def __repr__(self) -> str:
@@ -388,7 +391,7 @@ class LocalBackend(ByteStore):
     def _file(self, key: str) -> str:
         key = check_key(key)
         parent = key.rpartition("/")[0]
-        if parent and parent not in self._dirs_ok:
+        if parent and not self._made and parent not in self._dirs_ok:
             self._check_dir(key, parent)
         return os.path.join(self._root, key)
 
@@ -454,9 +457,25 @@ class LocalBackend(ByteStore):
             if not direct:
                 _write_with(path, write, pending)
         except OSError as exc:
-            if path.is_symlink():
-                raise self._link_error(key) from exc
-            raise StoreError(f"cannot write {key} in {self._root}: {exc}") from exc
+            raise self._write_error(key, path, exc) from exc
+
+    def put_unsynced(self, key: str, data: bytes) -> None:
+        # (a file created, written and closed, and no more: a tiny run writes two)
+        path = Path(self._file(key))
+        try:
+            fd = _create(path)
+            try:
+                _writev_all(fd, [data])
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._write_error(key, path, exc) from exc
+
+    def _write_error(self, key: str, path: Path, exc: OSError) -> StoreError:
+        """The error to raise for ``exc``, met writing ``key`` at ``path``."""
+        if path.is_symlink():
+            return self._link_error(key)
+        return StoreError(f"cannot write {key} in {self._root}: {exc}")
 
     def _read(self, key: str, start: int, nbytes: int | None, from_end: bool = False) -> bytes:
         path = self._file(key)

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -63,6 +64,7 @@ from .layout import (
     locked,
     micros,
     note_staged,
+    open_staged_lines,
     remove_tree,
     staged_runs,
     trash_run_dir,
@@ -205,6 +207,7 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
 #: runs start in one second (random bits alone repeat: 24 of them within a few
 #: thousand runs a second); the random part tells processes apart.
 _NAMES = itertools.count()
+_STAMP: list[Any] = [None, ""]  # the second a generated name last showed, as shown
 
 
 def _name_and_model(
@@ -236,7 +239,10 @@ def _name_and_model(
 
 
 def _generated_name(model: Any) -> str:
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    now = int(time.time())
+    if _STAMP[0] != now:  # (formatted once a second: a batch names many runs in one)
+        _STAMP[:] = now, datetime.fromtimestamp(now, UTC).strftime("%Y%m%d-%H%M%S")
+    stamp = _STAMP[1]
     return f"{type(model).__name__.lower()}-{stamp}-{os.urandom(3).hex()}{next(_NAMES):x}"
 
 
@@ -446,10 +452,13 @@ class Recording:
                     if batch is None:
                         write_staged(self._dir, self._about())
                     else:
-                        note_staged(self._dir.parent, self._dir, self._about())
+                        batch.note(self._dir, self._about())
             with _os_errors(f"cannot create the arrays of run {self.name!r}"):
                 arrays = RunArrays(
-                    self.store._arrays_at(self._dir, new=True), self.name, create=True
+                    self.store._arrays_at(self._dir, new=True),
+                    self.name,
+                    create=True,
+                    made=batch is not None and self.store._catalog.stages_runs,
                 )
             # (its files are made durable with the run's other files, at the commit:
             # Store._durable, or the batch's, not one fdatasync each)
@@ -995,6 +1004,17 @@ class Held(Protocol):
     def close(self) -> None: ...
 
 
+class _InBatch:
+    """A batch's run's hold on its directory's writing lock: the batch's own lock,
+    which the batch takes and lets go of, so this one's ``close`` does nothing."""
+
+    def close(self) -> None:
+        pass
+
+
+_IN_BATCH = _InBatch()
+
+
 #: A batch builds the op tables of its runs of up to this many ops together (each
 #: Arrow conversion has a fixed cost, which per run dominates a run of a few ops)...
 DEFERRED_RUN_OPS = 2_000
@@ -1025,6 +1045,7 @@ class Batch:
         #: an inode, on a busy filesystem the most of a tiny run's writing).
         self._dir: Path | None = None
         self._lock: io.FileIO | None = None
+        self._lines: int | None = None  # its STAGED_LINES, open (``note``)
         self._made = 0  # run directories made in it
         self._unread: RunArrays | None = None  # what the runs ``record`` returned read
         #: The runs committed, in order (after the block).
@@ -1044,29 +1065,35 @@ class Batch:
         :class:`.lake.LakeBatch`); a local catalog stages them instead (:meth:`stage`)."""
         raise NotImplementedError
 
-    def stage(self, name: str, overwrite: bool) -> tuple[Path, io.FileIO]:
-        """A new directory for run ``name`` in the batch's, and its writing lock (the
-        open file: the batch's lock, shared, so closing it lets nothing go). A name
-        already complete in the store, or taken earlier in this batch, is refused here
-        (unless ``overwrite``), not only at the commit."""
+    def stage(self, name: str, overwrite: bool) -> tuple[Path, Held]:
+        """A new directory for run ``name`` in the batch's, and its hold on the writing
+        lock (:data:`_IN_BATCH`: the batch's lock, which the batch lets go, so closing
+        it lets nothing go). A name already complete in the store, or taken earlier in
+        this batch, is refused here (unless ``overwrite``), not only at the commit."""
         self._refuse_taken(name, overwrite, () if overwrite else self._complete())
-        lock = self._lock if self._lock is not None else self._open()
+        if self._lock is None:
+            self._open()
         assert self._dir is not None
         staged = self._dir / str(self._made)
         self._made += 1
         with _os_errors(f"cannot create a directory for run {name!r}"):
             os.mkdir(staged)
-            # (a descriptor of the batch's lock: the flock is the open file's, held
-            # until the batch lets its own go)
-            held = io.FileIO(staged, "r+", opener=lambda *_: os.dup(lock.fileno()))
         self._names.add(name)
-        return staged, held
+        return staged, _IN_BATCH
 
     def _open(self) -> io.FileIO:
         """Make the batch's directory (``runs/.staging/*``, as a run's on its own) and
         take its writing lock."""
         self._dir, self._lock = self.store._staged_dir("the batch's runs")
         return self._lock
+
+    def note(self, staged: Path, about: dict[str, Any]) -> None:
+        """List run ``staged`` (a directory :meth:`stage` made) with ``about``, in the
+        batch's :data:`STAGED_LINES`."""
+        assert self._dir is not None
+        if self._lines is None:
+            self._lines = open_staged_lines(self._dir)
+        note_staged(self._lines, staged, about)
 
     def _durable(self, runs: list[StagedRun]) -> list[int]:
         """Make the runs' files durable, all at once; return each one's bytes."""
@@ -1076,6 +1103,9 @@ class Batch:
         """Remove the batch's directory if no run is left in it (all committed or
         failed), and let its lock go; one with runs left is ``gc()``'s then."""
         lock, self._lock = self._lock, None
+        lines, self._lines = self._lines, None
+        if lines is not None:
+            os.close(lines)
         if lock is None or self._dir is None:
             return
         try:

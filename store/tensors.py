@@ -178,11 +178,17 @@ class RunArrays:
     """
 
     def __init__(
-        self, where: ByteStore | str | os.PathLike[str], run: str = "", create: bool = False
+        self,
+        where: ByteStore | str | os.PathLike[str],
+        run: str = "",
+        create: bool = False,
+        made: bool = False,
     ):
-        if not isinstance(where, ByteStore):
+        # (``made``: ``where`` is a new directory in directories the caller has just
+        # made itself, a batch's run's: nothing there to check, at six lstats a tiny run)
+        if not isinstance(where, ByteStore) and not made:
             _check_not_linked(where, run)
-        self.backend = where if isinstance(where, ByteStore) else LocalBackend(where)
+        self.backend = where if isinstance(where, ByteStore) else LocalBackend(where, made)
         self.run = run
         self._arrays: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -195,7 +201,7 @@ class RunArrays:
     def _put_metadata(self, key: str, data: bytes) -> None:
         """Write Zarr metadata zarr-python made (``_template``): as zarr-python would,
         not synced here; the run's commit makes every file of it durable."""
-        self.backend.put(key, [data], self.backend.pending(sync=False))
+        self.backend.put_unsynced(key, data)
 
     # -- writing ---------------------------------------------------------------------------
 
