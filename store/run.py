@@ -243,24 +243,41 @@ class Run:
     iteration. A run recorded over several forward passes has ``run.step(k)`` for each."""
 
     def __init__(
-        self, info: dict[str, Any], arrays: RunArrays, query: Callable[[str, list[Any]], Any]
+        self,
+        info: dict[str, Any],
+        arrays: RunArrays | Callable[[], RunArrays],
+        query: Callable[[str, list[Any]], Any],
     ):
         self._bind(info, arrays, query)
 
     def _bind(
-        self, info: dict[str, Any], arrays: RunArrays, query: Callable[[str, list[Any]], Any]
+        self,
+        info: dict[str, Any],
+        arrays: RunArrays | Callable[[], RunArrays],
+        query: Callable[[str, list[Any]], Any],
     ) -> None:
-        """Point this object at a catalog row (again, for a run of a batch, once committed)."""
+        """Point this object at a catalog row (again, for a run of a batch, once committed).
+        ``arrays``: the run's arrays, or what opens them when first read (the run
+        ``record`` returns: most are never read back, and a loop of many runs would keep
+        every one's open)."""
         self.info = info
         self.name: str = info["name"]
         self.id: int = info["id"]
         self.num_steps: int = info["steps"]
         self.meta: Any = json.loads(info["meta"]) if info.get("meta") else None
         self.model_class: str | None = info.get("model_class")
-        self._arrays = arrays
+        self._opened: RunArrays | None = None if callable(arrays) else arrays
+        self._open: Callable[[], RunArrays] | None = arrays if callable(arrays) else None
         self._query = query
         self._steps: dict[int, StepView] = {}
         self._slots: dict[int, TensorSlot] | None = None
+
+    @property
+    def _arrays(self) -> RunArrays:
+        if self._opened is None:
+            assert self._open is not None
+            self._opened = self._open()
+        return self._opened
 
     def _load_slots(self) -> dict[int, TensorSlot]:
         if self._slots is None:

@@ -1154,8 +1154,7 @@ class Batch:
         for run in self._pending:
             info = named.get(run.name)
             if info is not None:
-                arrays = self.store.arrays(info["id"], info["name"], info.get("created"))
-                run._bind(info, arrays, self.store._run_query(info["id"]))
+                run._bind(info, self.store._arrays_of(info), self.store._run_query(info["id"]))
 
     def add(self, run: StagedRun, lock: Held) -> None:
         """A run of the batch, recorded and waiting for the commit (``lock``: its
@@ -1506,7 +1505,10 @@ class Store:
         if rec.info is None:  # in a batch: visible once the batch commits
             assert self._batch is not None and rec.name is not None
             return self._batch.pending(rec.name)
-        return self._open_run(rec.info)  # its metadata is read when first asked for
+        from .run import Run
+
+        # (its metadata is read, and its arrays opened, when first asked for)
+        return Run(rec.info, self._arrays_of(rec.info), self._run_query(rec.info["id"]))
 
     # -- reading --------------------------------------------------------------------------
 
@@ -1549,6 +1551,10 @@ class Store:
 
         arrays = self.arrays(info["id"], info["name"], info.get("created"))
         return Run(info, arrays, self._run_query(info["id"]))
+
+    def _arrays_of(self, info: dict[str, Any]) -> Callable[[], RunArrays]:
+        """What opens the arrays of the run of catalog row ``info`` (:meth:`arrays`)."""
+        return functools.partial(self.arrays, info["id"], info["name"], info.get("created"))
 
     def __getitem__(self, name: str) -> Run:
         if not isinstance(name, str):
