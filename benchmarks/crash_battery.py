@@ -3,12 +3,15 @@ in one store, at random moments, again and again; then check that nothing was lo
 nothing leaked (and how often a catalog a kill left unreadable was restored from its
 shadow, ``store/duckfile.py``).
 
-Each child records runs (one call, or a two-step recording block), deletes a random
-complete run and calls ``gc()`` in a loop, printing the stage it enters; the parent
-kills it a random time after it started working and notes the stage (so the kills are
-known to land in gc's directory removal too). At the end: every complete run reads back
-bitwise equal to a plain forward, ``verify()`` is clean, and after one ``gc()`` the run
-directories hold exactly the complete runs (0 bytes of orphans, no trash left).
+Each child records runs (one call, a two-step recording block, or a ``store.batch()`` of
+three), deletes a random complete run and calls ``gc()`` in a loop, printing the stage it
+enters and the runs it saw committed (each must outlive every later kill, unless a child
+began to delete it: a kill loses at most the open batch); the parent kills it a random
+time after it started working and notes the stage (so the kills are known to land in
+gc's directory removal too). At the end: every complete run reads back bitwise equal to
+a plain forward, no run seen committed is gone, ``verify()`` is clean, and after one
+``gc()`` the run directories hold exactly the complete runs (0 bytes of orphans, no
+trash left).
 
     .venv/bin/python benchmarks/crash_battery.py [--kills 110] [--dir /tmp/battery]
 
@@ -50,24 +53,38 @@ store = tl.open(root)
 def stage(name):
     print(name, flush=True)
 stage("ready")
+def done(*names):  # committed: each must outlive the kill, unless deleted later
+    print(*(f"done:{name}" for name in names), flush=True)
 n = 0
 while True:
     n += 1
     what = rng.random()
     name = f"s{seed}-{n}"
-    if what < 0.45:
+    if what < 0.35:
         stage("record")
         store.record(model, x, name=name)
-    elif what < 0.6:
+        done(name)
+    elif what < 0.5:
         stage("recording-block")
         with store.recording(name, model):
             model(x)
             model(x)
+        done(name)
+    elif what < 0.65:
+        stage("batch")
+        names = [f"{name}-{k}" for k in range(3)]
+        with store.batch():
+            for each in names:
+                store.record(model, x, name=each)
+            stage("batch-commit")
+        done(*names)
     else:
         names = list(store.runs()["name"])
         if names:
             stage("delete")
-            store.delete(rng.choice(names))
+            gone = rng.choice(names)
+            print(f"deleting:{gone}", flush=True)
+            store.delete(gone)
         stage("gc")
         store.gc()
         stage("gc-done")
@@ -109,6 +126,8 @@ def main() -> int:
     if root.exists():
         shutil.rmtree(root)
     stages: collections.Counter[str] = collections.Counter()
+    committed: set[str] = set()  # runs a child saw committed (record or batch returned)
+    deleting: set[str] = set()  # runs a child began to delete (maybe deleted)
     # The kills land within a few records' time, as this machine is now: on a loaded
     # machine a fixed window ends most children before their first record.
     span = max(4.0, 4 * _record_time(base))
@@ -129,7 +148,10 @@ def main() -> int:
         child.send_signal(signal.SIGKILL)
         out, err = child.communicate()
         lines = out.split()
-        last = lines[-1] if lines else "ready"
+        committed.update(line[5:] for line in lines if line.startswith("done:"))
+        deleting.update(line[9:] for line in lines if line.startswith("deleting:"))
+        stages_seen = [line for line in lines if ":" not in line]
+        last = stages_seen[-1] if stages_seen else "ready"
         if child.returncode != -signal.SIGKILL:
             print(f"kill {k}: the child ended by itself ({child.returncode}):\n{err}")
             return 1
@@ -158,8 +180,19 @@ def main() -> int:
     complete = {
         int(i) for i in tl.open(root).sql("select id from runs where status = 'complete'")["id"]
     }
+    names = set(tl.open(root).sql("select name from runs where status = 'complete'")["name"])
+    lost = sorted(committed - deleting - names)
+    if lost:
+        failures.append(f"runs committed before a kill and not deleted, now gone: {lost[:10]}")
     runs_dir = root / "runs"
-    orphans = [p for p in runs_dir.iterdir() if not (p.name.isdigit() and int(p.name) in complete)]
+    # (runs/.staging, where runs are recorded, stays, as runs/ does: what is left in it
+    # is an orphan)
+    staging = runs_dir / ".staging"
+    orphans = [
+        p
+        for p in runs_dir.iterdir()
+        if p != staging and not (p.name.isdigit() and int(p.name) in complete)
+    ] + (list(staging.iterdir()) if staging.is_dir() else [])
     orphan_bytes = sum(_bytes(p) for p in orphans if p.is_dir())
     if orphans:
         failures.append(f"left after gc(): {[p.name for p in orphans]} ({orphan_bytes} bytes)")
@@ -169,6 +202,10 @@ def main() -> int:
 
     print(f"SIGKILLs: {args.kills} in {elapsed:.0f} s; stage at the kill: {dict(stages)}")
     print(f"runs after the battery: {dict(statuses)}")
+    print(
+        f"runs the children saw committed: {len(committed)} (batched too: a kill loses at "
+        f"most the open batch); of those not deleted since, gone: {len(lost)}"
+    )
     print(
         f"complete runs: {len(complete)}; bitwise checks passed: {checks - len(failures)}"
         f" of {checks}; verify: {'ok' if report.ok else report.problems[:5]}"

@@ -42,6 +42,7 @@ import re
 import shutil
 import stat
 import sys
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -688,14 +689,20 @@ def trash_run_dir(paths: StorePaths, run_id: int) -> Path | None:
     return trash
 
 
+#: A staged directory still empty this long after it was made was made by a writer that
+#: died before creating its lock file in it (a writer does so right after the ``mkdir``).
+ABANDONED_EMPTY_S = 60.0
+
+
 def trash_staged(paths: StorePaths, staged: Path) -> bool:
     """Move the directory of a staged run whose writer is gone (its ``writing.lock``
     held by nobody: its recording failed, or its process died before committing it) to
     a ``.trash-`` name; False where a writer holds it, or it has no lock file yet (being
-    made), or is gone."""
+    made: one left empty for :data:`ABANDONED_EMPTY_S` is removed, and True), or is
+    gone."""
     lock = try_lock(staged / "writing.lock", create=False)
     if lock is None:
-        return False
+        return _drop_abandoned(staged)
     try:
         os.rename(staged, paths.runs / f".trash-s{staged.name.removeprefix(_OLD_STAGING)}")
     except FileNotFoundError:
@@ -703,6 +710,19 @@ def trash_staged(paths: StorePaths, staged: Path) -> bool:
     finally:
         lock.close()
     fsync_dir(paths.runs)
+    return True
+
+
+def _drop_abandoned(staged: Path) -> bool:
+    """Remove ``staged`` if it is an empty directory made over :data:`ABANDONED_EMPTY_S`
+    ago (a writer killed between its ``mkdir`` and its lock file; ``rmdir`` removes
+    only an empty one, so a writer that made its lock file meanwhile keeps it)."""
+    try:
+        if time.time() - os.lstat(staged).st_mtime < ABANDONED_EMPTY_S:
+            return False
+        os.rmdir(staged)
+    except OSError:  # (gone, not empty, or not a directory: not this case)
+        return False
     return True
 
 

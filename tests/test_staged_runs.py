@@ -166,3 +166,32 @@ def test_failed_and_interrupted_runs_are_listed_until_gc(tmp_path: Path) -> None
     assert not list((root / "runs" / ".staging").iterdir())
     store.record(model, *inputs, name="broken")  # the names are free
     assert store.verify().ok
+
+
+def test_gc_removes_a_staged_directory_a_writer_died_making(tmp_path: Path) -> None:
+    """A writer killed between making its staged directory and its lock file in it
+    (found by the crash battery: one of 110 kills) leaves an empty directory no writer
+    will claim: gc() removes it once it is old enough that no live writer is making it,
+    and leaves a fresh one (a writer may be about to lock it) alone."""
+    import os
+    import time
+
+    from tracelake.store.layout import ABANDONED_EMPTY_S
+
+    model, inputs = BUILDERS["mlp"]()
+    root = tmp_path / "s"
+    store = tl.open(root)
+    store.record(model, *inputs, name="kept")
+    staging = root / "runs" / ".staging"
+    abandoned, fresh = staging / "123-abandoned", staging / "124-fresh"
+    abandoned.mkdir(parents=True)
+    fresh.mkdir()
+    then = time.time() - ABANDONED_EMPTY_S - 5
+    os.utime(abandoned, (then, then))
+    done = store.gc()
+    assert done["orphans"] == 1 and done["runs"] == 0
+    assert not abandoned.exists() and fresh.is_dir()
+    assert list(store.runs()["name"]) == ["kept"]
+    os.utime(fresh, (then, then))
+    (fresh / "writing.lock").touch()  # a writer made its lock meanwhile: a staged run's
+    assert store.gc()["orphans"] == 1 and not fresh.exists()  # (held by nobody: trashed)
