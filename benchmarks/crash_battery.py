@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import tracelake as tl
+from tracelake.store.layout import ABANDONED_EMPTY_S
 
 CHILD = r"""
 import random, sys
@@ -157,6 +158,15 @@ def main() -> int:
             return 1
         stages[last] += 1
     elapsed = time.perf_counter() - started
+    # A child killed between making its staged directory and its lock file leaves it
+    # empty: gc() takes it once it is past ABANDONED_EMPTY_S (before, a writer may be
+    # about to lock it), so let the youngest such directory get there.
+    staging = root / "runs" / ".staging"
+    listed = list(staging.iterdir()) if staging.is_dir() else []
+    empty = [p for p in listed if p.is_dir() and not any(p.iterdir())]
+    if empty:
+        youngest = max(p.stat().st_mtime for p in empty)
+        time.sleep(max(0.0, youngest + ABANDONED_EMPTY_S + 1 - time.time()))
 
     failures: list[str] = []
     store = tl.open(root)
@@ -187,7 +197,6 @@ def main() -> int:
     runs_dir = root / "runs"
     # (runs/.staging, where runs are recorded, stays, as runs/ does: what is left in it
     # is an orphan)
-    staging = runs_dir / ".staging"
     orphans = [
         p
         for p in runs_dir.iterdir()
