@@ -78,7 +78,7 @@ from .schema import (
     present_columns,
     select_list,
 )
-from .store import Batch, Store
+from .store import Batch, OpenRuns, Store
 
 __all__ = ["LEASE_SECONDS", "LakeCatalog", "LakeMirror", "LakeStore", "open_lake"]
 
@@ -805,9 +805,8 @@ class LakeStore(Store):
         self._args = (self.url, catalog, options)
         self._catalog: LakeCatalog = LakeCatalog(*self._args)  # type: ignore[assignment]
         self._mirror: CatalogMirror | None = None
-        self._open_arrays = {}
+        self._open_arrays = OpenRuns()
         self._batch = None
-        self._arrays_lock = threading.Lock()
         self._remote = RemoteArrays(self.url, options)
         for name in _EXTENSIONS:  # (the extra's missing: said at once)
             _extension_file(name)
@@ -843,13 +842,9 @@ class LakeStore(Store):
     def arrays(self, run_id: int, name: str | None = None, created: Any = None) -> Any:
         from .tensors import RunArrays
 
-        with self._arrays_lock:
-            arrays = self._open_arrays.get(run_id)
-            if arrays is None:
-                arrays = self._open_arrays[run_id] = RunArrays(
-                    self._objects(run_id), name or str(run_id)
-                )
-        return arrays
+        return self._open_arrays.get(
+            run_id, lambda: RunArrays(self._objects(run_id), name or str(run_id))
+        )
 
     def _listed(self, all: bool) -> list[dict[str, Any]]:
         where = "status = ?" if not all else "status != ?"

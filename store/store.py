@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,7 +100,7 @@ if TYPE_CHECKING:
 # the store: listing, deleting and collecting runs need only the catalog (the command
 # line's `tracelake runs` starts without torch).
 
-__all__ = ["Batch", "Recording", "Store", "last_opened", "open_store"]
+__all__ = ["OPEN_RUNS_KEPT", "Batch", "OpenRuns", "Recording", "Store", "last_opened", "open_store"]
 
 log = logging.getLogger("tracelake.store")
 
@@ -998,6 +999,43 @@ class Recording:
                 lock.close()
 
 
+#: How many runs' arrays a store keeps open (:class:`OpenRuns`), the most recently read.
+#: Opening one reads its metadata (~0.1-1 ms); keeping one costs ~0.7 KB, which without
+#: a bound grew with every run a long-lived store (a notebook's) ever read.
+OPEN_RUNS_KEPT = 256
+
+
+class OpenRuns:
+    """The runs whose arrays a store keeps open (:class:`RunArrays`, their Zarr metadata
+    read), the :data:`OPEN_RUNS_KEPT` most recently read; an older one is opened again
+    when next read (a :class:`~.run.Run` keeps its own open whatever the store forgets).
+    Thread-safe; ``get``'s ``opener`` runs under the lock: the query room's reader
+    threads open runs at once, and an opener may ask the catalog mirror's one DuckDB
+    connection, which refuses a second caller ("connection is busy")."""
+
+    def __init__(self, kept: int = OPEN_RUNS_KEPT):
+        self.kept = kept
+        self._runs: OrderedDict[int, RunArrays] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, run_id: int, opener: Callable[[], RunArrays]) -> RunArrays:
+        """Run ``run_id``'s arrays: kept ones, or ``opener()``'s, then kept."""
+        with self._lock:
+            arrays = self._runs.get(run_id)
+            if arrays is not None:
+                self._runs.move_to_end(run_id)
+                return arrays
+            arrays = self._runs[run_id] = opener()
+            if len(self._runs) > self.kept:
+                self._runs.popitem(last=False)
+            return arrays
+
+    def ids(self) -> list[int]:
+        """The ids of the runs kept open, least recently read first."""
+        with self._lock:
+            return list(self._runs)
+
+
 class Held(Protocol):
     """What a run holds while it records and lets go of by ``close()``."""
 
@@ -1250,9 +1288,8 @@ class Store:
         # and a new store costs no transaction of its own.
         self._catalog = CatalogWriter(self.paths)
         self._mirror: CatalogMirror | None = None
-        self._open_arrays: dict[int, RunArrays] = {}
+        self._open_arrays = OpenRuns()
         self._batch: Batch | None = None
-        self._arrays_lock = threading.Lock()
         #: Where the runs' arrays live when on object storage (store/remote.py); None:
         #: under each run's directory. Imported only for such a store.
         self._remote: RemoteArrays | None = None
@@ -1526,25 +1563,17 @@ class Store:
         run's directory holds another run's data (its identity marker disagrees)."""
         from .tensors import RunArrays
 
-        arrays = self._open_arrays.get(run_id)
-        if arrays is not None:
-            return arrays
-        # Under a lock: the query room's reader threads open runs at once, and the
-        # catalog mirror's one DuckDB connection refuses a second caller ("connection
-        # is busy"), found by tests/test_object_storage.py's concurrent readers.
-        with self._arrays_lock:
-            arrays = self._open_arrays.get(run_id)
-            if arrays is None:
-                if name is None or created is None:
-                    row = self._query(
-                        "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
-                    ).fetchone()
-                    name, created = (row[0], row[1]) if row else (str(run_id), None)
-                check_run_marker(self.paths, run_id, name, created)
-                arrays = self._open_arrays[run_id] = RunArrays(
-                    self._arrays_at(self.paths.run_dir(run_id)), name
-                )
-        return arrays
+        def opener() -> RunArrays:
+            nonlocal name, created
+            if name is None or created is None:
+                row = self._query(
+                    "SELECT name, created FROM runs WHERE id = ?", [run_id], ()
+                ).fetchone()
+                name, created = (row[0], row[1]) if row else (str(run_id), None)
+            check_run_marker(self.paths, run_id, name, created)
+            return RunArrays(self._arrays_at(self.paths.run_dir(run_id)), name)
+
+        return self._open_arrays.get(run_id, opener)
 
     def _open_run(self, info: dict[str, Any]) -> Run:
         from .run import Run

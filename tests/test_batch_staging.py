@@ -266,9 +266,37 @@ def test_runs_recorded_in_a_loop_open_their_arrays_only_when_read(tmp_path: Path
     returned = [store.record(model, x) for x in inputs[:4]]
     with store.batch():
         returned += [store.record(model, x) for x in inputs[4:]]
-    assert store._open_arrays == {}  # twelve runs recorded, none read yet
+    assert store._open_arrays.ids() == []  # twelve runs recorded, none read yet
     for k in (1, 6):  # read back, one alone and one of the batch: bit for bit
         run = returned[k]
         out = run[run.labels[-1]].array[...]
         assert_bitwise(out, model(inputs[k]).detach())
-    assert sorted(store._open_arrays) == sorted(returned[k].id for k in (1, 6))
+    assert sorted(store._open_arrays.ids()) == sorted(returned[k].id for k in (1, 6))
+
+
+def test_a_store_keeps_only_the_runs_it_read_last_open(tmp_path: Path) -> None:
+    """Runs read by name and by query stay open only up to the store's bound (before,
+    every run a long-lived store ever read stayed open: ~0.7 KB each); a run it let go
+    reads back bit for bit when read again, by name and by a query."""
+    store = tl.open(tmp_path / "s")
+    store._open_arrays.kept = 3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    inputs = [torch.randn(2, 8) + k for k in range(6)]
+    with store.batch():
+        names = [store.record(model, x, name=f"r{k}").name for k, x in enumerate(inputs)]
+    for name, x in zip(names, inputs, strict=True):
+        run = store[name]
+        assert_bitwise(run[run.labels[-1]].array[...], model(x).detach())
+        assert len(store._open_arrays.ids()) <= 3
+    assert store._open_arrays.ids() == [store[n].id for n in names[-3:]]
+    first = store[names[0]]  # let go: opened again
+    assert_bitwise(first[first.labels[-1]].array[...], model(inputs[0]).detach())
+    got = {
+        row["run"]: row["out"]
+        for row in store.query("select run, out from ops where func = 'relu'")
+    }
+    assert sorted(got) == names
+    for name, x in zip(names, inputs, strict=True):
+        assert_bitwise(got[name], model(x).detach())
+    assert len(store._open_arrays.ids()) == 3
