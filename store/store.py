@@ -1009,25 +1009,39 @@ class OpenRuns:
     """The runs whose arrays a store keeps open (:class:`RunArrays`, their Zarr metadata
     read), the :data:`OPEN_RUNS_KEPT` most recently read; an older one is opened again
     when next read (a :class:`~.run.Run` keeps its own open whatever the store forgets).
-    Thread-safe; ``get``'s ``opener`` runs under the lock: the query room's reader
-    threads open runs at once, and an opener may ask the catalog mirror's one DuckDB
-    connection, which refuses a second caller ("connection is busy")."""
+    Thread-safe. Openers run one at a time (the query room's reader threads open runs
+    at once, and an opener may ask the catalog mirror's one DuckDB connection, which
+    refuses a second caller: "connection is busy"), outside the lock a kept run is
+    found under, so that reading an open run never waits for another's opening (on
+    object storage, a round trip)."""
 
     def __init__(self, kept: int = OPEN_RUNS_KEPT):
         self.kept = kept
         self._runs: OrderedDict[int, RunArrays] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the dict's
+        self._opening = threading.Lock()  # one opener at a time
 
-    def get(self, run_id: int, opener: Callable[[], RunArrays]) -> RunArrays:
-        """Run ``run_id``'s arrays: kept ones, or ``opener()``'s, then kept."""
+    def _kept(self, run_id: int) -> RunArrays | None:
         with self._lock:
             arrays = self._runs.get(run_id)
             if arrays is not None:
                 self._runs.move_to_end(run_id)
+            return arrays
+
+    def get(self, run_id: int, opener: Callable[[], RunArrays]) -> RunArrays:
+        """Run ``run_id``'s arrays: kept ones, or ``opener()``'s, then kept."""
+        arrays = self._kept(run_id)
+        if arrays is not None:
+            return arrays
+        with self._opening:
+            arrays = self._kept(run_id)  # (opened meanwhile by another thread)
+            if arrays is not None:
                 return arrays
-            arrays = self._runs[run_id] = opener()
-            if len(self._runs) > self.kept:
-                self._runs.popitem(last=False)
+            arrays = opener()
+            with self._lock:
+                self._runs[run_id] = arrays
+                if len(self._runs) > self.kept:
+                    self._runs.popitem(last=False)
             return arrays
 
     def ids(self) -> list[int]:
