@@ -10,8 +10,11 @@ DuckDB blocks of B bytes.
 
 * **Tiny runs** (``nn.Linear(8, 8)`` on a (2, 8) input, every tensor saved), on a warm
   store, in ``--rounds`` interleaved rounds: each round times three plain
-  ``store.record`` calls, then two ``with store.batch():`` blocks of ``--batch`` records
-  one after the other. Printed: ``record()`` median and 90th percentile; beside it,
+  ``store.record`` calls (each sealed; every ``catalog.FOLD_AFTER``-th also inserts the
+  sealed runs' rows into the catalog, so the mean is printed beside the median and
+  90th percentile: what a run costs with its share of that), then two
+  ``with store.batch():`` blocks of ``--batch`` records one after the other. Printed:
+  ``record()`` median and 90th percentile; beside it,
   interleaved, the limit (``DuckDBAlone``): DuckDB alone committing the same rows into a
   copy of the catalog, the run's transaction with nothing of tracelake (``--no-limit``:
   left out, for an A/B against a tree that did not measure it); and the batched cost per
@@ -29,10 +32,10 @@ DuckDB blocks of B bytes.
 * **Growth**: ``--runs`` runs of the query benchmark's chain (``--ops`` elementwise ops
   on a (32, 32) tensor, all saved: ``benchmarks/query_latency.py``'s store), recorded
   one by one. Printed: for the first and the last hundred runs, the median wall time of
-  ``store.record`` and of its catalog commit (``CatalogWriter.commit_run``: the run's
-  one transaction, which inserts its rows) with the share of it that the ``DETACH``
-  ending it takes (meant as DuckDB's checkpoint; measured ~1 ms, so the writing happens
-  at ``COMMIT``), and runs/s; the last hundred's commit over the first's against
+  ``store.record`` and of its catalog commit (its seal, ``CatalogWriter.seal``, plus its
+  share of the transaction that inserted its rows with those of the runs sealed
+  alongside, ``CatalogWriter.fold``), with the seal's part, and runs/s (every fold
+  included); the last hundred's commit over the first's against
   ``FLAT_COMMIT_RATIO`` (``--against`` prints its big store's over the small one's too:
   interleaved, the machine's drift over a long build cancels out).
 """
@@ -187,6 +190,7 @@ def tiny(root: Path, rounds: int, batch: int, limit: bool = True) -> dict[str, f
     return {
         "record_median_ms": statistics.median(single) * ms,
         "record_p90_ms": _p90(single) * ms,
+        "record_mean_ms": statistics.mean(single) * ms,
         "record_cpu_ms": statistics.median(single_cpu) * ms,
         **{
             f"{which}_{what}": value * ms
@@ -211,32 +215,50 @@ def tiny(root: Path, rounds: int, batch: int, limit: bool = True) -> dict[str, f
 
 @contextmanager
 def _timed() -> Iterator[dict[str, list[float]]]:
-    """Times every ``CatalogWriter.commit_run`` (the run's one transaction) and
+    """Times each run's commit while the block runs: its seal (``CatalogWriter.seal``,
+    before ``record`` returns) plus its share of the fold that inserts its rows into
+    the catalog (``CatalogWriter.fold``: one transaction for the runs its writer sealed
+    since its last, which ``record`` runs every ``catalog.FOLD_AFTER`` runs), wall time
+    and the calling thread's CPU time (DuckDB runs the writers' statements on it); and
     ``CatalogWriter.complete_names`` (the names a new run's is checked against: a
-    transaction only where another writer changed the catalog since this one's last)
-    (wall time, and the calling thread's CPU time: DuckDB runs the writers' statements on
-    it), and every ``_detach`` while the block runs (``commit_detach``: the commit's)."""
+    transaction only where another writer changed the catalog since this one's last).
+    A run's share is filled in when its fold comes: flush the store before reading."""
     times: dict[str, list[float]] = {
         "commit": [],
         "commit_cpu": [],
+        "seal": [],
+        "fold": [],
         "names_cpu": [],
-        "detach": [],
-        "commit_detach": [],
     }
-    commit, names, detach = (
-        catalog.CatalogWriter.commit_run,
+    waiting: dict[int, list[int]] = {}  # each writer's runs not folded yet, by position
+    seal, fold, names = (
+        catalog.CatalogWriter.seal,
+        catalog.CatalogWriter.fold,
         catalog.CatalogWriter.complete_names,
-        catalog._detach,
     )
 
-    def timed_commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
+    def timed_seal(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return commit(self, *args, **kwargs)  # type: ignore[arg-type]
+            return seal(self, *args, **kwargs)  # type: ignore[arg-type]
         finally:
-            times["commit"].append(time.perf_counter() - start)
+            times["seal"].append(time.perf_counter() - start)
+            times["commit"].append(times["seal"][-1])
             times["commit_cpu"].append(time.thread_time() - cpu)
-            times["commit_detach"].append(times["detach"][-1])
+            waiting.setdefault(id(self), []).append(len(times["commit"]) - 1)
+
+    def timed_fold(self: catalog.CatalogWriter) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            fold(self)
+        finally:
+            wall, used = time.perf_counter() - start, time.thread_time() - cpu
+            runs = waiting.pop(id(self), [])
+            if runs:
+                times["fold"].append(wall / len(runs))
+            for i in runs:
+                times["commit"][i] += wall / len(runs)
+                times["commit_cpu"][i] += used / len(runs)
 
     def timed_names(self: catalog.CatalogWriter) -> set[str]:
         cpu = time.thread_time()
@@ -245,22 +267,15 @@ def _timed() -> Iterator[dict[str, list[float]]]:
         finally:
             times["names_cpu"].append(time.thread_time() - cpu)
 
-    def timed_detach(*args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        try:
-            detach(*args, **kwargs)
-        finally:
-            times["detach"].append(time.perf_counter() - start)
-
-    catalog.CatalogWriter.commit_run = timed_commit  # type: ignore[method-assign]
+    catalog.CatalogWriter.seal = timed_seal  # type: ignore[method-assign]
+    catalog.CatalogWriter.fold = timed_fold  # type: ignore[method-assign]
     catalog.CatalogWriter.complete_names = timed_names  # type: ignore[method-assign]
-    catalog._detach = timed_detach
     try:
         yield times
     finally:
-        catalog.CatalogWriter.commit_run = commit  # type: ignore[method-assign]
+        catalog.CatalogWriter.seal = seal  # type: ignore[method-assign]
+        catalog.CatalogWriter.fold = fold  # type: ignore[method-assign]
         catalog.CatalogWriter.complete_names = names  # type: ignore[method-assign]
-        catalog._detach = detach
 
 
 def _options(tensors: bool) -> dict[str, Any]:
@@ -288,19 +303,21 @@ def _growth(
             store.record(model, x, name=f"run{i:05d}", meta={"i": i}, **options)
             walls.append(time.perf_counter() - start)
             if (i + 1) % 1000 == 0:
+                store.flush()  # (the hundred's last runs' shares of their fold)
                 print(
                     f"  {i + 1} runs: the last hundred's commit median "
                     f"{statistics.median(commits[-100:]) * 1e3:.2f} ms, record median "
                     f"{statistics.median(walls[-100:]) * 1e3:.2f} ms",
                     flush=True,
                 )
+    store.flush()
     n = min(100, runs)
     ms = 1e3
-    checkpoints = times["commit_detach"]
+    seals = times["seal"]
     cpu = times["commit_cpu"]
     return {
-        "first_checkpoint_ms": statistics.median(checkpoints[:n]) * ms,
-        "last_checkpoint_ms": statistics.median(checkpoints[-n:]) * ms,
+        "first_seal_ms": statistics.median(seals[:n]) * ms,
+        "last_seal_ms": statistics.median(seals[-n:]) * ms,
         "first_record_ms": statistics.median(walls[:n]) * ms,
         "last_record_ms": statistics.median(walls[-n:]) * ms,
         "first_commit_ms": statistics.median(commits[:n]) * ms,
@@ -333,13 +350,15 @@ def interleaved(
                 wall = time.perf_counter() - start
                 if i < 2:
                     continue
-                got = found[which]
-                got.setdefault("record", []).append(wall)
-                got.setdefault("commit", []).append(times["commit"][before])
-                got.setdefault("commit_cpu", []).append(times["commit_cpu"][before])
-                got.setdefault("catalog_cpu", []).append(
-                    times["commit_cpu"][before] + times["names_cpu"][before]
-                )
+                found[which].setdefault("record", []).append(wall)
+                found[which].setdefault("at", []).append(before)
+        for store in stores.values():
+            store.flush()  # (each run's share of its fold, filled in)
+    for got in found.values():
+        at = [int(k) for k in got.pop("at")]
+        got["commit"] = [times["commit"][k] for k in at]
+        got["commit_cpu"] = [times["commit_cpu"][k] for k in at]
+        got["catalog_cpu"] = [times["commit_cpu"][k] + times["names_cpu"][k] for k in at]
     # (means too: a checkpoint every few small runs, which the median passes over)
     return {
         which: {k: statistics.median(v) * 1e3 for k, v in got.items()}
@@ -666,7 +685,8 @@ def measure(args: argparse.Namespace, base: Path) -> None:
         print(f"tiny run (nn.Linear(8, 8)), {args.rounds} interleaved rounds:")
         print(
             f"  store.record       median {t['record_median_ms']:7.2f} ms   "
-            f"p90 {t['record_p90_ms']:7.2f} ms   CPU {t['record_cpu_ms']:6.2f} ms"
+            f"p90 {t['record_p90_ms']:7.2f} ms   CPU {t['record_cpu_ms']:6.2f} ms   "
+            f"mean {t['record_mean_ms']:7.2f} ms (folds included)"
         )
         if "alone_median_ms" in t:
             print(
@@ -695,8 +715,8 @@ def measure(args: argparse.Namespace, base: Path) -> None:
         print(
             f"  {which} 100:{' ' * (6 - len(which))}record {g[f'{which}_record_ms']:7.2f} ms, "
             f"commit {g[f'{which}_commit_ms']:6.2f} ms "
-            f"(CPU {g[f'{which}_commit_cpu_ms']:6.2f} ms, its DETACH "
-            f"{g[f'{which}_checkpoint_ms']:6.2f} ms) "
+            f"(CPU {g[f'{which}_commit_cpu_ms']:6.2f} ms; its seal "
+            f"{g[f'{which}_seal_ms']:6.2f} ms, the rest its share of a fold) "
             f"(medians), {g[f'{which}_runs_per_s']:6.1f} runs/s"
         )
     ratio = g["last_commit_ms"] / g["first_commit_ms"]

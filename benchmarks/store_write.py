@@ -7,7 +7,13 @@ the same model and input:
 
 * ``plain``: ``model(*args)``, nothing kept: the floor.
 * ``tracelake``: ``store.record(model, *args)`` into a fresh store, every op saved:
-  the forward, copies, statistics, encoding, writes, fsync and the catalog commit.
+  the forward, copies, statistics, encoding, writes, fsync and the catalog commit (a new
+  store's first run: sealed, and its rows inserted at once, which makes the catalog).
+* ``tracelake, existing store, N in a row``: ``catalog.FOLD_AFTER`` runs recorded one
+  after another into a store that exists (made once, untimed; each sample's runs
+  deleted and collected afterwards, untimed), every figure a run's: each run sealed,
+  and the last one's ``record`` inserting the rows of all of them into the catalog in
+  one transaction, as a writer does; so every run pays its share of that.
 * ``raw write``: the bytes tracelake stored, as one file written sequentially in 4 MiB
   blocks, fsync'd, and its directory fsync'd (a new file's name is durable only then,
   as tracelake's are): the disk's durable speed, without any forward.
@@ -74,6 +80,7 @@ from capture_overhead import build_model
 from torch import nn
 
 import tracelake as tl
+from tracelake.store import catalog
 from tracelake.store.layout import fsync_dir, fsync_file
 from tracelake.store.writer import NBYTES
 
@@ -96,6 +103,10 @@ except ImportError:
 MiB = 1 << 20
 CHAIN_STEPS = 20
 PHASES = ("open", "register", "forward", "commit")  # of a tracelake sample
+#: Runs a sample of the existing store records in a row: as many as a writer seals
+#: before it inserts their rows into the catalog in one transaction (``FOLD_AFTER``),
+#: so that a sample holds one such fold, as every run has a share of one.
+IN_A_ROW = catalog.FOLD_AFTER
 NO_TORCHLENS = False  # --no-torchlens
 #: The raw write again with O_DIRECT (Linux), beside the buffered one: the disk without
 #: the page cache, as tracelake writes its large files where the filesystem takes it.
@@ -137,6 +148,8 @@ class Condition:
     # the calling (forward) thread's seconds a sample waiting for a core (runnable, on
     # the run queue) and blocked (asleep: the GIL, locks, the disk), where Linux says
     waits: list[tuple[float, float]] = field(default_factory=list)
+    #: Runs a sample records (one after another): its figures are a run's, on average.
+    runs: int = 1
 
 
 def _hook_dict(model: nn.Module, args: tuple[Any, ...]) -> dict[str, torch.Tensor]:
@@ -169,36 +182,47 @@ def build_conditions(
         model(*args)
         return 0
 
-    def record(store_at: Callable[[Path], Any], cond: int) -> Callable[[Path], int]:
+    def record(store_at: Callable[[Path], Any], cond: int, runs: int = 1) -> Callable[[Path], int]:
+        """A sample: ``runs`` runs recorded one after another (``bench0``, ...), its
+        phases and bytes those of a run, on average."""
+
         def run(where: Path) -> int:
-            start = time.perf_counter()
-            store = store_at(where)
-            opened = time.perf_counter()
-            if name == "chain":
-                with store.recording("bench", model) as rec:
-                    began = time.perf_counter()
-                    for _ in range(CHAIN_STEPS):
-                        model(*args)
-                    ended = time.perf_counter()
-            else:
-                with store.recording("bench") as rec:
-                    began = time.perf_counter()
-                    rec.record(model, *args)
-                    ended = time.perf_counter()
-            done = time.perf_counter()
-            # where the time went: the store opened (made), the run registered, the
-            # forward(s) with their saving, the commit (last writes, fsync, catalog)
-            for phase, seconds in zip(
-                PHASES, (opened - start, began - opened, ended - began, done - ended), strict=True
-            ):
+            phases = [0.0] * len(PHASES)
+            written = saved = 0
+            for k in range(runs):
+                start = time.perf_counter()
+                store = store_at(where)
+                opened = time.perf_counter()
+                if name == "chain":
+                    with store.recording(f"bench{k}", model) as rec:
+                        began = time.perf_counter()
+                        for _ in range(CHAIN_STEPS):
+                            model(*args)
+                        ended = time.perf_counter()
+                else:
+                    with store.recording(f"bench{k}") as rec:
+                        began = time.perf_counter()
+                        rec.record(model, *args)
+                        ended = time.perf_counter()
+                done = time.perf_counter()
+                # where the time went: the store opened (made), the run registered, the
+                # forward(s) with their saving, the commit (last writes, fsync, seal, and
+                # where it falls the fold of the runs sealed since the last: the catalog)
+                for i, seconds in enumerate(
+                    (opened - start, began - opened, ended - began, done - ended)
+                ):
+                    phases[i] += seconds / runs
+                assert rec.info is not None
+                conds[cond].ops = rec.info["op_count"]  # from the commit: nothing read back
+                if rec._writer is not None:
+                    written += rec._writer.bytes_written
+                    # the activations' bytes, aliases (a reshape of bytes stored once) included
+                    saved += sum(slot[NBYTES] for slot in rec._writer.slots)
+            for phase, seconds in zip(PHASES, phases, strict=True):
                 conds[cond].phases.setdefault(phase, []).append(seconds)
-            assert rec.info is not None
-            conds[cond].ops = rec.info["op_count"]  # from the commit: nothing read back
-            if rec._writer is None:
-                return 0
-            # the activations' bytes, aliases (a reshape of bytes stored once) included
-            conds[cond].saved.append(sum(slot[NBYTES] for slot in rec._writer.slots))
-            return rec._writer.bytes_written
+            if written:
+                conds[cond].saved.append(saved // runs)
+            return written
 
         return run
 
@@ -215,7 +239,8 @@ def build_conditions(
         return existing[0]
 
     def forget(_: Path) -> None:
-        existing[0].delete("bench")
+        for k in range(IN_A_ROW):
+            existing[0].delete(f"bench{k}")
         existing[0].gc(progress=False)
 
     def sized(where: Path) -> None:  # the raw write writes what tracelake stored
@@ -283,7 +308,12 @@ def build_conditions(
             "tracelake", record(lambda where: tl.open(where / "store", create=True), 1), after=sized
         ),
         Condition("raw write", raw),
-        Condition("tracelake, existing store", record(kept_store, 3), after=forget),
+        Condition(
+            f"tracelake, existing store, {IN_A_ROW} in a row",
+            record(kept_store, 3, IN_A_ROW),
+            after=forget,
+            runs=IN_A_ROW,
+        ),
         *([Condition("raw write, O_DIRECT", raw_direct)] if DIRECT_RAW else []),
         Condition("hooks+torch.save", hooks_torch_save),
     ]
@@ -375,17 +405,18 @@ def sample(cond: Condition, root: Path) -> tuple[float, int]:
         cpu, start = _cpu(), time.perf_counter()
         nbytes = cond.run(where)
         seconds = time.perf_counter() - start
-        cond.cpu.append(_cpu() - cpu)
+        n = cond.runs  # (a sample's figures: a run's)
+        cond.cpu.append((_cpu() - cpu) / n)
         now = _this_thread()
         if mine is not None and now is not None:
             ran, waited = now[0] - mine[0], now[1] - mine[1]
-            cond.waits.append((waited, max(seconds - ran - waited, 0.0)))
+            cond.waits.append((waited / n, max(seconds - ran - waited, 0.0) / n))
         if threads and cond.name.startswith("tracelake"):
-            for key, used in _by_thread(threads, _thread_cpu(), cond.cpu[-1]).items():
-                cond.threads.setdefault(key, []).append(used)
+            for key, used in _by_thread(threads, _thread_cpu(), cond.cpu[-1] * n).items():
+                cond.threads.setdefault(key, []).append(used / n)
         if cond.after is not None:
             cond.after(where)
-        return seconds, nbytes
+        return seconds / n, nbytes // n
     finally:
         # Untimed: flush what this sample left dirty (TorchLens does not fsync), so the
         # next condition does not pay for writing it back.
@@ -477,7 +508,11 @@ def targets(rows: list[dict[str, Any]]) -> str:
     out = []
     for row in rows:
         if row["model"] == "gpt2" and row["condition"].startswith("tracelake"):
-            where = "a new store" if row["condition"] == "tracelake" else "an existing store"
+            where = (
+                "a new store"
+                if row["condition"] == "tracelake"
+                else f"an existing store, {IN_A_ROW} runs in a row"
+            )
             for key, what in (("x raw", "bytes stored"), ("x raw, saved", "activations saved")):
                 if row[key] is not None:
                     ok = row[key] >= 0.8

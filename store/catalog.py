@@ -27,6 +27,7 @@ starts clean.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import functools
@@ -38,6 +39,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,12 +73,16 @@ from .duckfile import (
     wal_of,
 )
 from .layout import (
+    SEALED_ROWS,
     StorePaths,
     disk_full,
+    from_micros,
+    fsync_all,
     fsync_dir,
     keep_reserve,
     lock_held,
     locked,
+    micros,
     release_reserve,
     write_new,
     write_run_marker,
@@ -94,6 +100,7 @@ from .schema import (
     present_columns,
     select_list,
 )
+from .sealed import read_sealed, remove_sealed
 
 __all__ = [
     "COMPLETE",
@@ -162,6 +169,15 @@ _NO_CHECKPOINT = "1TB"
 VACUUM_EVERY = 16
 #: DuckDB's ``max_vacuum_tasks`` when a checkpoint merges (its default), and otherwise.
 _VACUUM_TASKS, _NO_VACUUM = 100, 0
+#: A writer folds the sealed runs (``sealed.py``) into the catalog once this many wait:
+#: one transaction for them all, where each took one of its own (an ``ATTACH``, an
+#: insert a table, a ``COMMIT`` into the log and every few runs a checkpoint: ~10 ms of a
+#: tiny run's ~19). Any other transaction (a batch's commit, a delete, ``gc()``), a
+#: reader's refresh, a store's ``close()`` and its process's exit fold them sooner.
+FOLD_AFTER = 16
+#: How many times a seal reads the catalog's names again when another writer changed it
+#: between that read and the seal's lock (each time: another writer's commit).
+_SEAL_TRIES = 8
 
 
 #: How a reader opens the catalog file: read-only, and unable to touch any other file or
@@ -341,9 +357,9 @@ class CatalogWriter:
     (checkpointed once past :data:`LOG_BYTES`) and detaches it (no handle left) before
     letting the lock go."""
 
-    #: A run is recorded into a staged directory and committed in one transaction
-    #: (:meth:`commit_run`), with no catalog row before (DuckLake's catalog registers
-    #: it first: ``reserve``).
+    #: A run is recorded into a staged directory and committed by :meth:`seal` (its
+    #: rows inserted by the next transaction), with no catalog row before (DuckLake's
+    #: catalog registers it first: ``reserve``).
     stages_runs = True
 
     def __init__(self, paths: StorePaths):
@@ -374,6 +390,10 @@ class CatalogWriter:
         self._top: tuple[int, int] | None = None
         #: ``_top`` as the running transaction found it (None: read it from the file).
         self._known_top: tuple[int, int] | None = None
+        #: The sealed runs' names by id, as this writer last listed them.
+        self._sealed: dict[int, str] = {}
+        #: ``_top`` as the running transaction's fold left it (None: it folded nothing).
+        self._fold_top: tuple[int, int] | None = None
 
     @contextmanager
     def _transaction(
@@ -403,18 +423,16 @@ class CatalogWriter:
         checkpointed, a schema completed). ``vacuum``: a checkpoint the transaction makes
         merges small row groups whether or not one is due (:meth:`_checkpoint`).
 
+        Every transaction that may write folds the sealed runs first (:meth:`_fold`),
+        so that it sees them as the complete runs they are.
+
         A catalog file that is missing while run directories exist is never made anew:
         a fresh catalog would hand out the ids of runs on disk again."""
+        then = [] if then is None else then
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
-            if not self.paths.catalog.exists() and self.paths.run_dir_ids():
-                raise StoreError(
-                    f"the store at {str(self.paths.root)!r} has run directories but no "
-                    f"catalog ({self.paths.catalog.name} is missing), so tracelake will "
-                    "not write to it or collect anything: restore catalog.duckdb (and its "
-                    ".wal, if any) from where it went, or, to start afresh, move the "
-                    f"directories under {str(self.paths.runs)!r} out of the store"
-                )
+            self._refuse_lost_catalog()
             _refuse_links(self.paths)
+            made = committed = False
             try:
                 con = _ENGINE.connection()
                 if _ENGINE.attached:  # forget what a failed transaction left attached
@@ -445,8 +463,10 @@ class CatalogWriter:
                         con.execute("BEGIN TRANSACTION")  # or the DETACH below waits on it)
                         if not self._has_schema:  # once per writer and file, in the
                             create_schema(con)  # transaction: one commit, not one a table
+                        folded = 0 if read else self._fold(con, then)
                         yield con
-                        self._commit(con, seen, size, vacuum)
+                        self._commit(con, seen, size + folded, vacuum)
+                        committed = True
                     except BaseException:
                         with contextlib.suppress(duckdb.Error):  # the first error says more
                             con.execute("ROLLBACK")
@@ -475,7 +495,34 @@ class CatalogWriter:
                 # statement, the engine may still hold the file: a new one, next time
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
+                if made and not committed:  # (a file this transaction began: on a full
+                    _ENGINE.reset()  # disk, cut short and unreadable; it holds nothing)
+                    for path_made in (self.paths.catalog, wal_of(self.paths.catalog)):
+                        with contextlib.suppress(OSError):
+                            path_made.unlink()
                 raise
+
+    def _refuse_lost_catalog(self) -> None:
+        """``StoreError`` where the catalog file is missing while run directories it
+        made exist: those with an identity marker (written once a run's rows committed),
+        not a sealed run's (its rows not in any catalog yet) nor one a writer killed
+        before its seal or commit left (an orphan, no marker)."""
+        if self.paths.catalog.exists():
+            return
+        sealed = set(self.paths.sealed_ids())
+        made = [
+            i
+            for i in self.paths.run_dir_ids()
+            if i not in sealed and self.paths.run_marker(i).exists()
+        ]
+        if made:
+            raise StoreError(
+                f"the store at {str(self.paths.root)!r} has run directories but no "
+                f"catalog ({self.paths.catalog.name} is missing), so tracelake will "
+                "not write to it or collect anything: restore catalog.duckdb (and its "
+                ".wal, if any) from where it went, or, to start afresh, move the "
+                f"directories under {str(self.paths.runs)!r} out of the store"
+            )
 
     def _tell_readers(self) -> None:
         """Bump the change token after a commit. Where that fails (a full disk) the
@@ -593,20 +640,20 @@ class CatalogWriter:
 
     @guarded("cannot read the catalog")
     def complete_names(self) -> Collection[str]:
-        """The names of the complete runs (read-only: this writer keeps it), read as a
-        writer reads (no new DuckDB, and the file checked only if another writer changed
-        it since this one's last transaction: a reader's open costs several times
-        more); without a transaction where this writer's last one left the files as
-        they are and knew the names."""
+        """The names of the complete runs, sealed ones included (read-only: this writer
+        keeps it), read as a writer reads (no new DuckDB, and the file checked only if
+        another writer changed it since this one's last transaction: a reader's open
+        costs several times more); without a transaction where this writer's last one
+        left the files as they are and knew the names."""
+        sealed = self._sealed_names().values() if self.paths.sealed.exists() else ()
         state = _file_state(self.paths)
         if state is None:
-            return ()
-        if self._names is not None and state == self._checked:
-            return self._names
-        with self._transaction(read=True) as con:
-            rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
-            names = self._names = {name for (name,) in rows}
-        return names
+            return set(sealed)
+        if self._names is None or state != self._checked:
+            with self._transaction(read=True) as con:
+                rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
+                self._names = {name for (name,) in rows}
+        return self._names.union(sealed) if sealed else self._names
 
     def _check_disk(
         self, con: duckdb.DuckDBPyConnection, cached: bool = False, top: int | None = None
@@ -630,8 +677,15 @@ class CatalogWriter:
         if top is None:  # (the catalog's highest id, unless the caller read it)
             row = con.execute("SELECT coalesce(max(id), 0) FROM runs").fetchone()
             top = int(row[0]) if row else 0
-        above = ids[bisect.bisect_right(ids, top) :]  # (sorted)
-        lost = [i for i in above if self.paths.run_marker(i).exists()]
+        self._refuse_older_catalog(ids, top)
+        return ids[-1]
+
+    def _refuse_older_catalog(self, ids: list[int], top: int, sealed: Collection[int] = ()) -> None:
+        """``StoreError`` if a marked run directory (its rows committed once) is above the
+        catalog's highest id ``top`` (``ids``: the directories, sorted; ``sealed``: the
+        sealed runs', whose rows are in no catalog yet)."""
+        above = ids[bisect.bisect_right(ids, top) :]
+        lost = [i for i in above if i not in sealed and self.paths.run_marker(i).exists()]
         if lost:
             shown = ", ".join(self.paths.run_dir(i).name for i in lost[:5])
             raise StoreError(
@@ -641,14 +695,6 @@ class CatalogWriter:
                 "or collect anything. Restore the newest catalog.duckdb, or move those "
                 f"directories out of {str(self.paths.runs)!r}"
             )
-        return ids[-1]
-
-    @guarded("cannot commit the run to the catalog")
-    def commit_run(self, run: StagedRun) -> dict[str, Any]:
-        """Make the staged run ``run`` visible, with all its rows, in one transaction
-        (its only one: nothing of it is in the catalog before); return its ``runs`` row.
-        See :meth:`commit_batch`."""
-        return self._commit_staged([run])[0]
 
     def _freeing(self, change: Callable[[], _T]) -> _T:
         """Run ``change`` (a catalog transaction that lets space be reclaimed); if the
@@ -684,78 +730,10 @@ class CatalogWriter:
             + [t for tables in built for t in tables.values()]
         )
         with self._transaction(then, size) as con:
-            if self._known_top is not None:  # (as this writer's last commit left them)
-                top, seq = self._known_top
-            else:  # (fetchall: a result left unfinished makes DuckDB refuse inserts)
-                ((top, seq),) = con.execute(
-                    "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
-                ).fetchall()
-            on_disk = self._check_disk(con, cached=True, top=int(top))
-            next_id = max(int(top), on_disk) + 1
-            host = socket.gethostname()
-            rows: list[dict[str, Any]] = []  # the runs' rows
-            ids: list[int] = []
-            named: dict[str, int] = {}  # this batch's runs by name, the latest one
-            incoming: dict[str, list[Any]] = {table: [] for table in RUN_TABLES}
-            finished = _now()
-            complete: dict[str, list[int]] = {}  # the complete runs of the batch's names
-            names = sorted({run.name for run in runs})
-            # (none, where the names this writer keeps, valid in this transaction, say so)
-            if self._names is None or not self._names.isdisjoint(names):
-                for i, name in con.execute(
-                    "SELECT id, name FROM runs WHERE status = ? AND name IN "
-                    "(SELECT unnest(?::VARCHAR[]))",
-                    [COMPLETE, names],
-                ).fetchall():
-                    complete.setdefault(name, []).append(int(i))
-            for run in runs:
-                run_id = next_id + len(ids)
-                clash = complete.pop(run.name, [])
-                clash += [named[run.name]] if run.name in named else []
-                if clash and not run.overwrite:
-                    raise RunExistsError(
-                        f"a run named {run.name!r} was committed while this one was "
-                        "recording; pass overwrite=True to replace it"
-                    )
-                named[run.name] = run_id
-                if clash:
-                    marks = ", ".join("?" * len(clash))
-                    con.execute(
-                        f"UPDATE runs SET status = '{DELETED}' WHERE id IN ({marks})", clash
-                    )
-                summary = run.summary
-                rows.append(
-                    {
-                        "id": run_id,
-                        "name": run.name,
-                        "status": COMPLETE,
-                        "created": run.created,
-                        "finished": finished,
-                        "steps": summary["steps"],
-                        "op_count": summary["op_count"],
-                        "bytes": summary["bytes"],
-                        "model_class": run.info.get("model_class"),
-                        "param_fingerprint": summary.get("param_fingerprint"),
-                        "input_fingerprint": summary.get("input_fingerprint"),
-                        "torch_version": run.info.get("torch_version"),
-                        "device": summary.get("device"),
-                        "meta": json.dumps(run.info.get("meta")),
-                        "host": host,
-                        "pid": os.getpid(),
-                        "seq": seq + len(rows) + 1,
-                    }
-                )
-                for table, data in run.tables.items():
-                    if data is not None and data.num_rows:
-                        incoming[table].append(_with_run_id(data, run_id))
-                ids.append(run_id)
-            import pyarrow as pa  # (not at import: listing runs needs no Arrow)
-
-            for tables in built:
-                for table, data in tables.items():
-                    if data is not None and data.num_rows:
-                        incoming[table].append(_at_run_ids(data, ids))
-            added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
+            top, seq = self._top_now(con)
+            on_disk = self._check_disk(con, cached=True, top=top)
+            next_id = max(top, on_disk) + 1
+            ids = list(range(next_id, next_id + len(runs)))
             moved: list[tuple[Path, Path]] = []
             try:
                 for run, run_id in zip(runs, ids, strict=True):
@@ -767,10 +745,7 @@ class CatalogWriter:
                 if listed is not None:
                     self._listing = (_dir_state(self.paths.runs), listed[1] + ids)
                 fsync_dir(self.paths.runs)  # the new names, durable before the rows are
-                insert(con, "runs", added)
-                for table, parts in incoming.items():
-                    if parts:
-                        insert(con, table, _concat(parts))
+                added = self._insert_runs(con, list(zip(ids, runs, strict=True)), seq, then, built)
             except BaseException:
                 # nothing is committed (the COMMIT comes after this block): the runs
                 # are staged again, as they were (listed failed; gc() removes them)
@@ -778,13 +753,236 @@ class CatalogWriter:
                     with contextlib.suppress(OSError):
                         os.rename(run_dir, staged)
                 raise
-            for run_id, run in zip(ids, runs, strict=True):
-                then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
-            if self._names is not None:  # (known as this writer's last transaction left them)
-                self._names.update(named)
         # (committed: the transaction is over)
-        self._top = (ids[-1] if ids else int(top), int(seq) + len(rows))
+        self._top = (ids[-1] if ids else top, seq + len(ids))
         return added.to_pylist()  # type: ignore[no-any-return]
+
+    def _top_now(self, con: duckdb.DuckDBPyConnection) -> tuple[int, int]:
+        """The highest run id and ``seq`` in ``runs``, in the running transaction."""
+        if self._known_top is not None:  # (as this writer's last commit left them)
+            return self._known_top
+        # (fetchall: a result left unfinished makes DuckDB refuse inserts)
+        ((top, seq),) = con.execute(
+            "SELECT coalesce(max(id), 0), coalesce(max(seq), 0) FROM runs"
+        ).fetchall()
+        return int(top), int(seq)
+
+    def _insert_runs(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        runs: list[tuple[int, StagedRun]],
+        seq: int,
+        then: list[Callable[[], None]],
+        built: Sequence[dict[str, Any]] = (),
+        sealed: bool = False,
+    ) -> Any:
+        """Insert the rows of ``runs`` (each with its id, its directory ``runs/<id>``
+        already) with status complete, marking deleted the complete runs they replace;
+        return their ``runs`` rows (an Arrow table). ``seq``: the highest before them.
+        A name complete in the catalog (or earlier in ``runs``) is refused unless the
+        run replaces it (``overwrite``); a ``sealed`` run replaces it all the same (its
+        name was checked when it was sealed, and it has no caller left to refuse)."""
+        import pyarrow as pa  # (not at import: listing runs needs no Arrow)
+
+        rows: list[dict[str, Any]] = []  # the runs' rows
+        named: dict[str, int] = {}  # these runs by name, the latest one
+        incoming: dict[str, list[Any]] = {table: [] for table in RUN_TABLES}
+        finished = _now()
+        complete: dict[str, list[int]] = {}  # the complete runs of these names
+        names = sorted({run.name for _, run in runs})
+        # (none, where the names this writer keeps, valid in this transaction, say so)
+        if self._names is None or not self._names.isdisjoint(names):
+            for i, name in con.execute(
+                "SELECT id, name FROM runs WHERE status = ? AND name IN "
+                "(SELECT unnest(?::VARCHAR[]))",
+                [COMPLETE, names],
+            ).fetchall():
+                complete.setdefault(name, []).append(int(i))
+        for run_id, run in runs:
+            clash = complete.pop(run.name, [])
+            earlier = named.get(run.name)  # (replaced before it is inserted: deleted)
+            if (clash and not run.overwrite) or (earlier is not None and not run.overwrite):
+                if not sealed:
+                    raise RunExistsError(
+                        f"a run named {run.name!r} was committed while this one was "
+                        "recording; pass overwrite=True to replace it"
+                    )
+                log.warning("sealed run %d replaces the run named %r", run_id, run.name)
+            if earlier is not None:
+                rows[earlier]["status"] = DELETED
+            named[run.name] = len(rows)
+            if clash:
+                marks = ", ".join("?" * len(clash))
+                con.execute(f"UPDATE runs SET status = '{DELETED}' WHERE id IN ({marks})", clash)
+            rows.append(runs_row(run, run_id, seq + len(rows) + 1, run.finished or finished))
+            for table, data in run.tables.items():
+                if data is not None and data.num_rows:
+                    incoming[table].append(_with_run_id(data, run_id))
+        ids = [run_id for run_id, _ in runs]
+        for tables in built:
+            for table, data in tables.items():
+                if data is not None and data.num_rows:
+                    incoming[table].append(_at_run_ids(data, ids))
+        added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
+        insert(con, "runs", added)
+        for table, parts in incoming.items():
+            if parts:
+                insert(con, table, _concat(parts))
+        for run_id, run in runs:
+            then.append(functools.partial(write_run_marker, self.paths, run_id, run.created))
+        if self._names is not None:  # (known as this writer's last transaction left them)
+            self._names.update(named)
+        return added
+
+    # -- sealed runs: durable and visible at once, their rows in the catalog a moment later
+
+    @guarded("cannot commit the run")
+    def seal(self, run: StagedRun) -> dict[str, Any]:
+        """Commit the staged run ``run`` without a catalog transaction: its files are
+        durable, its rows too (in its directory's ``SEALED_ROWS``: :func:`sealed_header`,
+        written with its files); here, under the catalog lock, its name is checked
+        against the complete and sealed runs', it gets the next id, its directory
+        becomes ``runs/<id>`` and its rows ``runs/.sealed/<id>``, both names durable, and
+        readers are told. From then on it is a complete run: the next transaction of
+        any writer, or a reader's refresh, inserts its rows first (:meth:`_fold`).
+        Returns its ``runs`` row (``seq`` is given when its rows are inserted)."""
+        for _ in range(_SEAL_TRIES):
+            if self._known() is None:  # (another writer changed the catalog)
+                self._learn()
+            with locked(self.paths.lock, exclusive=True):
+                _refuse_links(self.paths)
+                known = self._known()
+                if known is not None:
+                    return self._seal(run, *known)
+        raise StoreError(
+            f"run {run.name!r} could not be committed: other writers changed the catalog "
+            f"{_SEAL_TRIES} times while it was; record it again"
+        )
+
+    def _known(self) -> tuple[Collection[str], int] | None:
+        """The complete runs' names and the highest id in the catalog, where this writer
+        knows them as the files are now (None: read them)."""
+        state = _file_state(self.paths)
+        if state is None:  # no catalog yet (a missing one, with runs, refused)
+            self._refuse_lost_catalog()
+            return set(), 0
+        if state == self._checked and self._names is not None and self._top is not None:
+            return self._names, self._top[0]
+        return None
+
+    def _learn(self) -> None:
+        """Read the complete runs' names and the highest id and ``seq`` (a transaction
+        that writes nothing: they are kept while the files stay as it left them)."""
+        with self._transaction(read=True) as con:
+            rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
+            names = {name for (name,) in rows}
+            top = self._top_now(con)
+        self._names, self._top = names, top
+
+    def _seal(self, run: StagedRun, names: Collection[str], top: int) -> dict[str, Any]:
+        sealed = self._sealed_names()
+        if not run.overwrite and (run.name in names or run.name in sealed.values()):
+            raise RunExistsError(
+                f"a run named {run.name!r} was committed while this one was recording; "
+                "pass overwrite=True to replace it"
+            )
+        listed = self._listing
+        if listed is not None and listed[0] == _dir_state(self.paths.runs):
+            ids = listed[1]
+        else:
+            ids = self.paths.run_dir_ids()
+        self._refuse_older_catalog(ids, top, sealed)
+        run_id = max(top, ids[-1] if ids else 0, max(sealed, default=0)) + 1
+        self.paths.make_sealed()
+        run_dir = self.paths.run_dir(run_id)
+        os.rename(run.staged, run_dir)
+        try:
+            os.rename(run_dir / SEALED_ROWS, self.paths.sealed_rows(run_id))
+        except BaseException:
+            with contextlib.suppress(OSError):  # (staged again: listed failed)
+                os.rename(run_dir, run.staged)
+            raise
+        self._listing = (_dir_state(self.paths.runs), [*ids, run_id])
+        self._sealed[run_id] = run.name
+        _SEALERS.add(self)
+        fsync_all((), (str(self.paths.runs), str(self.paths.sealed)))  # durable at return
+        self._tell_readers()
+        return runs_row(run, run_id, None, run.finished or _now())
+
+    def _sealed_names(self) -> dict[int, str]:
+        """The sealed runs' names by id (each file's header read once by this writer:
+        a sealed run's rows never change)."""
+        ids = self.paths.sealed_ids()
+        known = self._sealed
+        for run_id in set(known).difference(ids):
+            del known[run_id]
+        for run_id in ids:
+            if run_id not in known:
+                try:
+                    header, _ = read_sealed(self.paths.sealed_rows(run_id), tables=False)
+                except StoreError:  # (folded meanwhile, or unreadable: the fold says so)
+                    continue
+                known[run_id] = str(header["name"])
+        return dict(known)
+
+    @property
+    def sealed_waiting(self) -> int:
+        """How many runs this writer sealed whose rows are not in the catalog yet (as far
+        as it knows: a reader's refresh may have folded them)."""
+        return len(self._sealed)
+
+    @guarded("cannot insert the sealed runs into the catalog")
+    def fold(self) -> None:
+        """Insert the rows of every sealed run into the catalog, in one transaction (none
+        where no run is sealed); on a full disk with the store's reserve given up, as a
+        ``delete`` is (the runs are complete: so that they are seen as such)."""
+        if not self.paths.sealed_ids():
+            self._sealed.clear()
+            return
+        self._freeing(self._fold_all)
+        if self._fold_top is not None:
+            self._top = self._fold_top
+
+    def _fold_all(self) -> None:
+        with self._transaction():
+            pass
+
+    def _fold(self, con: duckdb.DuckDBPyConnection, then: list[Callable[[], None]]) -> int:
+        """Inside a transaction that may write: insert the sealed runs' rows, and once
+        it commits (``then``), write their markers and remove their rows' files. A
+        sealed file whose run is in the catalog already (a fold killed before it removed
+        it), or whose directory is missing (a power loss before the seal that moved it
+        returned), is removed. Returns the bytes of the rows, about."""
+        self._fold_top = None
+        ids = self.paths.sealed_ids()
+        if not ids:
+            return 0
+        present = {
+            int(i)
+            for (i,) in con.execute(
+                "SELECT id FROM runs WHERE id IN (SELECT unnest(?::BIGINT[]))", [ids]
+            ).fetchall()
+        }
+        runs: list[tuple[int, StagedRun]] = []
+        for run_id in ids:
+            if run_id in present or not self.paths.run_dir(run_id).is_dir():
+                continue
+            header, tables = read_sealed(self.paths.sealed_rows(run_id))
+            runs.append((run_id, unsealed(self.paths.run_dir(run_id), header, tables)))
+        size = 0
+        if runs:
+            top, seq = self._top_now(con)
+            self._insert_runs(con, runs, seq, then, sealed=True)
+            self._fold_top = self._known_top = (max(top, runs[-1][0]), seq + len(runs))
+            size = _nbytes([t for _, run in runs for t in run.tables.values()])
+        for run_id in ids:
+            then.append(functools.partial(remove_sealed, self.paths.sealed_rows(run_id)))
+        then.append(functools.partial(self._forget_sealed, ids))
+        return size
+
+    def _forget_sealed(self, ids: list[int]) -> None:
+        for run_id in ids:
+            self._sealed.pop(run_id, None)
 
     @guarded("cannot delete the run from the catalog")
     def delete(self, name: str) -> int:
@@ -844,6 +1042,90 @@ class StagedRun:
     #: batch builds those of its small runs together (``built`` of
     #: :meth:`CatalogWriter.commit_batch`).
     steps: Any = None
+    #: When it finished (a sealed run's: when it was sealed; else its commit's time).
+    finished: datetime | None = None
+    #: The host and process that recorded it (a sealed run's; else the committer's).
+    origin: tuple[str, int] | None = None
+
+
+def runs_row(
+    run: StagedRun,
+    run_id: int,
+    seq: int | None,
+    finished: datetime,
+    info: dict[str, Any] | None = None,
+    created: datetime | None = None,
+) -> dict[str, Any]:
+    """The ``runs`` row of run ``run`` committed as ``run_id`` (``info``: its model
+    class, torch version and meta, default the run's own; ``created``: default its
+    own)."""
+    info = run.info if info is None else info
+    summary = run.summary
+    host, pid = run.origin or (socket.gethostname(), os.getpid())
+    return {
+        "id": run_id,
+        "name": run.name,
+        "status": COMPLETE,
+        "created": run.created if created is None else created,
+        "finished": finished,
+        "steps": summary["steps"],
+        "op_count": summary["op_count"],
+        "bytes": summary["bytes"],
+        "model_class": info.get("model_class"),
+        "param_fingerprint": summary.get("param_fingerprint"),
+        "input_fingerprint": summary.get("input_fingerprint"),
+        "torch_version": info.get("torch_version"),
+        "device": summary.get("device"),
+        "meta": json.dumps(info.get("meta")),
+        "host": host,
+        "pid": pid,
+        "error": None,
+        "seq": seq,
+    }
+
+
+def sealed_header(run: StagedRun) -> dict[str, Any]:
+    """What a sealed run's file keeps of ``run`` besides its tables (``sealed.py``):
+    JSON values, read back by :func:`unsealed`."""
+    return {
+        "name": run.name,
+        "overwrite": run.overwrite,
+        "created": micros(run.created),
+        "finished": micros(run.finished or _now()),
+        "info": {key: run.info.get(key) for key in ("model_class", "torch_version", "meta")},
+        "summary": run.summary,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def unsealed(run_dir: Path, header: dict[str, Any], tables: dict[str, Any]) -> StagedRun:
+    """The staged run a sealed run's file describes (its directory ``run_dir``)."""
+    return StagedRun(
+        run_dir,
+        str(header["name"]),
+        bool(header["overwrite"]),
+        from_micros(int(header["created"])),
+        dict(header["info"]),
+        tables,
+        dict(header["summary"]),
+        finished=from_micros(int(header["finished"])),
+        origin=(str(header["host"]), int(header["pid"])),
+    )
+
+
+#: The writers of this process that sealed runs: at its exit each folds what waits.
+_SEALERS: weakref.WeakSet[CatalogWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _fold_at_exit() -> None:
+    for writer in list(_SEALERS):
+        if writer.sealed_waiting:
+            try:
+                writer.fold()
+            except Exception as exc:  # (they stay sealed: the next transaction folds them)
+                log.warning("could not fold the sealed runs at exit: %s", exc)
 
 
 def _nbytes(tables: Collection[Any]) -> int:
@@ -1084,10 +1366,34 @@ def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyCo
     return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
-def read_runs(paths: StorePaths, where: str, params: list[Any]) -> list[dict[str, Any]]:
+def fold_or_warn(fold: Callable[[], None]) -> None:
+    """Insert the sealed runs' rows into the catalog (``fold``: a writer's
+    :meth:`CatalogWriter.fold`), before a read or after a seal. Where that cannot be
+    done (a full disk past the reserve, a store this process may not write), a warning
+    and no error: the runs are complete and durable, and the next transaction that can
+    inserts them; a read goes on without them until then."""
+    try:
+        fold()
+    except StoreError as exc:
+        warnings.warn(
+            f"runs recorded into the store could not be added to its catalog file yet "
+            f"({exc}); they are kept, complete, and added by the next transaction that "
+            "can (until then a read that cannot add them does not see them)",
+            TraceLakeWarning,
+            stacklevel=3,
+        )
+
+
+def read_runs(
+    paths: StorePaths, where: str, params: list[Any], fold: Callable[[], None] | None = None
+) -> list[dict[str, Any]]:
     """Rows of the ``runs`` table (``where``: a condition on its columns), straight from
     the catalog file: what listing runs needs, without a reader's mirror (no rows are
-    copied; the command line's ``tracelake runs`` is this and little else)."""
+    copied; the command line's ``tracelake runs`` is this and little else). ``fold``:
+    inserts the sealed runs' rows into the file first, if any wait (a writer's
+    :meth:`CatalogWriter.fold`; None: the caller did)."""
+    if fold is not None and paths.sealed_ids():
+        fold_or_warn(fold)
     if FileChangeToken(paths).token() is None:  # no run ever committed
         return []
     with (
@@ -1122,9 +1428,14 @@ class CatalogMirror:
     #: Whether ``store.sql`` does too (else it copies every complete run's rows).
     sql_on_file = True
 
+    #: What inserts the sealed runs' rows into the catalog file before a refresh reads
+    #: it, when its token moved and some wait (a writer's ``CatalogWriter.fold``).
+    _fold: Callable[[], None] | None = None
+
     @guarded("cannot start the in-memory mirror of the catalog")
-    def __init__(self, paths: StorePaths):
+    def __init__(self, paths: StorePaths, fold: Callable[[], None] | None = None):
         self.paths = paths
+        self._fold = fold
         # The mirror never touches files itself (rows arrive as Arrow tables read through
         # a separate, short-lived read-only connection), so user SQL on it can run with
         # DuckDB's external access off: no file reads, no ATTACH of files, no extensions.
@@ -1187,6 +1498,11 @@ class CatalogMirror:
         reading one of them, does not copy all the others first. Past ``MIRROR_OPS``
         ops, ``None`` copies none: such queries read the file (``direct``)."""
         gen = self._token()
+        # (a seal moves the token: its runs are complete, to be read)
+        fold = gen is not None and gen != self._gen and self._fold is not None
+        if fold and self.paths.sealed_ids():
+            fold_or_warn(self._fold)  # type: ignore[arg-type]
+            gen = self._token()
         if gen is None:
             return
         if gen == self._gen:

@@ -66,6 +66,7 @@ from .catalog import (
     _concat,
     _now,
     run_table_views,
+    runs_row,
 )
 from .layout import StorePaths
 from .schema import (
@@ -540,27 +541,10 @@ class LakeCatalog(CatalogWriter):
     @staticmethod
     def _runs_row(run: StagedRun, run_id: int, info: dict[str, Any], seq: int) -> dict[str, Any]:
         """The ``runs`` row of a committed run (``info``: what its registration kept)."""
-        summary = run.summary
-        return {
-            "id": run_id,
-            "name": run.name,
-            "status": COMPLETE,
-            "created": info.get("created", _now()),
-            "finished": _now(),
-            "steps": summary["steps"],
-            "op_count": summary["op_count"],
-            "bytes": summary["bytes"],
-            "model_class": info.get("model_class"),
-            "param_fingerprint": summary.get("param_fingerprint"),
-            "input_fingerprint": summary.get("input_fingerprint"),
-            "torch_version": info.get("torch_version"),
-            "device": summary.get("device"),
-            "meta": json.dumps(info.get("meta")),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "error": None,
-            "seq": seq,
-        }
+        return runs_row(run, run_id, seq, _now(), info, info.get("created", _now()))
+
+    def fold(self) -> None:
+        """(A DuckLake catalog seals no runs: each commits in a transaction of its own.)"""
 
     @guarded("cannot change the run's status in the catalog")
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:

@@ -22,6 +22,9 @@
                             run (renamed to runs/<id> by the batch's commit; gc()
                             removes a batch whose process died, runs and all)
         staged.jsonl        a line a run of the batch: {"dir": "<k>", "name", ...}
+      runs/.sealed/<id>     the catalog rows of run <id>, recorded and durable, not yet in
+                            catalog.duckdb (sealed.py): the next catalog transaction of
+                            any writer or reader inserts them, then removes this file
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
         tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
@@ -44,7 +47,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -92,6 +95,11 @@ _MARKER = "tracelake.json"
 #: directory of their own, so that making one leaves ``runs/`` (whose stat tells a
 #: writer its listing of run ids still holds) untouched.
 STAGING = ".staging"
+#: Where the rows of sealed runs wait for the catalog (under ``runs/``), a file a run
+#: named by its id (``store/sealed.py``).
+SEALED = ".sealed"
+#: In a run's staged directory while it is sealed: its rows, then moved to ``SEALED``.
+SEALED_ROWS = "rows.sealed"
 #: How such directories began in stores written before (directly under ``runs/``).
 _OLD_STAGING = ".batch-"
 #: In a staged run's directory: its name and what ``runs(all=True)`` lists of it.
@@ -144,6 +152,7 @@ class StorePaths:
         self.shadow = self.root / "catalog.shadow"
         self.runs = self.root / "runs"
         self.reserve = self.root / "catalog.reserve"
+        self.sealed = self.runs / SEALED
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
@@ -165,6 +174,30 @@ class StorePaths:
         except FileNotFoundError:
             return []
 
+    def sealed_ids(self) -> list[int]:
+        """The ids of the sealed runs (recorded, their rows not yet in the catalog),
+        sorted."""
+        try:
+            return sorted(int(n) for n in os.listdir(self.sealed) if n.isdigit())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def sealed_rows(self, run_id: int) -> Path:
+        return self.sealed / f"{int(run_id):08d}"
+
+    def make_sealed(self) -> None:
+        """Make ``runs/.sealed`` if missing, refused where it is a symbolic link."""
+        self._refuse_link(self.sealed)
+        self.sealed.mkdir(exist_ok=True)
+
+    def _refuse_link(self, place: Path) -> None:
+        if place.is_symlink():
+            raise StoreError(
+                f"refusing to write to the store at {str(self.root)!r}: "
+                f"{place.relative_to(self.root)} is a symbolic link, which may lead "
+                "outside the store"
+            )
+
     def staging(self) -> Path:
         """A new directory name for a run being recorded: it becomes ``runs/<id>`` when
         the run (or its batch) commits."""
@@ -176,12 +209,7 @@ class StorePaths:
         link (``mkdir`` would follow it out of the store)."""
         staged = self.staging()
         for place in (self.runs, staged.parent):
-            if place.is_symlink():
-                raise StoreError(
-                    f"refusing to write to the store at {str(self.root)!r}: "
-                    f"{place.relative_to(self.root)} is a symbolic link, which may lead "
-                    "outside the store"
-                )
+            self._refuse_link(place)
         staged.parent.mkdir(parents=True, exist_ok=True)
         staged.mkdir()
         return staged
@@ -277,10 +305,13 @@ def fsync_dir(path: Path) -> None:
         fsync_file(path)
 
 
-def durable_trees(roots: list[Path]) -> list[int]:
+def durable_trees(roots: list[Path], last: Callable[[list[int]], str] | None = None) -> list[int]:
     """Make every file and directory under each of ``roots`` durable; return the bytes
-    of each one's files. Up to :data:`_FSYNC_FILES` files and directories, an fsync of
-    each, all at once (:func:`fsync_all`); past that one ``syncfs`` of their filesystem
+    of each one's files. ``last``: writes one more file under the roots, given those
+    bytes (a sealed run's rows, which say the run's size), and returns its path; it is
+    made durable with the others and not counted. Up to :data:`_FSYNC_FILES` files and
+    directories, an fsync of each, all at once (:func:`fsync_all`); past that one
+    ``syncfs`` of their filesystem
     where Linux offers it (a batch of runs: one call, where hundreds of fsyncs cost
     more even at once)."""
     sizes: list[int] = []
@@ -288,6 +319,8 @@ def durable_trees(roots: list[Path]) -> list[int]:
     dirs: list[str] = []
     for root in roots:
         sizes.append(_walk_tree(root, files, dirs))
+    if last is not None:
+        files.append(last(sizes))
     if _syncfs is None or len(files) + len(dirs) <= _FSYNC_FILES:
         fsync_all(files, dirs)
         return sizes

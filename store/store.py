@@ -42,18 +42,22 @@ from .catalog import (
     COLLECTED,
     COMPLETE,
     FAILED,
+    FOLD_AFTER,
     INTERRUPTED,
     RECORDING,
     CatalogMirror,
     CatalogWriter,
     StagedRun,
+    fold_or_warn,
     read_runs,
+    sealed_header,
     writer_alive,
 )
 from .catalog import _now as _catalog_now
 from .layout import (
     ARRAYS_FILE,
     DEFAULT_MAX_INFLIGHT,
+    SEALED_ROWS,
     STAGED_LINES,
     StorePaths,
     check_run_marker,
@@ -74,6 +78,7 @@ from .layout import (
     validate_name,
     write_staged,
 )
+from .sealed import write_sealed
 from .verify import Problem, VerifyReport, tensor_rows, verify_files, verify_run
 
 if TYPE_CHECKING:
@@ -902,12 +907,18 @@ class Recording:
             self._steps = []
             self._batch.add(staged, lock)
             return
-        with _os_errors(f"cannot make run {self.name!r} durable"):
-            summary["bytes"] = self.store._durable(self._dir)  # durable before visible
-        if self.run_id < 0:  # staged: its one catalog transaction
-            self.info = self.store._catalog.commit_run(staged)
+        if self.run_id < 0:  # staged: sealed, its rows in the catalog a moment later
+            with _os_errors(f"cannot make run {self.name!r} durable"):
+                self.store._durable_sealed(staged)  # durable before visible
+            catalog = self.store._catalog
+            self.info = catalog.seal(staged)
             self.run_id = self.info["id"]
+            # (a new store's first run makes the catalog file, and its reserve, at once)
+            if catalog.sealed_waiting >= FOLD_AFTER or not self.store.paths.catalog.exists():
+                fold_or_warn(catalog.fold)  # (the run is complete: a failure only warns)
         else:
+            with _os_errors(f"cannot make run {self.name!r} durable"):
+                summary["bytes"] = self.store._durable(self._dir)  # durable before visible
             self.info = self._lake.commit(self.run_id, self.name, self._overwrite, merged, summary)
         self._release()
         self._steps = []
@@ -1360,6 +1371,20 @@ class Store:
         """Make a finished run's arrays durable; return their bytes."""
         return durable_trees([run_dir])[0]
 
+    def _durable_sealed(self, run: StagedRun) -> None:
+        """Make a finished run's arrays durable, with its rows beside them (its
+        ``SEALED_ROWS``, for ``CatalogWriter.seal``, saying the bytes of the arrays,
+        which its summary gets too)."""
+
+        def rows(sizes: list[int]) -> str:
+            run.summary["bytes"] = sizes[0]
+            run.finished = _catalog_now()
+            path = run.staged / SEALED_ROWS
+            write_sealed(path, sealed_header(run), run.tables)
+            return str(path)
+
+        durable_trees([run.staged], rows)
+
     def _remove_dir(self, path: Path) -> int:
         """Remove a run directory (and first the objects it names); return the bytes."""
         freed = self._remote.remove(path) if self._remote is not None else 0
@@ -1376,7 +1401,7 @@ class Store:
         tools: ``refresh``, ``run_ids``, ``query`` / ``arrow`` on the catalog tables,
         with DuckDB's errors converted (see :class:`~tracelake.store.catalog.CatalogMirror`)."""
         if self._mirror is None:
-            self._mirror = CatalogMirror(self.paths)
+            self._mirror = CatalogMirror(self.paths, fold=self._catalog.fold)
         return self._mirror
 
     def _query(
@@ -1648,7 +1673,9 @@ class Store:
         recorded, failed, or interrupted), from their directories."""
         staged = self._staged_rows() if all else []  # (first: one that commits meanwhile
         where = "status = ?" if not all else "status != ?"  # is listed once, committed)
-        infos = read_runs(self.paths, where, [COMPLETE if not all else COLLECTED])
+        infos = read_runs(
+            self.paths, where, [COMPLETE if not all else COLLECTED], self._catalog.fold
+        )
         for info in infos:
             if info["status"] == RECORDING and not writer_alive(self.paths, info["id"]):
                 info["status"] = INTERRUPTED
@@ -1762,7 +1789,8 @@ class Store:
         """Reclaim the space of deleted, failed and interrupted runs, and of run
         directories the catalog does not know. Returns what was removed. ``progress``: a
         bar when it takes over a second (None: in a terminal or notebook only)."""
-        dead = self._catalog.collect()  # (refused when the catalog lost runs: StoreError)
+        dead = self._catalog.collect()  # (refused when the catalog lost runs: StoreError;
+        # it folds the sealed runs first)
         freed = 0
         with (
             _os_errors(f"cannot reclaim space in {self.path!r}"),
@@ -1777,11 +1805,13 @@ class Store:
             # Held shared, the catalog lock keeps writers from registering a run (whose
             # directory exists before its row commits) while directories are judged;
             # they are only renamed under it, and removed after.
+            # A run sealed since collect() folded is complete: its rows wait in
+            # runs/.sealed (read under the lock, which a seal takes exclusively). The
+            # rows are read from the file here, not the mirror, whose refresh would fold
+            # (an exclusive lock, under this shared one).
             with locked(self.paths.lock, exclusive=False):
-                rows = self._query(
-                    "SELECT id FROM runs WHERE status != ?", [COLLECTED], ()
-                ).fetchall()
-                live = {int(r[0]) for r in rows}
+                rows = read_runs(self.paths, "status != ?", [COLLECTED])
+                live = {int(r["id"]) for r in rows}.union(self.paths.sealed_ids())
                 for run_id in self.paths.run_dir_ids():
                     if run_id in live or run_id in dead or writer_alive(self.paths, run_id):
                         continue  # (dirs of collected runs: a gc() killed before removing)
@@ -1804,6 +1834,7 @@ class Store:
         chunk: quick on any store. ``progress``: a bar when it takes over a second (None:
         in a terminal or notebook only)."""
         report = VerifyReport()
+        self._catalog.fold()  # (sealed runs are complete runs: checked as those)
         verify_files(self.paths, report)
         if not self.paths.catalog.exists():  # no runs to check (and, if lost, reported)
             return report
@@ -1830,8 +1861,20 @@ class Store:
                 verify_run(run, tensor_list, report)
         return report
 
+    def flush(self) -> None:
+        """Insert the rows of every sealed run into the catalog file now. A run
+        ``record`` returns is complete and durable, and every query (of any process)
+        sees it; its rows reach ``catalog.duckdb`` itself with the next catalog
+        transaction (every :data:`~tracelake.store.catalog.FOLD_AFTER` runs, a batch, a
+        delete, ``gc()``, a reader's refresh, ``close()``, the process's exit). Call
+        this before reading the file with DuckDB directly."""
+        self._catalog.fold()
+
     def close(self) -> None:
-        """Let go of the catalog mirror (a store is usable again after: it reopens)."""
+        """Insert the rows of the runs it sealed into the catalog file, and let go of the
+        catalog mirror (a store is usable again after: it reopens)."""
+        if self._catalog.sealed_waiting:
+            self._catalog.fold()
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None

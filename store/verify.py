@@ -88,13 +88,15 @@ def verify_files(paths: StorePaths, report: VerifyReport) -> None:
                 "watch the catalog file itself meanwhile)",
             )
         )
-    if not paths.catalog.exists() and paths.run_dir_ids():
+    sealed = set(paths.sealed_ids())  # (runs whose rows are in no catalog yet)
+    made = [i for i in paths.run_dir_ids() if i not in sealed and paths.run_marker(i).exists()]
+    if not paths.catalog.exists() and made:
         report.problems.append(
             Problem(
                 "-",
                 paths.catalog.name,
-                f"{paths.catalog.name} is missing but {len(paths.run_dir_ids())} run "
-                "directories exist: restore it; the store refuses writes until then",
+                f"{paths.catalog.name} is missing but {len(made)} run directories it "
+                "committed exist: restore it; the store refuses writes until then",
             )
         )
 

@@ -33,6 +33,22 @@ def _outputs(i: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     return model, tuple(x + i for x in inputs)
 
 
+def _commit(store: tl.Store, model: torch.nn.Module, inputs: tuple, name: str) -> None:
+    """Record a run and insert its rows into the catalog at once: a transaction of its
+    own, as this module's tests of the log want (``record`` seals the run, whose rows
+    reach the catalog with the next transaction)."""
+    store.record(model, *inputs, name=name)
+    store.flush()
+
+
+def reads_back(store: tl.Store, runs: int) -> None:
+    """Runs ``r0`` .. of ``_outputs`` read back bit for bit, and the store verifies."""
+    for i in range(runs):
+        model, inputs = _outputs(i)
+        assert_bitwise(store[f"r{i}"]["output_1"].out, model(*inputs), f"r{i}")
+    assert store.verify().ok
+
+
 _COUNT = """
 import sys
 import tracelake as tl
@@ -63,7 +79,7 @@ def test_small_commits_stay_in_the_log_until_it_is_past_its_bound(
     root = tmp_path / "s"
     store = tl.open(root)
     model, inputs = _outputs(0)
-    store.record(model, *inputs, name="r0")
+    _commit(store, model, inputs, "r0")
     one_run = _log_size(root)
     assert one_run > 0  # the first run (and the schema) are in the log only
     monkeypatch.setattr(catalog, "LOG_BYTES", one_run * 3)
@@ -72,7 +88,7 @@ def test_small_commits_stay_in_the_log_until_it_is_past_its_bound(
     for i in range(1, 12):
         before = (catalog_file.read_bytes(), shadow.read_bytes(), _log_size(root))
         model, inputs = _outputs(i)
-        store.record(model, *inputs, name=f"r{i}")
+        _commit(store, model, inputs, f"r{i}")
         size = _log_size(root)
         assert size <= catalog.LOG_BYTES
         if size > before[2]:  # logged: neither the file nor its shadow was written
@@ -86,11 +102,7 @@ def test_small_commits_stay_in_the_log_until_it_is_past_its_bound(
         if i % 4 == 1:
             assert _names_in_another_process(root) == [f"r{k}" for k in range(i + 1)]
     assert logged >= 4 and checkpoints >= 2, (logged, checkpoints)
-    reader = tl.open(root, create=False)
-    for i in range(12):
-        model, inputs = _outputs(i)
-        assert_bitwise(reader[f"r{i}"]["output_1"].out, model(*inputs), f"r{i}")
-    assert reader.verify().ok
+    reads_back(tl.open(root, create=False), 12)
 
 
 def test_a_commit_larger_than_the_bound_is_checkpointed_at_once(
@@ -99,10 +111,10 @@ def test_a_commit_larger_than_the_bound_is_checkpointed_at_once(
     root = tmp_path / "s"
     store = tl.open(root)
     model, inputs = _outputs(0)
-    store.record(model, *inputs, name="small")
+    _commit(store, model, inputs, "small")
     assert _log_size(root) > 0
     monkeypatch.setattr(catalog, "LOG_BYTES", 1)  # any run's rows are larger
-    store.record(model, *inputs, name="large")
+    _commit(store, model, inputs, "large")
     assert _log_size(root) == 0  # checkpointed, with the log before it
     assert (root / "catalog.shadow").read_bytes() == (root / "catalog.duckdb").read_bytes()
     assert sorted(tl.open(root, create=False).runs()["name"]) == ["large", "small"]
@@ -117,7 +129,7 @@ def test_queries_on_the_catalog_file_see_the_runs_in_its_log(
     store = tl.open(root)
     for i in range(3):
         model, inputs = _outputs(i)
-        store.record(model, *inputs, name=f"r{i}")
+        _commit(store, model, inputs, f"r{i}")
     assert _log_size(root) > 0
     monkeypatch.setattr(catalog, "MIRROR_OPS", 0)
     reader = tl.open(root, create=False)
@@ -129,7 +141,7 @@ def test_queries_on_the_catalog_file_see_the_runs_in_its_log(
     assert reader.catalog._direct  # (the file was read, not the mirror)
     # a run committed after the reader's last look is seen by its next query
     model, inputs = _outputs(3)
-    store.record(model, *inputs, name="r3")
+    _commit(store, model, inputs, "r3")
     assert int(reader.sql("select count(*) from ops").iloc[0, 0]) == 4 * ops
 
 
@@ -138,7 +150,7 @@ def test_delete_and_gc_with_runs_in_the_log(tmp_path: Path) -> None:
     store = tl.open(root)
     for i in range(3):
         model, inputs = _outputs(i)
-        store.record(model, *inputs, name=f"r{i}")
+        _commit(store, model, inputs, f"r{i}")
     store.delete("r1")
     assert _log_size(root) > 0  # the delete too
     assert _names_in_another_process(root) == ["r0", "r2"]
@@ -146,7 +158,12 @@ def test_delete_and_gc_with_runs_in_the_log(tmp_path: Path) -> None:
     assert collected["runs"] == 1
     reader = tl.open(root, create=False)
     assert reader.runs(all=True)["name"].tolist() == ["r0", "r2"]
-    assert sorted(p.name for p in (root / "runs").iterdir()) == [".staging", "00000001", "00000003"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == [
+        ".sealed",
+        ".staging",
+        "00000001",
+        "00000003",
+    ]
     assert reader.verify().ok
 
 
@@ -196,7 +213,7 @@ def test_small_row_groups_are_merged_every_so_many_checkpoints_and_at_gc(
     counts = []
     for i in range(9):
         model, inputs = _outputs(i)
-        store.record(model, *inputs, name=f"r{i}")
+        _commit(store, model, inputs, f"r{i}")
         counts.append(_row_groups(root, "runs"))
     assert max(counts) <= 4 and counts.count(1) >= 2  # (merged, and again)
     assert max(counts) > 1  # (not merged at every one)

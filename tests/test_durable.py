@@ -22,34 +22,55 @@ from tracelake.store.catalog import CatalogWriter, StagedRun
 def test_every_file_and_directory_of_a_run_is_fsyncd_before_its_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Before a run is sealed, every file of its directory is durable, its rows' file
+    among them; before ``record`` returns, the names the seal gave them (``runs/<id>``,
+    ``runs/.sealed/<id>``) are too. Another process reads it back bit for bit."""
     store = tl.open(tmp_path / "s.tl", create=True)
     model, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
     store.record(model, x, name="warm")
     synced: list[str] = []
     threads: set[str] = set()
-    at_commit: list[int] = []
-    real_fsync, real_commit = os.fsync, CatalogWriter.commit_run
-    tree: list[str] = []  # the run's directory and everything in it, at its commit
+    at_seal: list[int] = []
+    real_fsync, real_seal = os.fsync, CatalogWriter.seal
+    tree: list[str] = []  # the run's directory and everything in it, at its seal
 
     def fsync(fd: int) -> None:
         real_fsync(fd)
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         threads.add(threading.current_thread().name)
 
-    def commit(self: CatalogWriter, run: StagedRun) -> object:
-        at_commit.append(len(synced))
+    def seal(self: CatalogWriter, run: StagedRun) -> object:
+        at_seal.append(len(synced))
         tree.extend([str(run.staged), *(str(p) for p in run.staged.rglob("*"))])
-        return real_commit(self, run)
+        return real_seal(self, run)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(CatalogWriter, "commit_run", commit)
+    monkeypatch.setattr(CatalogWriter, "seal", seal)
     monkeypatch.setattr(layout, "_FSYNC_FILES", 1 << 20)  # (never a syncfs instead)
-    store.record(model, x, name="a", save=tl.all())
-    assert len(tree) > 5 and at_commit
-    before = set(synced[: at_commit[0]])
+    run = store.record(model, x, name="a", save=tl.all())
+    assert len(tree) > 5 and at_seal
+    before = set(synced[: at_seal[0]])
     assert set(tree) <= before, sorted(set(tree) - before)
+    assert any(path.endswith(layout.SEALED_ROWS) for path in tree)
+    after = set(synced[at_seal[0] :])
+    assert {str(store.paths.runs), str(store.paths.sealed)} <= after
     assert any(name.startswith("tracelake-fsync") for name in threads)
-    assert torch.equal(tl.open(store.path)["a"]["linear_1_1"].out, model(x))
+    assert (store.paths.sealed_rows(run.id)).exists()  # (its rows wait there)
+    done = subprocess.run(
+        [sys.executable, "-c", _READ, store.path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert bytes.fromhex(done.stdout) == model(x).detach().numpy().tobytes()
+
+
+_READ = """
+import sys
+import tracelake as tl
+print(tl.open(sys.argv[1], create=False)["a"]["linear_1_1"].out.numpy().tobytes().hex())
+"""
 
 
 def test_fsync_all_raises_the_error_of_a_file_that_cannot_be_synced(tmp_path: Path) -> None:

@@ -93,6 +93,16 @@ def _recording(store: tl.Store, model: Any, inputs: Any) -> Any:
         model(*inputs)
 
 
+def _record_then_flush(store: tl.Store, model: Any, inputs: Any) -> Any:
+    _record(store, model, inputs)
+    store.flush()
+
+
+def _recording_then_flush(store: tl.Store, model: Any, inputs: Any) -> Any:
+    _recording(store, model, inputs)
+    store.flush()
+
+
 def _read_run(store: tl.Store, model: Any, inputs: Any) -> Any:
     return store["a"]["relu_1_2"].out
 
@@ -101,8 +111,9 @@ def _read_run(store: tl.Store, model: Any, inputs: Any) -> Any:
 CASES: list[tuple[str, str, Callable[[tl.Store, Any, Any], Any], type[Exception]]] = [
     # a new store object's first run reads the complete runs' names (then knows them)
     ("record: names", "SELECT name FROM runs WHERE status", _record, tl.CatalogError),
-    ("record: commit", 'INSERT INTO "runs"', _record, tl.CatalogError),
-    ("recording: commit", 'INSERT INTO "calls"', _recording, tl.CatalogError),
+    # a run is sealed without DuckDB; the transaction that inserts its rows (its fold)
+    ("record: fold", 'INSERT INTO "runs"', _record_then_flush, tl.CatalogError),
+    ("recording: fold", 'INSERT INTO "calls"', _recording_then_flush, tl.CatalogError),
     ("runs", '"seq" FROM runs', lambda s, m, x: s.runs(), tl.CatalogError),
     (
         "runs all",
@@ -116,7 +127,7 @@ CASES: list[tuple[str, str, Callable[[tl.Store, Any, Any], Any], type[Exception]
     ("iter", "FROM runs) WHERE status = ?", lambda s, m, x: list(s), tl.CatalogError),
     ("delete", "UPDATE runs SET status = ?, seq", lambda s, m, x: s.delete("a"), tl.CatalogError),
     ("gc: collect", "WHERE status NOT IN", lambda s, m, x: s.gc(), tl.CatalogError),
-    ("gc: orphans", "SELECT id FROM runs", lambda s, m, x: s.gc(), tl.CatalogError),
+    ("gc: orphans", "FROM runs) WHERE status != ?", lambda s, m, x: s.gc(), tl.CatalogError),
     ("verify", "LEFT JOIN ops", lambda s, m, x: s.verify(), tl.CatalogError),
     ("run reads", "FROM ops", _read_run, tl.CatalogError),
     ("run tensors", "FROM tensors", _read_run, tl.CatalogError),
@@ -182,27 +193,35 @@ def _works_normally(store: tl.Store, model: torch.nn.Module, inputs: Any) -> Non
 def test_a_failed_transaction_rolls_back(
     faults: Faults, recorded: tuple[Path, torch.nn.Module, tuple[torch.Tensor, ...]]
 ) -> None:
-    """A commit that failed after its rows were inserted leaves none of them; the run
-    is listed as failed, with the error, until ``gc()`` reclaims its space."""
+    """A transaction that failed after some of a sealed run's rows were inserted leaves
+    none of them, and the run loses nothing: it is still sealed, complete, and the next
+    transaction inserts all its rows. A ``record`` whose own fold fails returns its run
+    (sealed, complete) with a warning."""
     root, model, inputs = recorded
     store = tl.open(root)
-    faults.match, faults.on = 'INSERT INTO "calls"', True  # (the run's last rows)
+    store.record(model, *inputs, name="b")  # (sealed)
+    faults.match, faults.on = 'INSERT INTO "calls"', True  # (the runs' last rows)
     with pytest.raises(tl.CatalogError):
-        store.record(model, *inputs, name="b")
+        store.flush()
+    with (
+        pytest.warns(tl.TraceLakeWarning, match="could not be added"),
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr("tracelake.store.store.FOLD_AFTER", 1)
+        run = store.record(model, *inputs, name="c")
+    assert run.name == "c" and len(store.paths.sealed_ids()) == 2
     faults.on = False
     fresh = tl.open(root)
-    assert "b" not in fresh
-    listed = fresh.runs(all=True).set_index("name")
-    assert listed.loc["b", "status"] == "failed" and INJECTED in listed.loc["b", "error"]
-    assert (
-        fresh.sql(
-            "select count(*) as n from ops where run_id not in (select id from runs "
-            "where status = 'complete')"
-        )["n"][0]
-        == 0
+    assert list(fresh.runs()["name"]) == ["a", "b", "c"]
+    assert fresh.paths.sealed_ids() == []
+    counts = fresh.sql(
+        "select r.name, r.op_count, count(o.idx) as n from runs r join ops o "
+        "on o.run_id = r.id group by all order by r.name"
     )
-    assert "b" not in fresh.runs(all=True).query("status == 'complete'")["name"].tolist()
-    assert fresh.gc()["runs"] == 1  # the failed run's space is reclaimed
+    assert (counts["n"] == counts["op_count"]).all()
+    expected = tl.trace(model, *inputs)
+    assert torch.equal(fresh["b"]["relu_1_2"].out, expected["relu_1_2"].out)
+    assert fresh.gc()["runs"] == 0 and fresh.verify().ok
 
 
 @pytest.mark.parametrize(

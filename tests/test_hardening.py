@@ -30,8 +30,10 @@ def _catalog_files(root: Path) -> list[Path]:
 
 
 def _dirs(root: Path) -> list[str]:
-    """The run directories (runs being recorded, or failed, are under ``.staging``)."""
-    return sorted(p.name for p in (root / "runs").iterdir() if p.name != ".staging")
+    """The run directories (runs being recorded, or failed, are under ``.staging``; the
+    rows of sealed runs under ``.sealed``)."""
+    hidden = {".staging", ".sealed"}
+    return sorted(p.name for p in (root / "runs").iterdir() if p.name not in hidden)
 
 
 def _store_with_runs(root: Path, names: list[str]) -> tuple[tl.Store, nn.Module, torch.Tensor]:
@@ -39,6 +41,7 @@ def _store_with_runs(root: Path, names: list[str]) -> tuple[tl.Store, nn.Module,
     store = tl.open(root)
     for name in names:
         store.record(model, x, name=name)
+    store.flush()  # (their rows in the catalog file, which these tests copy)
     return store, model, x
 
 
@@ -81,6 +84,7 @@ def test_an_older_catalog_copy_refuses_writes_and_gc(tmp_path: Path) -> None:
     for f in _catalog_files(root):
         shutil.copy(f, old / f.name)
     store.record(model, x, name="c")
+    store.flush()
     for f in _catalog_files(root):
         f.unlink()
     for f in old.iterdir():
@@ -101,6 +105,7 @@ def test_run_ids_are_never_reused_and_unmarked_orphans_are_collected(tmp_path: P
     (root / "runs" / "00000005" / "keep").write_bytes(b"x" * 100)
     run = store.record(model, x, name="b")
     assert run.id == 6 and (root / "runs" / "00000005" / "keep").exists()
+    store.flush()  # (its marker is written once its rows are in the catalog)
     marker = json.loads((root / "runs" / "00000006" / "run.json").read_text())
     assert marker["run"] == 6
     done = store.gc()
@@ -130,6 +135,7 @@ def test_a_read_checks_its_directory_belongs_to_its_run(tmp_path: Path) -> None:
     _, model, x = _store_with_runs(tmp_path / "one", ["a"])
     two = tl.open(tmp_path / "two")
     two.record(model, x * 5, name="a")
+    two.flush()
     for f in _catalog_files(tmp_path / "two"):  # a catalog that is not this store's
         f.unlink()
     for f in _catalog_files(tmp_path / "one"):

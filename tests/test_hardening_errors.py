@@ -42,8 +42,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tl.Store:
         patch.setattr(catalog, "LOG_BYTES", 0)  # each commit checkpoints
         store.record(model, x, name="a", meta={"lr": 0.5, "tag": "x"})
         store.record(model, x, name="b", meta={"lr": float("nan")})
+        store.flush()  # (sealed runs' rows into the catalog: here a transaction each)
     assert not wal_of(root / "catalog.duckdb").exists()
     store.record(model, x, name="c", meta={"lr": 200.0})
+    store.flush()
     assert wal_of(root / "catalog.duckdb").exists()
     return store
 
@@ -133,6 +135,7 @@ def test_one_runs_bad_meta_breaks_no_query_of_the_others(tmp_path: Path) -> None
     store = tl.open(root)
     for name, lr in (("a", 1.0), ("b", 200.0), ("c", 300.0), ("d", 400.0)):
         store.record(model, x, name=name, meta={"lr": lr})
+    store.flush()  # (their rows into the file, which this test edits directly)
     con = duckdb.connect(str(root / "catalog.duckdb"))  # as a crafted or older store would
     con.execute("UPDATE runs SET meta = ? WHERE name = 'a'", ['{"lr": "a\\udc80"}'])
     con.execute(

@@ -391,7 +391,7 @@ def test_ctrl_c_anywhere_in_a_batch_commits_whole_runs(
 
 
 def _catalog_commit(code: CodeType) -> bool:
-    return code.co_name == "commit_run" and "catalog" in code.co_filename
+    return code.co_name == "seal" and "catalog" in code.co_filename
 
 
 @pytest.mark.parametrize("how", [_record_block, _record_call], ids=["recording", "record"])

@@ -44,9 +44,28 @@ elif moment == "mid-write":  # a worker thread dies half way through writing a f
         os.ftruncate(fd, 100)
         die()
     local._write_with = half
-elif moment == "before-commit":  # tensors durable, catalog untouched
-    catalog.CatalogWriter.commit_run = die
-elif moment == "mid-commit":  # directory renamed to its id, rows inserted, no COMMIT yet
+elif moment == "before-seal":  # tensors and rows durable, not sealed
+    catalog.CatalogWriter.seal = die
+elif moment == "mid-seal":  # directory renamed to its id, its rows not moved to .sealed
+    rename = os.rename
+    def rename_or_die(source, target):
+        if ".sealed" in str(target):
+            die()
+        rename(source, target)
+    os.rename = rename_or_die
+elif moment == "after-seal":  # sealed (record returns next), readers not yet told
+    bump, seal = catalog.FileChangeToken.bump, catalog.CatalogWriter.seal
+    sealing = []
+    def bump_then_die(self):
+        if sealing:
+            die()
+        bump(self)
+    def seal_then_die(self, run):
+        sealing.append(1)
+        return seal(self, run)
+    catalog.FileChangeToken.bump = bump_then_die
+    catalog.CatalogWriter.seal = seal_then_die
+elif moment == "mid-fold":  # record returned; its rows being inserted (at exit), no COMMIT
     connect = duckdb.connect
     class Dying:
         def __init__(self, con):
@@ -58,18 +77,8 @@ elif moment == "mid-commit":  # directory renamed to its id, rows inserted, no C
         def __getattr__(self, name):
             return getattr(self.con, name)
     duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
-elif moment == "after-commit":  # committed, readers not yet told
-    bump, commit_run = catalog.FileChangeToken.bump, catalog.CatalogWriter.commit_run
-    committing = []
-    def bump_then_die(self):
-        if committing:
-            die()
-        bump(self)
-    def commit_then_die(self, run):
-        committing.append(1)
-        return commit_run(self, run)
-    catalog.FileChangeToken.bump = bump_then_die
-    catalog.CatalogWriter.commit_run = commit_then_die
+elif moment == "after-fold":  # its rows committed, its sealed file not yet removed
+    catalog.remove_sealed = die
 store = tl.open(root)
 store.record(model, *inputs, name="c", meta={"moment": moment})
 print("survived")
@@ -96,19 +105,25 @@ def _record_earlier_runs(root: Path) -> dict[str, dict[str, torch.Tensor]]:
         store.record(model, *inputs, name=name)
         log = tl.trace(model, *inputs)
         expected[name] = {op.label: op.out for op in log}
+    store.close()  # (their rows in the catalog file: a session that ended)
     return expected
 
 
-@pytest.mark.parametrize(
-    "moment", ["mid-forward", "mid-write", "before-commit", "mid-commit", "after-commit"]
-)
+_MOMENTS = ["mid-forward", "mid-write", "before-seal", "mid-seal", "after-seal"]
+
+
+@pytest.mark.parametrize("moment", [*_MOMENTS, "mid-fold", "after-fold"])
 def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None:
+    """A SIGKILL anywhere in a recording leaves every earlier run whole and the store
+    openable; a run whose ``record`` returned (or was about to: sealed) is complete
+    afterwards, whether or not its rows had reached the catalog file (the next
+    transaction inserts them, once)."""
     root = tmp_path / "s"
     expected = _record_earlier_runs(root)
     _killed(_DIE_AT, root, moment)
 
     store = tl.open(root)  # openable
-    committed = moment == "after-commit"
+    committed = moment in ("after-seal", "mid-fold", "after-fold")
     assert sorted(store.runs()["name"]) == (["a", "b", "c"] if committed else ["a", "b"])
     for name, outs in expected.items():  # every earlier run, bit for bit
         run = store[name]
@@ -117,17 +132,20 @@ def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None
     listed = store.runs(all=True).set_index("name")["status"].to_dict()
     if committed:
         assert listed["c"] == "complete" and store["c"].meta == {"moment": moment}
-    elif moment == "mid-commit":  # its directory has its id, its row was never committed
+    elif moment == "mid-seal":  # its directory has its id, it was never sealed
         assert "c" not in store and "c" not in listed, listed
     else:  # staged, its writer gone
         assert "c" not in store
         assert listed["c"] == "interrupted", listed
     assert store.verify().ok
     collected = store.gc()
-    assert collected["runs"] == (
-        1 if moment in ("mid-forward", "mid-write", "before-commit") else 0
-    )
-    assert collected["orphans"] == (1 if moment == "mid-commit" else 0)
+    assert collected["runs"] == (1 if moment in ("mid-forward", "mid-write", "before-seal") else 0)
+    assert collected["orphans"] == (1 if moment == "mid-seal" else 0)
+    assert store.paths.sealed_ids() == []
+    if committed:  # once, with its rows, bit for bit
+        assert store.runs()["name"].tolist().count("c") == 1
+        model, inputs = BUILDERS["cnn"]()
+        assert_bitwise(store["c"]["output_1"].out, model(*inputs), "c")
     assert "c" not in store.runs(all=True)["name"].tolist() or committed
     # the store takes new runs afterwards, under the interrupted run's name too
     model, inputs = BUILDERS["mlp"]()
@@ -282,7 +300,7 @@ def test_sigkill_during_a_batch_loses_only_the_open_batch(tmp_path: Path, moment
     # (a killed batch: one directory holding its runs; killed in its commit: the runs
     # renamed to their ids, and the batch's directory with its lock alone)
     assert collected["orphans"] == (0 if moment == "open-batch" else 4), (collected, left)
-    assert sorted(p.name for p in runs.iterdir()) == [".staging"] + [
+    assert sorted(p.name for p in runs.iterdir()) == [".sealed", ".staging"] + [
         f"{i:08d}" for i in range(1, 6)
     ]
     # the store takes new runs (and batches) afterwards, under the lost runs' names too
@@ -306,7 +324,9 @@ root = sys.argv[1]
 model, inputs = BUILDERS["cnn"]()
 catalog_file = os.path.join(root, "catalog.duckdb")
 before = open(catalog_file, "rb").read()
-tl.open(root).record(model, *inputs, name="c")
+store = tl.open(root)
+store.record(model, *inputs, name="c")
+store.flush()  # (its rows into the catalog now: a transaction of their own)
 assert wal_of(tl.open(root).paths.catalog).exists()  # committed to the log only:
 assert open(catalog_file, "rb").read() == before  # the file is as it was
 os.kill(os.getpid(), signal.SIGKILL)

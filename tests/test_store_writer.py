@@ -262,6 +262,7 @@ def test_catalog_transactions_let_go_of_the_file(tmp_path: Path) -> None:
     root = tmp_path / "it's a store"
     store = tl.open(root)
     store.record(InPlaceAfter(), torch.randn(4, 8), name="r")
+    store.flush()  # (its rows into the file, which the other process reads directly)
     code = (
         "import duckdb, sys; con = duckdb.connect(sys.argv[1]); "
         "print(con.execute('SELECT name, status FROM runs').fetchall()); con.close()"
@@ -487,7 +488,7 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
         synced.add(in_run(Path(path)))
         real_fsync(path)
 
-    real_commit = catalog.CatalogWriter.commit_run
+    real_commit = catalog.CatalogWriter.seal
 
     def commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
         events.append(("commit", files()))
@@ -495,7 +496,7 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
 
     monkeypatch.setattr(layout, "_syncfs", syncfs)
     monkeypatch.setattr(layout, "fsync_file", fsync_file)
-    monkeypatch.setattr(catalog.CatalogWriter, "commit_run", commit)
+    monkeypatch.setattr(catalog.CatalogWriter, "seal", commit)
     if ops > 2:  # the pack's two dozen shards and their directories: one syncfs (the
         # bound itself, 48, is a measured trade-off; here it only picks the path)
         monkeypatch.setattr(layout, "_FSYNC_FILES", 8)
