@@ -195,13 +195,15 @@ def main() -> int:
     if lost:
         failures.append(f"runs committed before a kill and not deleted, now gone: {lost[:10]}")
     runs_dir = root / "runs"
-    # (runs/.staging, where runs are recorded, stays, as runs/ does: what is left in it
-    # is an orphan)
+    # (runs/.staging, where runs are recorded, and runs/.sealed, where sealed runs' rows
+    # wait, stay, as runs/ does: what is left in either is an orphan, or a lost fold)
+    sealed = runs_dir / ".sealed"
     orphans = [
         p
         for p in runs_dir.iterdir()
-        if p != staging and not (p.name.isdigit() and int(p.name) in complete)
-    ] + (list(staging.iterdir()) if staging.is_dir() else [])
+        if p not in (staging, sealed) and not (p.name.isdigit() and int(p.name) in complete)
+    ]
+    orphans += [p for place in (staging, sealed) if place.is_dir() for p in place.iterdir()]
     orphan_bytes = sum(_bytes(p) for p in orphans if p.is_dir())
     if orphans:
         failures.append(f"left after gc(): {[p.name for p in orphans]} ({orphan_bytes} bytes)")
