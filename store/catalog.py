@@ -645,14 +645,13 @@ class CatalogWriter:
         another writer changed it since this one's last transaction: a reader's open
         costs several times more); without a transaction where this writer's last one
         left the files as they are and knew the names."""
-        sealed = self._sealed_names().values() if self.paths.sealed.exists() else ()
+        sealed = self._sealed_names().values()
         state = _file_state(self.paths)
         if state is None:
             return set(sealed)
         if self._names is None or state != self._checked:
-            with self._transaction(read=True) as con:
-                rows = con.execute("SELECT name FROM runs WHERE status = ?", [COMPLETE]).fetchall()
-                self._names = {name for (name,) in rows}
+            self._learn()
+        assert self._names is not None
         return self._names.union(sealed) if sealed else self._names
 
     def _check_disk(
@@ -801,7 +800,7 @@ class CatalogWriter:
         for run_id, run in runs:
             clash = complete.pop(run.name, [])
             earlier = named.get(run.name)  # (replaced before it is inserted: deleted)
-            if (clash and not run.overwrite) or (earlier is not None and not run.overwrite):
+            if (clash or earlier is not None) and not run.overwrite:
                 if not sealed:
                     raise RunExistsError(
                         f"a run named {run.name!r} was committed while this one was "
@@ -927,8 +926,9 @@ class CatalogWriter:
 
     @property
     def sealed_waiting(self) -> int:
-        """How many runs this writer sealed whose rows are not in the catalog yet (as far
-        as it knows: a reader's refresh may have folded them)."""
+        """How many sealed runs wait for their rows to reach the catalog, as this writer
+        last listed them (its own seals since, included; a reader's refresh may have
+        folded them)."""
         return len(self._sealed)
 
     @guarded("cannot insert the sealed runs into the catalog")
@@ -1114,7 +1114,8 @@ def unsealed(run_dir: Path, header: dict[str, Any], tables: dict[str, Any]) -> S
     )
 
 
-#: The writers of this process that sealed runs: at its exit each folds what waits.
+#: The writers of this process that sealed runs: at its exit each folds what it knows
+#: to wait.
 _SEALERS: weakref.WeakSet[CatalogWriter] = weakref.WeakSet()
 
 

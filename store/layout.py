@@ -311,9 +311,8 @@ def durable_trees(roots: list[Path], last: Callable[[list[int]], str] | None = N
     bytes (a sealed run's rows, which say the run's size), and returns its path; it is
     made durable with the others and not counted. Up to :data:`_FSYNC_FILES` files and
     directories, an fsync of each, all at once (:func:`fsync_all`); past that one
-    ``syncfs`` of their filesystem
-    where Linux offers it (a batch of runs: one call, where hundreds of fsyncs cost
-    more even at once)."""
+    ``syncfs`` of their filesystem where Linux offers it (a batch of runs: one call,
+    where hundreds of fsyncs cost more even at once)."""
     sizes: list[int] = []
     files: list[str] = []
     dirs: list[str] = []
