@@ -475,19 +475,37 @@ def _open_lock(path: Path, create: bool = True) -> io.FileIO:
         raise
 
 
-def write_new(path: Path, data: bytes) -> None:
-    """Write ``data`` as the temporary file ``path`` (the caller renames it into place):
-    whatever is at that name first (a file a killed process left, or a planted link) is
-    removed, not followed, and the file is created anew (``O_EXCL``, ``O_NOFOLLOW``)."""
+def write_new(path: Path, data: Any) -> None:
+    """Write ``data`` (bytes, or a sequence of buffers written one after the other) as
+    the temporary file ``path`` (the caller renames it into place): whatever is at that
+    name first (a file a killed process left, or a planted link) is removed, not
+    followed, and the file is created anew (``O_EXCL``, ``O_NOFOLLOW``)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        writev_all(fd, [data] if isinstance(data, bytes | bytearray | memoryview) else data)
     finally:
         os.close(fd)
+
+
+_WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
+
+
+def writev_all(fd: int, pieces: Sequence[Any]) -> int:
+    """Write ``pieces`` (buffers) one after the other at ``fd``, with as few ``writev``
+    calls as short writes allow; return how many bytes."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    nbytes = sum(v.nbytes for v in views)
+    at = 0
+    while at < len(views):
+        written = os.writev(fd, views[at : at + _WRITEV_MAX])
+        while at < len(views) and written >= views[at].nbytes:  # short writes: finish them
+            written -= views[at].nbytes
+            at += 1
+        if written:
+            views[at] = views[at][written:]
+    return nbytes
 
 
 #: Disk space a store keeps in ``catalog.reserve`` (blocks allocated, not a sparse

@@ -45,12 +45,11 @@ from tracelake.errors import ObjectNotFoundError, StoreError
 from tracelake.recorder.forks import fork_safe_lock
 
 from .backend import ByteStore, Pending, check_key, check_prefix
-from .layout import fsync_tree, libc_function
+from .layout import fsync_tree, libc_function, writev_all
 
 __all__ = ["DIRECT", "DIRECT_ALIGN", "DIRECT_BYTES", "STAGE_BYTES", "LocalBackend", "Unsynced"]
 
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
-_WRITEV_MAX = 512  # pieces per writev call, well under IOV_MAX
 #: Files left to the caller's durability (``Unsynced(sync=False)``) from this size on are
 #: written back and dropped from the page cache as they go; smaller ones (metadata, a
 #: tiny run's shard) are just closed.
@@ -201,21 +200,6 @@ def _durable(fd: int, sync: bool = True) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _writev_all(fd: int, pieces: Sequence[Any]) -> int:
-    """Write ``pieces`` one after the other at ``fd``; return how many bytes."""
-    views = [memoryview(p).cast("B") for p in pieces]
-    nbytes = sum(v.nbytes for v in views)
-    at = 0
-    while at < len(views):
-        written = os.writev(fd, views[at : at + _WRITEV_MAX])
-        while at < len(views) and written >= views[at].nbytes:  # short writes: finish them
-            written -= views[at].nbytes
-            at += 1
-        if written:
-            views[at] = views[at][written:]
-    return nbytes
 
 
 #: ``staged(fd, stage)``: a file's bytes written to ``fd``, a new file opened with
@@ -429,7 +413,7 @@ class LocalBackend(ByteStore):
         nbytes = sum(memoryview(p).nbytes for p in pieces)
         self.put_with(
             key,
-            lambda fd: _writev_all(fd, pieces),
+            lambda fd: writev_all(fd, pieces),
             pending,
             lambda fd, stage: _write_staged(fd, pieces, stage),
             nbytes,
@@ -465,7 +449,7 @@ class LocalBackend(ByteStore):
         try:
             fd = _create(path)
             try:
-                _writev_all(fd, [data])
+                writev_all(fd, [data])
             finally:
                 os.close(fd)
         except OSError as exc:
