@@ -315,7 +315,8 @@ class SelectingEmitter:
                 slots[new[index]] = slot
             else:
                 dropped.add(slot)
-        self._op_slot = slots
+        self._op_slot.clear()  # (in place: a compiled on_entry holds this dict)
+        self._op_slot.update(slots)
         self._stats = {new[i]: st for i, st in self._stats.items() if new[i] >= 0}
         if self.grad_edges is not None:
             self.grad_edges.renumber(new)

@@ -384,6 +384,23 @@ class OpTable:
             self._blocks = list(blocks)
         return self._blocks
 
+    def settled_as(self) -> tuple | None:
+        """The settled graph this table is, row for row, label for label and pass for
+        pass (a step of a loop over one graph: the very rows and labels of the first),
+        else None: what tables of one graph share may be computed once for all (the
+        store's ``ops`` columns). Inputs named by keyword: None (their labels are
+        this call's)."""
+        settled = self._settled
+        if (
+            settled is None
+            or self.names
+            or self._derived() is None
+            or self.labels != settled[2]
+            or self.passes != settled[3]
+        ):
+            return None
+        return settled
+
     def _derived(self) -> dict[str, Any] | None:
         """The settled graph's derived columns, where this table's rows are still its
         final rows (a 1,000-op step's keys took ~0.6 ms, every step of a loop)."""

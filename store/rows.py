@@ -300,13 +300,16 @@ def _op_columns(
     slot_start: np.ndarray,
 ) -> tuple[dict[str, Any], np.ndarray, pa.Table]:
     """The ``ops`` columns but the statistics, each op's tensor slot among all the
-    runs' (-1: none; ``slot_start``: each run's first), and the ``edges`` table."""
+    runs' (-1: none; ``slot_start``: each run's first), and the ``edges`` table.
+
+    What an op's row gives (its label, layer, modules, shape, call site, parents...) is
+    built once per distinct graph (:func:`_distinct_steps`: every step of a loop over one
+    graph has the very rows and labels of the first) and gathered into each step's place;
+    the rest (step, slot, statistics) per op."""
     tables = [table for table, _, _ in steps]
     sizes = np.array([len(table.rows) for table in tables], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes  # each step's first row
     n = int(sizes.sum())
-    rows = list(itertools.chain.from_iterable(table.rows for table in tables))
-    columns = _transposed(rows, len(rows[0]) if n else ROW_WIDTH)
     per_run = np.array([len(run.steps) for run in runs], dtype=np.int64)
     step_run = np.repeat(np.arange(len(runs)), per_run)  # each step's run
     local = np.arange(len(steps), dtype=np.int32) - np.repeat(
@@ -332,42 +335,73 @@ def _op_columns(
     else:
         own = tensor
 
-    def local_rows(rows_: list[int]) -> tuple[list[OpTable], list[int]]:
-        """The steps' tables and the rows within them of run-wide rows (two lists, not a
-        tuple per row: as many objects as rows would wake the garbage collector)."""
-        which = np.searchsorted(starts, rows_, side="right") - 1
-        return [tables[k] for k in which.tolist()], (np.asarray(rows_) - starts[which]).tolist()
+    # The distinct graphs' rows ("templates"), and each op's row among them (``source``).
+    distinct, template_of = _distinct_steps(tables)
+    templates = [tables[k] for k in distinct]
+    t_sizes = sizes[distinct]
+    t_starts = np.cumsum(t_sizes) - t_sizes
+    t_n = int(t_sizes.sum())
+    source = None if t_n == n else idx + np.repeat(t_starts[template_of], sizes)
+
+    def spread(values: Any) -> Any:
+        """A column of the templates' rows as one of every op (numpy or Arrow)."""
+        if source is None:
+            return values
+        return values[source] if isinstance(values, np.ndarray) else values.take(source)
+
+    def strings(values: list[Any], type_: pa.DataType = _STR) -> Any:
+        return values if source is None else spread(pa.array(values, type=type_))
+
+    rows = list(itertools.chain.from_iterable(table.rows for table in templates))
+    columns = _transposed(rows, len(rows[0]) if t_n else ROW_WIDTH)
+
+    def template_rows(rows_: list[int]) -> tuple[list[OpTable], list[int]]:
+        """The templates' tables and the rows within them of template-wide rows (two
+        lists, not a tuple per row: as many objects as rows would wake the garbage
+        collector)."""
+        which = np.searchsorted(t_starts, rows_, side="right") - 1
+        return (
+            [templates[k] for k in which.tolist()],
+            (np.asarray(rows_) - t_starts[which]).tolist(),
+        )
 
     stacks, stack_of = distinct_codes(columns[MODULES])
     shapes, shape_of = distinct_codes(columns[SHAPE])
     dtypes, dtype_of = distinct_codes(columns[DTYPE])
     devices, device_of = distinct_codes(columns[DEVICE])
     params, params_of = distinct_codes(columns[PARAMS])
-    layer_rows = np.array(columns[LAYER], dtype=np.int64) + np.repeat(starts, sizes)
-    layers_, layer_of = np.unique(layer_rows, return_inverse=True)  # a layer: the run-wide
-    layers = layers_.tolist()  # row of its first entry
-    labels = list(itertools.chain.from_iterable(table.labels for table in tables))
+    layer_rows = np.array(columns[LAYER], dtype=np.int64) + np.repeat(t_starts, t_sizes)
+    layers_, layer_of = np.unique(layer_rows, return_inverse=True)  # a layer: the
+    layers = layers_.tolist()  # template-wide row of its first entry
+    labels = list(itertools.chain.from_iterable(table.labels for table in templates))
     # A layer's label is its first entry's, less the ":1" of a layer of several passes.
     layer_names = list(map(labels.__getitem__, layers))
     passes = np.ones(len(layers), dtype=np.int32)
-    layer_at = {row: k for k, row in enumerate(layers)} if any(t.passes for t in tables) else {}
-    for start, table in zip(starts.tolist(), tables, strict=True):
+    layer_at = {row: k for k, row in enumerate(layers)} if any(t.passes for t in templates) else {}
+    for start, table in zip(t_starts.tolist(), templates, strict=True):
         for lay, count in table.passes.items():
             k = layer_at[start + lay]
             layer_names[k] = table.layer_label(lay)
             passes[k] = count
     _, site_of = distinct_codes(columns[SITE], identity=True)  # a site: (code, offset)
     first = np.unique(site_of, return_index=True)[1].tolist()  # each site's first row
-    where = [table.source(row) for table, row in zip(*local_rows(first), strict=True)]
+    where = [table.source(row) for table, row in zip(*template_rows(first), strict=True)]
     numel = np.array([math.prod(sh) for sh in shapes], dtype=np.int64)
     itemsize = np.array([dt.itemsize for dt in dtypes], dtype=np.int64)
+    keys = list(itertools.chain.from_iterable(table.keys for table in templates))
+    blocks = list(itertools.chain.from_iterable(table.blocks for table in templates))
+    if source is not None:  # each op's codes: one take of the distinct values per column
+        stack_of, shape_of, dtype_of, device_of, params_of, layer_of, site_of = (
+            codes[source]
+            for codes in (stack_of, shape_of, dtype_of, device_of, params_of, layer_of, site_of)
+        )
     cols: dict[str, Any] = {
         "run_id": run_of,
         "step": step_of,
         "idx": idx,
-        "label": labels,
-        "key": list(itertools.chain.from_iterable(table.keys for table in tables)),
-        "block": list(itertools.chain.from_iterable(table.blocks for table in tables)),
+        "label": strings(labels),
+        "key": strings(keys),
+        "block": strings(blocks, _I32),
         "layer": _taken(layer_names, layer_of, _STR),
         "num_passes": passes[layer_of],
         "module": _taken([st[-1][0] if st else "" for st in stacks], stack_of, _STR),
@@ -391,12 +425,45 @@ def _op_columns(
         "args": _call_args(tables, n),
     }
     for name in PLAIN_ROW_COLUMNS:
-        cols[name] = columns[position(name)]
+        field = OPS.column_type(name).arrow
+        cols[name] = (
+            columns[position(name)]
+            if source is None
+            else spread(_array(columns[position(name)], field))
+        )
     if PRODUCERS:
-        ops = OpRows(columns, labels, step_of, idx)
+        every = (
+            columns
+            if source is None
+            else _transposed(
+                list(itertools.chain.from_iterable(table.rows for table in tables)), ROW_WIDTH
+            )
+        )
+        all_labels = list(itertools.chain.from_iterable(table.labels for table in tables))
+        ops = OpRows(every, all_labels, step_of, idx)
         for name, produce in PRODUCERS.items():
             cols[name] = produce(ops)
-    return cols, slot_of, _edges(run_of, step_of, idx, columns[PARENTS], columns[PARENT_ARGS])
+    edges = _edges(run_of, step_of, idx, columns[PARENTS], columns[PARENT_ARGS], source)
+    return cols, slot_of, edges
+
+
+def _distinct_steps(tables: list[OpTable]) -> tuple[list[int], np.ndarray]:
+    """The steps whose rows stand for all (the first of each distinct graph), and the
+    one that stands for each step (its index among them). Steps are one graph when they
+    were finished as the same settled graph (``OpTable.settled_as``: the very rows and
+    labels, and the same passes) and name their inputs alike."""
+    distinct: list[int] = []
+    seen: dict[Any, int] = {}
+    template_of = np.empty(len(tables), dtype=np.int64)
+    for k, table in enumerate(tables):
+        settled = table.settled_as()
+        key = (id(settled), tuple(table.names.items())) if settled is not None else k
+        at = seen.get(key)
+        if at is None:
+            at = seen[key] = len(distinct)
+            distinct.append(k)
+        template_of[k] = at
+    return distinct, template_of
 
 
 def _call_args(tables: list[OpTable], n: int) -> list[str | None]:
@@ -472,20 +539,34 @@ def _edges(
     idx: np.ndarray,
     parents: Sequence[tuple[int, ...]],
     args: Sequence[tuple[Any, ...]],
+    source: np.ndarray | None = None,
 ) -> pa.Table:
-    """One row per (child, parent) pair; ``edge`` numbers a child's parents."""
+    """One row per (child, parent) pair; ``edge`` numbers a child's parents. ``parents``
+    and ``args``: each template row's (:func:`_op_columns`); ``source``: each op's
+    template row (None: the ops are the template rows)."""
     counts = np.fromiter(map(len, parents), np.int64, len(parents))
     total = int(counts.sum())
     edge = np.arange(total, dtype=np.int32) - np.repeat(
         (np.cumsum(counts) - counts).astype(np.int32), counts
     )
     names, name_of = distinct_codes(list(itertools.chain.from_iterable(args)))
+    parent: Any = list(itertools.chain.from_iterable(parents))
+    arg = _taken([str(a) for a in names], name_of, _STR)
+    if source is not None:  # each op's template row's edges, in the op's place
+        first = np.cumsum(counts) - counts  # each template row's first edge
+        counts = counts[source]
+        total = int(counts.sum())
+        at = np.arange(total, dtype=np.int64) + np.repeat(
+            first[source] - (np.cumsum(counts) - counts), counts
+        )
+        parent = np.fromiter(parent, np.int64, len(parent))[at]
+        edge, arg = edge[at], arg.take(at)
     columns = {
         "run_id": np.repeat(run_of, counts),
         "step": np.repeat(step_of, counts),
-        "parent": list(itertools.chain.from_iterable(parents)),
+        "parent": parent,
         "child": np.repeat(idx, counts),
-        "arg": _taken([str(a) for a in names], name_of, _STR),
+        "arg": arg,
         "edge": edge,
     }
     return _assembled(arrow_schema(EDGES), columns)

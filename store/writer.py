@@ -771,9 +771,33 @@ class StoreEmitter(SelectingEmitter):
         # the bytes of saved packed tensors: (address, nbytes, dtype, device) -> (the
         # tensor, its version then, its slot), for tensors reshaped from them (_same_bytes)
         self._bytes: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        hot = compiled.hot()
+        if hot is not None and self.saves_all and grads is None:
+            # The common small tensor's entry compiled (recorder/_hot.c, ``Packer``): what
+            # on_entry -> _keep -> TensorWriter.save do for it, without their frames; any
+            # other entry goes to the Python below, the reference.
+            self.on_entry = hot.Packer(  # type: ignore[method-assign]
+                self.on_entry,
+                writer,
+                writer.slots,
+                writer._plans,
+                writer._errors,
+                self._rows,
+                self.op_slots,
+                self._versions,
+                _TENSOR,
+                _STRIDED,
+                (CHUNK_BYTES, ALIGN, ALIAS_BYTES),
+            )
 
     def before_write(self, tensor: torch.Tensor) -> None:
         self._writer.before_write(tensor)
+
+    def finish_ops(self) -> None:
+        super().finish_ops()
+        # no more entries: drop the compiled on_entry, and with it the cycle through its
+        # Python fallback (this emitter's method), so the step's objects go by refcount
+        self.__dict__.pop("on_entry", None)
 
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
         if self.saves_all and same_as < 0:  # saving all, a new tensor: straight on

@@ -265,3 +265,90 @@ def test_same_rows_is_tuple_equality(a: list, b: list, copy: bool) -> None:
     second = tuple(_fresh(r) for r in a) if copy else tuple(b)
     assert hot.same_rows(first, second) == (first == second)
     assert hot.same_rows(first, first)
+
+
+class Packs(nn.Module):
+    """Outputs of every kind a save-all recording packs, for the compiled ``on_entry``
+    (``_hot.Packer``) and the Python one to agree on: small tensors of plain dtypes (the
+    compiled path), others it hands over (bool's first use, a conjugate or negative view,
+    complex, a strided view, an empty tensor, a mid-size tensor, a chunk-sized one), and
+    enough small ones to fill the 4 MiB open chunk of their pack and start another."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        for dtype in (torch.float64, torch.int64, torch.uint8, torch.float16, torch.bfloat16):
+            h = h + (x.to(dtype) * 3).float()
+        flags = (h > 0) & (x < 1)  # bool
+        h = torch.where(flags, h, -h)
+        z = torch.complex(h, x)  # complex: not a plain byte copy
+        h = h + z.conj().imag + torch._neg_view(h).clone()  # conj and neg views
+        h = h + h.t().t() + h[:, ::2].sum()  # strided views
+        h = h + (x[:0] * 2).sum()  # an empty output
+        big = torch.ones(256, 256).mul(h.mean())  # mid-size: 256 KiB
+        h = h + big.mean() + torch.ones(1024, 1024).mul(2).mean()  # 4 MiB: its own array
+        for _ in range(300):  # 300 x 16 KiB past the open chunk's 4 MiB
+            h = (torch.ones(64, 64) * h.mean()).mean() + h
+        return h
+
+
+def _packs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Packs(), (torch.randn(6, 6),)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8) if t.numel() else t
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("name", ["packs", "mixed", "chain", "arguments", "mlp", "cnn"])
+def test_same_store_both_paths(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, name: str, inference: bool
+) -> None:
+    """A save-all recording of three steps stores the same bytes, tensor table and values
+    with the compiled ``on_entry`` (``_hot.Packer``) as with the Python one, and the
+    compiled one really saves the common small tensor itself."""
+    build = {**MODELS, "packs": _packs}[name]
+    from tracelake.store.writer import StoreEmitter
+
+    python_entry = StoreEmitter.on_entry
+    handed: list[int] = []
+
+    def counting(self, index, tensor, same_as):  # type: ignore[no-untyped-def]
+        handed.append(index)
+        return python_entry(self, index, tensor, same_as)
+
+    monkeypatch.setattr(StoreEmitter, "on_entry", counting)
+    stored = {}
+    for enabled, where in ((False, "python"), (True, "compiled")):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        handed.clear()
+        store = tl.open(tmp_path / where)
+        model, args = build()
+        mode = torch.inference_mode() if inference else torch.no_grad()
+        with mode, store.recording("r", model):
+            for _ in range(3):
+                model(*args)
+        run = store["r"]
+        stored[where] = (
+            store.sql("select * exclude (run_id) from tensors order by slot"),
+            [(op.label, op.out) for step in run.steps for op in step.ops],
+            len(handed),
+        )
+    (table, outs, python_calls), (table_c, outs_c, compiled_calls) = (
+        stored["python"],
+        stored["compiled"],
+    )
+    # where each tensor went (array, byte offset, nbytes, shape, dtype, step), and what
+    # each op's stored value reads back as, bit for bit (the bytes between packed
+    # tensors are not compared: alignment padding, whatever a reused buffer held)
+    assert table.equals(table_c)
+    assert len(outs) == len(outs_c) and any(out is not None for _, out in outs)
+    for (label, out), (label_c, out_c) in zip(outs, outs_c, strict=True):
+        assert label == label_c
+        assert (out is None) == (out_c is None)
+        if out is not None:
+            assert out.dtype == out_c.dtype and out.shape == out_c.shape
+            assert _bits(out).equal(_bits(out_c)), label
+    if not inference:  # (an inference tensor tracks no version: Python saves it)
+        assert compiled_calls < python_calls / 4, (compiled_calls, python_calls)
