@@ -8,7 +8,8 @@ the same model and input:
 * ``plain``: ``model(*args)``, nothing kept: the floor.
 * ``tracelake``: ``store.record(model, *args)`` into a fresh store, every op saved:
   the forward, copies, statistics, encoding, writes, fsync and the catalog commit (a new
-  store's first run: sealed, and its rows inserted at once, which makes the catalog).
+  store's first run: its rows committed at once, in the transaction that makes the
+  catalog).
 * ``tracelake, existing store``: one run recorded into a store that exists (made once,
   untimed; each sample's run deleted and collected afterwards, untimed): its ``record``
   seals it. Its rows reach the catalog in a transaction for ``catalog.FOLD_AFTER`` runs

@@ -474,7 +474,7 @@ def test_open_errors(tmp_path: Path) -> None:
 def test_a_new_store_makes_its_catalog_with_its_first_run(tmp_path: Path) -> None:
     """Opening a new store runs no catalog transaction: the catalog file comes with the
     first run. Until then readers (this process and another one) see no runs, and the
-    first run's rows, inserted as soon as it is sealed, create the schema and find it."""
+    first run's rows, committed in the transaction that creates the schema, find it."""
     store = tl.open(tmp_path / "s")
     assert not (tmp_path / "s" / "catalog.duckdb").exists()
     assert len(store.runs()) == 0 and len(store.runs(all=True)) == 0
