@@ -7,6 +7,7 @@ import math
 import threading
 from dataclasses import astuple, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -457,11 +458,12 @@ def test_files_left_to_the_caller_are_written_back_not_synced(
 def test_every_file_of_a_run_is_durable_before_its_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ops: int, rows: int
 ) -> None:
-    """The writer syncs no file itself: the run's commit makes them durable before the
-    catalog transaction that makes the run visible (one syncfs of the filesystem for
-    many files, an fsync each, all at once, for a few), and nothing is written after it.
-    Tiny tensors: three files (group and pack metadata, one shard); 49 of 2 MiB: a pack
-    of two dozen shards."""
+    """The writer syncs no file itself: the run's commit makes them durable before what
+    makes the run visible (one syncfs of the filesystem for many files, an fsync each,
+    all at once, for a few), and nothing is written after it: for a new store's first
+    run, the catalog transaction that makes the catalog; for the next, its seal. Tiny
+    tensors: three files (group and pack metadata, one shard); 49 of 2 MiB: a pack of
+    two dozen shards."""
     from tracelake.store import catalog, layout
 
     events: list[tuple[str, frozenset[str]]] = []
@@ -473,8 +475,10 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
             return str(path)
         return "/".join(parts[2:] if parts[0] == ".staging" else parts[1:])
 
+    earlier: set[Path] = set()  # the files of the runs recorded before this one
+
     def files() -> frozenset[str]:
-        return frozenset(in_run(p) for p in runs.rglob("*") if p.is_file())
+        return frozenset(in_run(p) for p in runs.rglob("*") if p.is_file() and p not in earlier)
 
     real_syncfs, real_fsync = layout._syncfs, layout.fsync_file
     assert real_syncfs is not None, "Linux's syncfs is missing from libc"
@@ -488,15 +492,19 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
         synced.add(in_run(Path(path)))
         real_fsync(path)
 
-    real_commit = catalog.CatalogWriter.seal
+    def visible(name: str) -> Any:
+        real = getattr(catalog.CatalogWriter, name)
 
-    def commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
-        events.append(("commit", files()))
-        return real_commit(self, *args, **kwargs)
+        def commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
+            events.append(("commit", files()))
+            return real(self, *args, **kwargs)
+
+        return commit
 
     monkeypatch.setattr(layout, "_syncfs", syncfs)
     monkeypatch.setattr(layout, "fsync_file", fsync_file)
-    monkeypatch.setattr(catalog.CatalogWriter, "seal", commit)
+    for name in ("seal", "commit_batch"):
+        monkeypatch.setattr(catalog.CatalogWriter, name, visible(name))
     if ops > 2:  # the pack's two dozen shards and their directories: one syncfs (the
         # bound itself, 48, is a measured trade-off; here it only picks the path)
         monkeypatch.setattr(layout, "_FSYNC_FILES", 8)
@@ -509,19 +517,23 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
 
     store = tl.open(tmp_path / "s", create=True)
     x = torch.randn(rows, 1024)
-    store.record(Chain(), x, name="run")
-    kinds = [kind for kind, _ in events]
-    written = events[kinds.index("commit")][1]
-    tensors = {f for f in written if f.startswith("tensors/")}
-    if ops == 2:
-        assert len(tensors) == 3 and "syncfs" not in kinds
-        assert tensors <= synced, "a file not fsync'd before the commit"
-    else:
-        assert len(tensors) > 8 and kinds.index("syncfs") < kinds.index("commit")
-        assert tensors <= events[kinds.index("syncfs")][1], "a file written after the syncfs"
-    assert {f for f in files() if f.startswith("tensors/")} == tensors, "a file written after"
-    run = tl.open(tmp_path / "s")["run"]
-    assert_bitwise(run[f"add_1_2:{ops}"].out, Chain()(x), "the last op")
+    for name in ("first", "sealed"):
+        events.clear()
+        synced.clear()
+        earlier.update(runs.rglob("*") if runs.exists() else ())
+        store.record(Chain(), x, name=name)
+        kinds = [kind for kind, _ in events]
+        written = events[kinds.index("commit")][1]
+        tensors = {f for f in written if f.startswith("tensors/")}
+        if ops == 2:
+            assert len(tensors) == 3 and "syncfs" not in kinds
+            assert tensors <= synced, "a file not fsync'd before the commit"
+        else:
+            assert len(tensors) > 8 and kinds.index("syncfs") < kinds.index("commit")
+            assert tensors <= events[kinds.index("syncfs")][1], "a file written after the syncfs"
+        assert {f for f in files() if f.startswith("tensors/")} == tensors, "written after"
+        run = tl.open(tmp_path / "s")[name]
+        assert_bitwise(run[f"add_1_2:{ops}"].out, Chain()(x), "the last op")
 
 
 _SHAPE = (4, 4)
