@@ -957,8 +957,9 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
     if (Py_TYPE(tensor) != (PyTypeObject *)self->tensor_type || !PyLong_CheckExact(index) ||
         !PyLong_CheckExact(same_as) || PyList_GET_SIZE(self->errors))
         return 0;
-    Py_ssize_t at = PyLong_AsSsize_t(index);
-    if (PyLong_AsLong(same_as) >= 0 || at < 0 || at >= PyList_GET_SIZE(self->rows)) goto out;
+    Py_ssize_t at = PyLong_AsSsize_t(index); /* (-1 on an error: out clears it) */
+    long same = PyLong_AsLong(same_as);
+    if (PyErr_Occurred() || same >= 0 || at < 0 || at >= PyList_GET_SIZE(self->rows)) goto out;
     PyObject *row = PyList_GET_ITEM(self->rows, at);
     if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != ROW_WIDTH) goto out;
     PyObject *shape = PyTuple_GET_ITEM(row, ROW_SHAPE);
