@@ -1004,7 +1004,9 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
         !(used = PyLong_FromSsize_t(start + n)) ||
         !(entry = PyTuple_Pack(6, name, offset, nbytes, shape, dtype, step)))
         goto out;
-    /* Everything is made: copy and record, as TensorWriter.save and StoreEmitter._keep. */
+    /* Everything is made: copy and record, as TensorWriter.save and StoreEmitter._keep
+     * (the padding before the tensor zeroed, as there). */
+    memset(address + was, 0, (size_t)(start - was));
     memcpy(address + start, from, (size_t)n);
     done = PyObject_SetAttr(stream, str_used, used) < 0 || PyList_Append(members, slot) < 0 ||
                    PyList_Append(self->slots, entry) < 0 ||

@@ -69,6 +69,7 @@ __all__ = ["DEFAULT_MAX_INFLIGHT", "Location", "StoreEmitter", "TensorWriter"]
 _STRIDED = torch.strided
 _TENSOR = torch.Tensor
 _memmove = ctypes.memmove
+_memset = ctypes.memset
 # Fields of TensorWriter.slots: one plain tuple per saved tensor (array, byte offset or
 # -1, nbytes, shape, dtype, step), appended on the forward thread, so built as cheaply as
 # Python allows, and of plain values only: the garbage collector then stops tracking
@@ -179,6 +180,8 @@ class TensorWriter:
             self._make_room(CHUNK_BYTES)
             stream.buffer = self._buffers.take(CHUNK_BYTES)
             stream.address = stream.buffer.ctypes.data
+        elif start > stream.used:  # the padding: zeros, not what a reused buffer held
+            _memset(stream.address + stream.used, 0, start - stream.used)
         slot = len(self.slots)
         if nbytes:
             if (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -296,6 +297,14 @@ def _packs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Packs(), (torch.randn(6, 6),)
 
 
+def _tensor_files(run_dir: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(run_dir)): path.read_bytes()
+        for path in sorted((run_dir / "tensors").rglob("*"))
+        if path.is_file()
+    }
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8) if t.numel() else t
 
@@ -334,14 +343,18 @@ def test_same_store_both_paths(
             store.sql("select * exclude (run_id) from tensors order by slot"),
             [(op.label, op.out) for step in run.steps for op in step.ops],
             len(handed),
+            _tensor_files(tmp_path / where / "runs" / f"{run.id:08d}"),
         )
-    (table, outs, python_calls), (table_c, outs_c, compiled_calls) = (
+    (table, outs, python_calls, files), (table_c, outs_c, compiled_calls, files_c) = (
         stored["python"],
         stored["compiled"],
     )
-    # where each tensor went (array, byte offset, nbytes, shape, dtype, step), and what
-    # each op's stored value reads back as, bit for bit (the bytes between packed
-    # tensors are not compared: alignment padding, whatever a reused buffer held)
+    # the same files, byte for byte (the padding between packed tensors zeroed by both:
+    # never what a reused buffer held, another run's bytes), the tensors where they were
+    # (array, byte offset, nbytes, shape, dtype, step), each op's value read back
+    assert files.keys() == files_c.keys() and files
+    for name in files:
+        assert files[name] == files_c[name], name
     assert table.equals(table_c)
     assert len(outs) == len(outs_c) and any(out is not None for _, out in outs)
     for (label, out), (label_c, out_c) in zip(outs, outs_c, strict=True):
