@@ -384,7 +384,7 @@ class OpTable:
             self._blocks = list(blocks)
         return self._blocks
 
-    def settled_as(self) -> tuple | None:
+    def settled_as(self) -> _Settled | None:
         """The settled graph this table is, row for row, label for label and pass for
         pass (a step of a loop over one graph: the very rows and labels of the first),
         else None: what tables of one graph share may be computed once for all (the

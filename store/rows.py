@@ -425,11 +425,9 @@ def _op_columns(
         "args": _call_args(tables, n),
     }
     for name in PLAIN_ROW_COLUMNS:
-        field = OPS.column_type(name).arrow
+        values = columns[position(name)]
         cols[name] = (
-            columns[position(name)]
-            if source is None
-            else spread(_array(columns[position(name)], field))
+            values if source is None else spread(_array(values, OPS.column_type(name).arrow))
         )
     if PRODUCERS:
         every = (
@@ -450,14 +448,14 @@ def _op_columns(
 def _distinct_steps(tables: list[OpTable]) -> tuple[list[int], np.ndarray]:
     """The steps whose rows stand for all (the first of each distinct graph), and the
     one that stands for each step (its index among them). Steps are one graph when they
-    were finished as the same settled graph (``OpTable.settled_as``: the very rows and
-    labels, and the same passes) and name their inputs alike."""
+    were finished as the same settled graph (``OpTable.settled_as``: the very rows,
+    labels and passes); any other step stands for itself."""
     distinct: list[int] = []
-    seen: dict[Any, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     template_of = np.empty(len(tables), dtype=np.int64)
     for k, table in enumerate(tables):
         settled = table.settled_as()
-        key = (id(settled), tuple(table.names.items())) if settled is not None else k
+        key = ("graph", id(settled)) if settled is not None else ("step", k)
         at = seen.get(key)
         if at is None:
             at = seen[key] = len(distinct)

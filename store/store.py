@@ -907,15 +907,8 @@ class Recording:
             self._steps = []
             self._batch.add(staged, lock)
             return
-        if self.run_id < 0 and not self.store.paths.catalog.exists():
-            # A new store's first run: its rows make the catalog (and its reserve) in a
-            # transaction at once, as a batch's would; sealed, they would be written to
-            # a file of their own, only to be read back by the fold that follows.
-            with _os_errors(f"cannot make run {self.name!r} durable"):
-                summary["bytes"] = self.store._durable(self._dir)  # durable before visible
-            self.info = self.store._catalog.commit_batch([staged])[0]
-            self.run_id = self.info["id"]
-        elif self.run_id < 0:  # staged: sealed, its rows in the catalog a moment later
+        if self.run_id < 0 and self.store.paths.catalog.exists():
+            # staged: sealed, its rows in the catalog a moment later
             with _os_errors(f"cannot make run {self.name!r} durable"):
                 self.store._durable_sealed(staged)  # durable before visible
             catalog = self.store._catalog
@@ -926,7 +919,16 @@ class Recording:
         else:
             with _os_errors(f"cannot make run {self.name!r} durable"):
                 summary["bytes"] = self.store._durable(self._dir)  # durable before visible
-            self.info = self._lake.commit(self.run_id, self.name, self._overwrite, merged, summary)
+            if self.run_id < 0:
+                # A new store's first run: its rows make the catalog (and its reserve) in
+                # a transaction at once, as a batch's would; sealed, they would be written
+                # to a file of their own, only to be read back by the fold that follows.
+                self.info = self.store._catalog.commit_batch([staged])[0]
+                self.run_id = self.info["id"]
+            else:
+                self.info = self._lake.commit(
+                    self.run_id, self.name, self._overwrite, merged, summary
+                )
         self._release()
         self._steps = []
         for edges in self._grad_steps:
