@@ -715,20 +715,28 @@ class CatalogWriter:
 
     @guarded("cannot commit the batch's runs to the catalog")
     def commit_batch(
-        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+        self,
+        runs: list[StagedRun],
+        built: Sequence[dict[str, Any]] = (),
+        durable: Callable[[], None] | None = None,
     ) -> list[dict[str, Any]]:
         """Make the runs of a batch visible, all in one transaction; return their
         ``runs`` rows (every column, as inserted: what a read of them would return).
-        Each run's directory (``runs/.staging/*``, durable already) is renamed to its
-        id's name inside the transaction, before ``COMMIT``; a crash before the commit
-        leaves those directories without rows, which ``gc()`` removes. Nothing of a batch
-        is in the catalog before this. ``built``: tables of several of the runs at once
+        Each run's directory (``runs/.staging/*``) is renamed to its id's name inside
+        the transaction, before ``COMMIT``; a crash before the commit leaves those
+        directories without rows, which ``gc()`` removes. Nothing of a batch is in the
+        catalog before this. ``built``: tables of several of the runs at once
         (``rows.runs_tables``), whose ``run_id`` holds each row's run's position in
-        ``runs``."""
-        return self._commit_staged(runs, built)
+        ``runs``. ``durable``: waits until the runs' files are durable (their syncs,
+        ``layout.begin_durable_trees``, going on meanwhile), called before the
+        ``COMMIT``; None: they are durable already."""
+        return self._commit_staged(runs, built, durable)
 
     def _commit_staged(
-        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+        self,
+        runs: list[StagedRun],
+        built: Sequence[dict[str, Any]] = (),
+        durable: Callable[[], None] | None = None,
     ) -> list[dict[str, Any]]:
         then: list[Callable[[], None]] = []
         size = _nbytes(
@@ -753,6 +761,8 @@ class CatalogWriter:
                     self._listing = (_dir_state(self.paths.runs), listed[1])
                 fsync_dir(self.paths.runs)  # the new names, durable before the rows are
                 added = self._insert_runs(con, list(zip(ids, runs, strict=True)), seq, then, built)
+                if durable is not None:  # the runs' files, durable before the COMMIT
+                    durable()
             except BaseException:
                 # nothing is committed (the COMMIT comes after this block): the runs
                 # are staged again, as they were (listed failed; gc() removes them)

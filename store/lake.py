@@ -39,7 +39,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -441,12 +441,18 @@ class LakeCatalog(CatalogWriter):
 
     @guarded("cannot commit the batch's runs to the catalog")
     def commit_batch(
-        self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
+        self,
+        runs: list[StagedRun],
+        built: Sequence[dict[str, Any]] = (),
+        durable: Callable[[], None] | None = None,
     ) -> list[dict[str, Any]]:
         """Insert the rows of a batch's registered runs (each ``staged`` directory is
         named by its id) and their ``runs`` rows in one transaction: one data file a
         table for the batch, not one a run. ``built``: tables of several of the runs at
-        once, whose ``run_id`` holds each row's run's position in ``runs``."""
+        once, whose ``run_id`` holds each row's run's position in ``runs``. ``durable``
+        (as ``CatalogWriter.commit_batch``'s): waited for first."""
+        if durable is not None:
+            durable()
         return self._commit_runs(runs, built)
 
     def _commit_runs(
@@ -752,8 +758,9 @@ class LakeBatch(Batch):
         self._names.add(name)
         return run_id, _Member(lease, run_id)
 
-    def _durable(self, runs: list[StagedRun]) -> list[int]:
-        return [self.store._durable(run.staged) for run in runs]
+    def _begin_durable(self, runs: list[StagedRun]) -> tuple[list[int], Callable[[], None] | None]:
+        # every PUT was durable when it returned: nothing to wait for
+        return [self.store._durable(run.staged) for run in runs], None
 
     def _let_go(self) -> None:
         lease, self._lease = self._lease, None
@@ -812,6 +819,9 @@ class LakeStore(Store):
     def _durable(self, run_dir: Path) -> int:
         # every PUT was durable when it returned: what is left is their size
         return int(self._objects(int(run_dir.name)).commit())
+
+    def _begin_durable(self, run_dir: Path) -> tuple[int, Callable[[], None] | None]:
+        return self._durable(run_dir), None
 
     @property
     def path(self) -> str:

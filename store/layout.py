@@ -48,7 +48,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,46 @@ def durable_trees(roots: list[Path], last: Callable[[list[int]], str] | None = N
     directories, an fsync of each, all at once (:func:`fsync_all`); past that one
     ``syncfs`` of their filesystem where Linux offers it (a batch of runs: one call,
     where hundreds of fsyncs cost more even at once)."""
+    sizes, files, dirs = _trees(roots, last)
+    if _syncfs is None or len(files) + len(dirs) <= _FSYNC_FILES:
+        fsync_all(files, dirs)
+    else:
+        _sync_filesystem(os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY), roots[0])
+    return sizes
+
+
+def begin_durable_trees(roots: list[Path]) -> tuple[list[int], Callable[[], None]]:
+    """:func:`durable_trees` begun, not waited for: the bytes of each root's files, and
+    a function that waits until every file and directory under the roots is durable
+    (raising what syncing them raised), for the caller to call before anything that
+    needs them durable (a commit), doing other work meanwhile (a batch's tables built,
+    its catalog transaction begun). What is synced is opened here, so the roots may be
+    renamed meanwhile; the syncs run on :func:`fsync_all`'s threads, which close it."""
+    sizes, files, dirs = _trees(roots)
+    if _syncfs is None or len(files) + len(dirs) <= _FSYNC_FILES:
+        opened: list[tuple[int, bool]] = []
+        try:
+            for path in files:
+                opened.append((os.open(path, os.O_RDONLY), False))
+            for path in dirs:
+                with contextlib.suppress(OSError):  # (as fsync_dir: some cannot be)
+                    opened.append((os.open(path, os.O_RDONLY), True))
+        except BaseException:
+            for fd, _ in opened:
+                os.close(fd)
+            raise
+        futures = _fsync_streams(opened)
+    else:
+        fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
+        futures = [_fsync_pool().submit(_sync_filesystem, fd, roots[0])]
+    return sizes, lambda: _waited(futures)
+
+
+def _trees(
+    roots: list[Path], last: Callable[[list[int]], str] | None = None
+) -> tuple[list[int], list[str], list[str]]:
+    """The bytes of each root's files, and the files and directories under the roots
+    (``last``: as in :func:`durable_trees`)."""
     sizes: list[int] = []
     files: list[str] = []
     dirs: list[str] = []
@@ -320,17 +360,17 @@ def durable_trees(roots: list[Path], last: Callable[[list[int]], str] | None = N
         sizes.append(_walk_tree(root, files, dirs))
     if last is not None:
         files.append(last(sizes))
-    if _syncfs is None or len(files) + len(dirs) <= _FSYNC_FILES:
-        fsync_all(files, dirs)
-        return sizes
-    fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
+    return sizes, files, dirs
+
+
+def _sync_filesystem(fd: int, root: Path) -> None:
+    """``syncfs`` of the filesystem of ``fd`` (``root``, opened), then close it."""
     try:
         if _syncfs(fd) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(roots[0]))
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(root))
     finally:
         os.close(fd)
-    return sizes
 
 
 #: Up to this many files and directories, fsyncs of each at once cost less than a
@@ -354,8 +394,18 @@ def fsync_all(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
     if len(jobs) <= 1:
         _fsync_each(jobs)
         return
-    streams = min(len(jobs), _FSYNC_STREAMS)
-    futures = [_fsync_pool().submit(_fsync_each, jobs[k::streams]) for k in range(streams)]
+    _waited(_fsync_streams(jobs))
+
+
+def _fsync_streams(jobs: Sequence[tuple[str | int, bool]]) -> list[Future[None]]:
+    """``jobs`` (each a path or an open descriptor, which is closed, and whether it is a
+    directory) fsync'd in :data:`_FSYNC_STREAMS` sequences on the pool's threads."""
+    streams = max(1, min(len(jobs), _FSYNC_STREAMS))
+    return [_fsync_pool().submit(_fsync_each, jobs[k::streams]) for k in range(streams)]
+
+
+def _waited(futures: list[Future[None]]) -> None:
+    """Wait for every one of ``futures``, then raise the first one's error."""
     wait(futures)
     for future in futures:
         future.result()
@@ -368,9 +418,9 @@ def fsync_all(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
 _FSYNC_STREAMS = 4
 
 
-def _fsync_each(jobs: Sequence[tuple[str, bool]]) -> None:
-    """fsync each of ``jobs`` in turn, every one even after a failure; raise the first
-    error."""
+def _fsync_each(jobs: Sequence[tuple[str | int, bool]]) -> None:
+    """fsync each of ``jobs`` in turn, every one even after a failure (a descriptor is
+    closed whatever happens); raise the first error."""
     error: OSError | None = None
     for path, is_dir in jobs:
         try:
@@ -381,8 +431,17 @@ def _fsync_each(jobs: Sequence[tuple[str, bool]]) -> None:
         raise error
 
 
-def _fsync_one(path: str, is_dir: bool) -> None:
-    if is_dir:
+def _fsync_one(path: str | int, is_dir: bool) -> None:
+    if isinstance(path, int):  # (opened: begin_durable_trees)
+        try:
+            if is_dir:
+                with contextlib.suppress(OSError):  # (as fsync_dir)
+                    os.fsync(path)
+            else:
+                os.fsync(path)
+        finally:
+            os.close(path)
+    elif is_dir:
         fsync_dir(Path(path))
     else:
         fsync_file(Path(path))

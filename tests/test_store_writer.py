@@ -4,7 +4,9 @@ into, and the statistics the workers compute, against plain PyTorch."""
 from __future__ import annotations
 
 import math
+import os
 import threading
+import time
 from dataclasses import astuple, fields
 from pathlib import Path
 from typing import Any
@@ -461,9 +463,9 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
     """The writer syncs no file itself: the run's commit makes them durable before what
     makes the run visible (one syncfs of the filesystem for many files, an fsync each,
     all at once, for a few), and nothing is written after it: for a new store's first
-    run, the catalog transaction that makes the catalog; for the next, its seal. Tiny
-    tensors: three files (group and pack metadata, one shard); 49 of 2 MiB: a pack of
-    two dozen shards."""
+    run, the COMMIT of the catalog transaction that makes the catalog; for the next, its
+    seal. Tiny tensors: three files (group and pack metadata, one shard); 49 of 2 MiB:
+    a pack of two dozen shards."""
     from tracelake.store import catalog, layout
 
     events: list[tuple[str, frozenset[str]]] = []
@@ -480,30 +482,48 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
     def files() -> frozenset[str]:
         return frozenset(in_run(p) for p in runs.rglob("*") if p.is_file() and p not in earlier)
 
-    real_syncfs, real_fsync = layout._syncfs, layout.fsync_file
+    real_syncfs, real_fsync = layout._syncfs, layout._fsync_one
     assert real_syncfs is not None, "Linux's syncfs is missing from libc"
     synced: set[str] = set()
 
+    # Syncs that take a while: a commit that did not wait for those going on beside it
+    # (the first run's, begun before its transaction) would come before them.
     def syncfs(fd: int) -> int:
+        time.sleep(0.2)
         events.append(("syncfs", files()))
         return int(real_syncfs(fd))
 
-    def fsync_file(path: Path) -> None:
-        synced.add(in_run(Path(path)))
-        real_fsync(path)
+    def fsync_one(path: str | int, is_dir: bool) -> None:
+        # a path, or a descriptor opened beforehand (its file's name now, maybe renamed)
+        name = os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else path
+        time.sleep(0.05)
+        synced.add(in_run(Path(name)))
+        real_fsync(path, is_dir)
+
+    committing: list[bool] = []  # inside commit_batch
 
     def visible(name: str) -> Any:
         real = getattr(catalog.CatalogWriter, name)
 
         def commit(self: catalog.CatalogWriter, *args: object, **kwargs: object) -> object:
-            events.append(("commit", files()))
+            if name == "commit_batch":
+                committing.append(True)
+                try:
+                    return real(self, *args, **kwargs)
+                finally:
+                    committing.pop()
+            if name == "seal" or committing:
+                events.append(("commit", files()))
             return real(self, *args, **kwargs)
 
         return commit
 
     monkeypatch.setattr(layout, "_syncfs", syncfs)
-    monkeypatch.setattr(layout, "fsync_file", fsync_file)
-    for name in ("seal", "commit_batch"):
+    monkeypatch.setattr(layout, "_fsync_one", fsync_one)
+    # what makes a run visible: its seal, or the COMMIT of the transaction that inserts
+    # its rows (a new store's first run: its files' syncs go on while the transaction
+    # inserts them, and are waited for before that COMMIT)
+    for name in ("seal", "commit_batch", "_commit"):
         monkeypatch.setattr(catalog.CatalogWriter, name, visible(name))
     if ops > 2:  # the pack's two dozen shards and their directories: one syncfs (the
         # bound itself, 48, is a measured trade-off; here it only picks the path)
@@ -534,6 +554,67 @@ def test_every_file_of_a_run_is_durable_before_its_commit(
         assert {f for f in files() if f.startswith("tensors/")} == tensors, "written after"
         run = tl.open(tmp_path / "s")[name]
         assert_bitwise(run[f"add_1_2:{ops}"].out, Chain()(x), "the last op")
+
+
+@pytest.mark.parametrize("syncfs", [False, True])
+def test_every_file_of_a_batch_is_durable_before_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, syncfs: bool
+) -> None:
+    """A batch's files are synced while its tables are built and its transaction inserts
+    them (their directories renamed to their ids meanwhile), and the COMMIT that makes
+    the runs visible waits for every sync: each file (told by its inode: its name moves)
+    was fsync'd, or a syncfs of the filesystem had ended, before that COMMIT. Syncs are
+    slowed, so that a commit not waiting for them would come first."""
+    from tracelake.store import catalog, layout
+
+    runs = tmp_path / "s" / "runs"
+    store = tl.open(tmp_path / "s", create=True)
+    model, x = nn.Linear(8, 8), torch.randn(2, 8)
+    store.record(model, x, name="before")
+    earlier = {p.stat().st_ino for p in runs.rglob("*") if p.is_file()}
+    synced: set[int] = set()
+    at_commit: list[tuple[set[int], set[int]]] = []  # (files there, files synced)
+    whole: list[int] = []  # syncfs calls ended (each covers every file there was)
+
+    def inodes() -> set[int]:  # the runs' arrays (not the batch's own bookkeeping)
+        return {p.stat().st_ino for p in runs.rglob("tensors/**/*") if p.is_file()} - earlier
+
+    real_syncfs, real_fsync = layout._syncfs, layout._fsync_one
+    assert real_syncfs is not None, "Linux's syncfs is missing from libc"
+
+    def slow_syncfs(fd: int) -> int:
+        time.sleep(0.2)
+        there = inodes()
+        done = int(real_syncfs(fd))
+        synced.update(there)
+        whole.append(1)
+        return done
+
+    def fsync_one(path: str | int, is_dir: bool) -> None:
+        time.sleep(0.02)
+        inode = os.fstat(path).st_ino if isinstance(path, int) else os.stat(path).st_ino
+        real_fsync(path, is_dir)
+        synced.add(inode)
+
+    real_commit = catalog.CatalogWriter._commit
+
+    def commit(self: catalog.CatalogWriter, *args: Any, **kwargs: Any) -> None:
+        at_commit.append((inodes(), set(synced)))
+        real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(layout, "_syncfs", slow_syncfs)
+    monkeypatch.setattr(layout, "_fsync_one", fsync_one)
+    monkeypatch.setattr(layout, "_FSYNC_FILES", 4 if syncfs else 1 << 20)
+    monkeypatch.setattr(catalog.CatalogWriter, "_commit", commit)
+    with store.batch():
+        for k in range(3):
+            store.record(model, x, name=f"b{k}")
+    files, durable = at_commit[-1]  # (the batch's: the last transaction)
+    assert len(files) >= 9, "three runs' group and pack metadata and shards"
+    assert bool(whole) == syncfs
+    assert files <= durable, "a file not durable before the COMMIT"
+    for k in range(3):
+        assert_bitwise(tl.open(tmp_path / "s")[f"b{k}"]["linear_1_1"].out, model(x), "out")
 
 
 _SHAPE = (4, 4)
