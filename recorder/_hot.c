@@ -148,6 +148,7 @@ typedef struct {
         PyObject *known;
     } funcs_seen[FUNC_SLOTS];
     PyObject *last_shape; /* the previous op's shape tuple: the next one is often equal */
+    int plain_defaults; /* no row default is a tracked object (bind): settle_row may skip them */
 } Fused;
 
 #define FIELDS(X)                                                                        \
@@ -188,6 +189,9 @@ static void Fused_dealloc(Fused *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static void settle(PyObject *t, int depth);
+static int stays_tracked(PyObject *item, int depth);
+
 static PyObject *Fused_bind(Fused *self, PyObject *args) {
     PyObject *v[17];
     if (!PyArg_UnpackTuple(args, "bind", 17, 17, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
@@ -227,6 +231,9 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
     }
     self->value_types = PyTuple_GET_ITEM(v[16], 0); /* argkeys.KEPT */
     self->empty_list = PyTuple_GET_ITEM(v[16], 1);
+    self->plain_defaults = 1;
+    for (Py_ssize_t k = 0; k < ROW_WIDTH; k++)
+        if (stays_tracked(PyTuple_GET_ITEM(self->row_defaults, k), 0)) self->plain_defaults = 0;
     Py_INCREF(self->value_types);
     Py_INCREF(self->empty_list);
     self->get_shape = getters[0];
@@ -558,18 +565,47 @@ static PyObject *tensor_attr(Fused *self, PyObject *out, PyObject *getter, PyObj
  * collections having to look at every row first. Rows hold only such values. */
 static void settle(PyObject *t, int depth) {
     if (!PyObject_GC_IsTracked(t)) return;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
-        PyObject *item = PyTuple_GET_ITEM(t, k);
-        PyTypeObject *type = Py_TYPE(item);
-        /* PyObject_IS_GC, inline (a call per field was most of this function's cost) */
-        if (!PyType_IS_GC(type) || (type->tp_is_gc && !type->tp_is_gc(item)))
-            continue; /* str, int, dtype, device: never tracked */
-        if (!PyObject_GC_IsTracked(item)) continue;
-        if (depth == 0 || !PyTuple_CheckExact(item)) return;
-        settle(item, depth - 1);
-        if (PyObject_GC_IsTracked(item)) return;
-    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++)
+        if (stays_tracked(PyTuple_GET_ITEM(t, k), depth)) return;
     PyObject_GC_UnTrack(t);
+}
+
+/* Whether ``item`` is, after settling it (``depth`` levels of tuples below it), a tracked
+ * object: one that keeps a tuple holding it tracked. */
+static int stays_tracked(PyObject *item, int depth) {
+    PyTypeObject *type = Py_TYPE(item);
+    /* PyObject_IS_GC, inline (a call per field was most of settle's cost) */
+    if (!PyType_IS_GC(type) || (type->tp_is_gc && !type->tp_is_gc(item)))
+        return 0; /* str, int, dtype, device: never tracked */
+    if (!PyObject_GC_IsTracked(item)) return 0;
+    if (depth == 0 || !PyTuple_CheckExact(item)) return 1;
+    settle(item, depth - 1);
+    return PyObject_GC_IsTracked(item);
+}
+
+/* The fields of a row add_row makes that may hold a tracked object: the others hold its
+ * own ints, strs and bools (kind, out index, in place, layer index, pass, counters), or
+ * the row defaults (bind checks them: plain_defaults). */
+static const int ROW_OBJECTS[] = {ROW_FUNC,    ROW_MODULES, ROW_SHAPE,       ROW_DTYPE,
+                                  ROW_DEVICE,  ROW_PARAMS,  ROW_PARENTS,     ROW_PARENT_ARGS,
+                                  ROW_SITE,    ROW_ARG_VALUES};
+
+/* settle(row, 2) for a row add_row made, looking only at the fields that may need it
+ * (most of settle's cost was the walk over every field). */
+static void settle_row(Fused *self, PyObject *row) {
+    if (!self->plain_defaults) {
+        settle(row, 2);
+        return;
+    }
+    for (size_t k = 0; k < sizeof ROW_OBJECTS / sizeof ROW_OBJECTS[0]; k++) {
+        PyObject *item = PyTuple_GET_ITEM(row, ROW_OBJECTS[k]);
+        PyTypeObject *type = Py_TYPE(item);
+        if (!PyType_IS_GC(type) || (type->tp_is_gc && !type->tp_is_gc(item)) ||
+            !PyObject_GC_IsTracked(item))
+            continue; /* (stays_tracked's first tests, inline: most fields end here) */
+        if (stays_tracked(item, 2)) return;
+    }
+    PyObject_GC_UnTrack(row);
 }
 
 static PyObject *shape_lookup(Fused *self, PyObject *size);
@@ -639,6 +675,24 @@ static PyObject *shape_lookup(Fused *self, PyObject *size) {
     return shape;
 }
 
+/* The fields add_row sets itself; the others (``defaulted``, found once by the module's
+ * init) take the row defaults. */
+static const int ROW_SET[] = {ROW_FUNC,     ROW_KIND,    ROW_MODULES, ROW_PARENTS,
+                              ROW_PARENT_ARGS, ROW_SITE, ROW_ARG_VALUES, ROW_SHAPE,
+                              ROW_DTYPE,    ROW_DEVICE,  ROW_OUT_INDEX, ROW_INPLACE,
+                              ROW_PARAMS,   ROW_LAYER_IDX, ROW_PASS,  ROW_N_FUNC,
+                              ROW_N_LAYER};
+static int defaulted[ROW_WIDTH], n_defaulted;
+
+static void find_defaulted(void) {
+    n_defaulted = 0;
+    for (int k = 0; k < ROW_WIDTH; k++) {
+        int set = 0;
+        for (size_t j = 0; j < sizeof ROW_SET / sizeof ROW_SET[0]; j++) set |= ROW_SET[j] == k;
+        if (!set) defaulted[n_defaulted++] = k;
+    }
+}
+
 /* Append the row of a new op producing ``out``. 0 on success. */
 static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     int ok = -1;
@@ -705,6 +759,7 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     row = PyTuple_New(ROW_WIDTH);
     if (!row) goto done;
 #define SET(field, value) (Py_INCREF(value), PyTuple_SET_ITEM(row, ROW_##field, (value)))
+    /* (every field below is in ROW_SET: the rest are filled from the defaults) */
     SET(FUNC, name);
     SET(KIND, str_op);
     SET(MODULES, stack_key);
@@ -723,13 +778,12 @@ static int add_row(Fused *self, PyObject *name, PyObject *out, Scan *s) {
     SET(N_FUNC, n_func);
     SET(N_LAYER, n_layer);
 #undef SET
-    for (Py_ssize_t k = 0; k < ROW_WIDTH; k++) {
-        if (PyTuple_GET_ITEM(row, k)) continue;
-        PyObject *value = PyTuple_GET_ITEM(self->row_defaults, k);
+    for (int j = 0; j < n_defaulted; j++) { /* (the fields not SET above) */
+        PyObject *value = PyTuple_GET_ITEM(self->row_defaults, defaulted[j]);
         Py_INCREF(value);
-        PyTuple_SET_ITEM(row, k, value);
+        PyTuple_SET_ITEM(row, defaulted[j], value);
     }
-    settle(row, 2);
+    settle_row(self, row);
     key = id_key(out);
     if (!key) goto done;
     ref = PyWeakref_NewRef(out, NULL);
@@ -1251,6 +1305,10 @@ static PyObject *same_rows(PyObject *module, PyObject *const *a, Py_ssize_t narg
         }
         Py_ssize_t m = PyTuple_GET_SIZE(r);
         if (m != PyTuple_GET_SIZE(s)) Py_RETURN_FALSE;
+        /* every field the very object (a graph recorded again: shared values): one
+         * comparison of the item arrays, not a loop over the fields */
+        if (!memcmp(&PyTuple_GET_ITEM(r, 0), &PyTuple_GET_ITEM(s, 0), m * sizeof(PyObject *)))
+            continue;
         for (Py_ssize_t k = 0; k < m; k++) {
             PyObject *u = PyTuple_GET_ITEM(r, k), *v = PyTuple_GET_ITEM(s, k);
             if (u == v) continue;
@@ -1828,6 +1886,7 @@ static struct PyModuleDef hot_module = {
 
 PyMODINIT_FUNC PyInit__hot(void) {
     crc32c_init();
+    find_defaulted();
 #ifdef HAVE_SIMD
     crc32c_hardware = __builtin_cpu_supports("sse4.2");
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
