@@ -148,6 +148,7 @@ typedef struct {
         PyObject *known;
     } funcs_seen[FUNC_SLOTS];
     PyObject *last_shape; /* the previous op's shape tuple: the next one is often equal */
+    PyObject *call; /* this mode's FusedCall, made on torch's first lookup (fused_getattr) */
     int plain_defaults; /* no row default is a tracked object (bind): settle_row may skip them */
 } Fused;
 
@@ -155,7 +156,7 @@ typedef struct {
     X(state) X(funcs) X(producers) X(refs) X(params) X(rows) X(shapes) X(counts)         \
         X(codes) X(classify) X(emit) X(slow) X(record) X(on_error) X(tensor_type)        \
             X(row_defaults) X(value_types) X(empty_list) \
-                X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape)
+                X(get_shape) X(get_dtype) X(get_device) X(get_is_cpu) X(last_shape) X(call)
 
 /* Every reference a Fused holds, for X(field) statements: the fields, then the slots. */
 #define EACH_REF(X)                                                                        \
@@ -176,7 +177,28 @@ static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
     return 0;
 }
 
+/* How many rows the last recording made: the next, most often of the same model, has
+ * its rows and refs lists reserved that long at bind (growing a list of a thousand
+ * items one append at a time reallocates and copies it ~30 times: ~500 instructions
+ * an op, a tenth of the chain's whole per-op cost). */
+#define RESERVE_MAX ((Py_ssize_t)1 << 20)
+static Py_ssize_t rows_hint = 0;
+
+/* Room for n items in a list, as its own growth would make (best effort). */
+static void reserve(PyObject *list, Py_ssize_t n) {
+#ifndef Py_GIL_DISABLED
+    PyListObject *l = (PyListObject *)list;
+    if (!PyList_CheckExact(list) || n <= l->allocated || n > RESERVE_MAX)
+        return;
+    PyObject **items = PyMem_Realloc(l->ob_item, (size_t)n * sizeof(PyObject *));
+    if (!items) return; /* (no exception set: the appends grow it as usual) */
+    l->ob_item = items;
+    l->allocated = n;
+#endif
+}
+
 static int Fused_clear(Fused *self) {
+    if (self->rows && PyList_Check(self->rows)) rows_hint = PyList_GET_SIZE(self->rows);
 #define CLEAR(f) Py_CLEAR(self->f);
     EACH_REF(CLEAR);
 #undef CLEAR
@@ -191,6 +213,7 @@ static void Fused_dealloc(Fused *self) {
 
 static void settle(PyObject *t, int depth);
 static int stays_tracked(PyObject *item, int depth);
+static PyObject *Fused_getattr(Fused *self, char *name);
 
 static PyObject *Fused_bind(Fused *self, PyObject *args) {
     PyObject *v[17];
@@ -229,6 +252,14 @@ static PyObject *Fused_bind(Fused *self, PyObject *args) {
         Py_INCREF(v[k]);
         *slots[k] = v[k];
     }
+    /* A Python subclass (intercept._FusedMode) does not inherit tp_getattr (its class
+     * statement sets tp_getattro): it gets Fused's, which answers torch's look-ups as
+     * the generic one would, where the generic one is what its instances use. */
+    PyTypeObject *type = Py_TYPE(self);
+    if (!type->tp_getattr && type->tp_getattro == PyObject_GenericGetAttr)
+        type->tp_getattr = (getattrfunc)Fused_getattr;
+    reserve(self->rows, rows_hint);
+    reserve(self->refs, rows_hint);
     self->value_types = PyTuple_GET_ITEM(v[16], 0); /* argkeys.KEPT */
     self->empty_list = PyTuple_GET_ITEM(v[16], 1);
     self->plain_defaults = 1;
@@ -908,6 +939,103 @@ static PyGetSetDef Fused_getset[] = {
     {NULL},
 };
 
+/* ---- torch's look-ups of the mode's __torch_function__ ------------------------------
+ * For every call, torch (torch/csrc/utils/python_strings.h, PyObject_FastGetAttrString,
+ * before Python 3.13) looks up ``mode.__torch_function__`` and then that bound method's
+ * ``__self__`` (a check that it is no classmethod), each through the type's
+ * ``tp_getattr`` where it has one, else by making a new str of the name and the generic
+ * look-up, which a new str misses the type's method cache with: two MRO walks, a bound
+ * method made and freed (~900 instructions an op, a fifth of the chain's per-op cost over
+ * the bare mode). A Fused answers the first with one FusedCall it keeps (``call``),
+ * whose own tp_getattr answers ``__self__``; any other name, or a subclass that defines
+ * its own ``__torch_function__``, takes Python's own look-up. Python code never sees
+ * the difference: its look-ups go through tp_getattro, which stays the generic one. */
+static PyObject *str_torch_function, *fused_tf; /* "__torch_function__", Fused's method */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *mode; /* the Fused it calls */
+    vectorcallfunc vectorcall;
+} FusedCall;
+
+static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t nargsf,
+                                      PyObject *kwnames);
+
+static PyObject *FusedCall_vectorcall(FusedCall *self, PyObject *const *a, size_t nargsf,
+                                      PyObject *kwnames) {
+    return Fused_torch_function((Fused *)self->mode, a, nargsf, kwnames);
+}
+
+/* A name given as char *, as Python's generic look-up would answer it. */
+static PyObject *getattr_string(PyObject *obj, const char *name) {
+    PyObject *s = PyUnicode_InternFromString(name);
+    if (!s) return NULL;
+    PyObject *r = PyObject_GetAttr(obj, s);
+    Py_DECREF(s);
+    return r;
+}
+
+static PyObject *FusedCall_getattr(FusedCall *self, char *name) {
+    if (!strcmp(name, "__self__")) return Py_NewRef(self->mode);
+    return getattr_string((PyObject *)self, name);
+}
+
+static int FusedCall_traverse(FusedCall *self, visitproc visit, void *arg) {
+    Py_VISIT(self->mode);
+    return 0;
+}
+
+static int FusedCall_clear(FusedCall *self) {
+    Py_CLEAR(self->mode);
+    return 0;
+}
+
+static void FusedCall_dealloc(FusedCall *self) {
+    PyObject_GC_UnTrack(self);
+    FusedCall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *FusedCall_self(FusedCall *self, void *Py_UNUSED(closure)) {
+    return Py_NewRef(self->mode);
+}
+
+static PyGetSetDef FusedCall_getset[] = {
+    {"__self__", (getter)FusedCall_self, NULL, "The mode it calls."},
+    {NULL},
+};
+
+static PyTypeObject FusedCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelake.recorder._hot.FusedCall",
+    .tp_basicsize = sizeof(FusedCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A Fused mode's __torch_function__, bound, as torch looks it up.",
+    .tp_vectorcall_offset = offsetof(FusedCall, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattr = (getattrfunc)FusedCall_getattr,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_getset = FusedCall_getset,
+    .tp_traverse = (traverseproc)FusedCall_traverse,
+    .tp_clear = (inquiry)FusedCall_clear,
+    .tp_dealloc = (destructor)FusedCall_dealloc,
+};
+
+static PyObject *Fused_getattr(Fused *self, char *name) {
+    if (!strcmp(name, "__torch_function__") &&
+        _PyType_Lookup(Py_TYPE(self), str_torch_function) == fused_tf) {
+        if (!self->call) {
+            FusedCall *call = PyObject_GC_New(FusedCall, &FusedCallType);
+            if (!call) return NULL;
+            call->mode = Py_NewRef(self);
+            call->vectorcall = (vectorcallfunc)FusedCall_vectorcall;
+            PyObject_GC_Track(call);
+            self->call = (PyObject *)call;
+        }
+        return Py_NewRef(self->call);
+    }
+    return getattr_string((PyObject *)self, name);
+}
+
 static PyTypeObject FusedType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelake.recorder._hot.Fused",
     .tp_basicsize = sizeof(Fused),
@@ -916,6 +1044,8 @@ static PyTypeObject FusedType = {
     .tp_traverse = (traverseproc)Fused_traverse,
     .tp_clear = (inquiry)Fused_clear,
     .tp_dealloc = (destructor)Fused_dealloc,
+    .tp_getattr = (getattrfunc)Fused_getattr,
+    .tp_getattro = PyObject_GenericGetAttr,
     .tp_methods = Fused_methods,
     .tp_getset = Fused_getset,
     .tp_new = PyType_GenericNew,
@@ -1863,7 +1993,19 @@ static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssi
 #define WRITE_RAW_SHARD
 #endif
 
+/* producers_dict(): an empty dict with room for as many items as the last recording
+ * made rows (rows_hint): the next recording's producers dict, which gets an item per
+ * row, then never grows (each growth rehashes every item: ~100 instructions an op). */
+static PyObject *producers_dict(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (rows_hint > 0 && rows_hint <= RESERVE_MAX) return _PyDict_NewPresized(rows_hint);
+#endif
+    return PyDict_New();
+}
+
 static PyMethodDef hot_functions[] = {
+    {"producers_dict", producers_dict, METH_NOARGS,
+     "producers_dict(): an empty dict sized for the last recording's rows."},
     {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
      "moments_f32(address, run, count, step): one pass's moments of float32s "
      "(recorder/stats.py)."},
@@ -1907,6 +2049,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(str_name, "name")
     INTERN(str_members, "members")
     INTERN(str_step, "step")
+    INTERN(str_torch_function, "__torch_function__")
 #undef INTERN
     if (!(int_zero = PyLong_FromLong(0)) || !(int_one = PyLong_FromLong(1)) ||
         !(int_minus_one = PyLong_FromLong(-1)) || !(empty_tuple = PyTuple_New(0)))
@@ -1916,7 +2059,14 @@ PyMODINIT_FUNC PyInit__hot(void) {
         if (!pos || !(single_where[k] = PyTuple_Pack(1, pos))) return NULL;
         Py_DECREF(pos);
     }
-    if (PyType_Ready(&FusedType) < 0 || PyType_Ready(&PackerType) < 0) return NULL;
+    if (PyType_Ready(&FusedType) < 0 || PyType_Ready(&PackerType) < 0 ||
+        PyType_Ready(&FusedCallType) < 0)
+        return NULL;
+    /* (borrowed: the type's dict keeps it for the process) */
+    if (!(fused_tf = PyDict_GetItemWithError(FusedType.tp_dict, str_torch_function))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "Fused.__torch_function__");
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&hot_module);
     if (!m) return NULL;
     Py_INCREF(&FusedType);

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from . import compiled
 from .argkeys import all_tensors, capture
 from .arguments import ArgsRecorder
 from .eager import module_path, named_modules
@@ -139,7 +140,8 @@ class Labeller:
         # reference to the row's tensor (one per row), so a dead tensor whose id was
         # reused is never confused with it. Plain ints as values keep the GC's tracked
         # objects at one per entry (the weak reference).
-        self._producers: dict[int, int] = {}
+        hot = compiled.hot()
+        self._producers: dict[int, int] = {} if hot is None else hot.producers_dict()
         self._refs: list[weakref.ref] = []
         #: whether a tensor was written through a view of it (see _Alias)
         self._aliases = False

@@ -9,6 +9,7 @@ lists, several outputs, non-tensor outputs, repeated module calls, errors).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import os
@@ -190,6 +191,54 @@ def test_common_calls_do_not_reach_python(monkeypatch: pytest.MonkeyPatch) -> No
     seen.clear()
     _record(monkeypatch, False, MODELS["chain"], save=tl.none())
     assert len(seen) == 160
+
+
+#: Where a type object keeps ``tp_getattr`` (CPython 3.11+, 64-bit, release build: eight
+#: pointer-sized fields before it), the char * look-up torch's C++ uses where a type has
+#: one (torch/csrc/utils/python_strings.h: ``PyObject_FastGetAttrString``).
+_TP_GETATTR = 8 * ctypes.sizeof(ctypes.c_void_p)
+_GETATTR = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object, ctypes.c_char_p)
+
+
+def _c_getattr(type_: type, obj: object, name: str) -> object:
+    """``type_``'s tp_getattr called on ``obj``, as torch calls it."""
+    slot = ctypes.c_void_p.from_address(id(type_) + _TP_GETATTR).value
+    assert slot, f"{type_.__name__} has no tp_getattr"
+    return _GETATTR(slot)(obj, name.encode())
+
+
+def test_torch_lookups_answer_as_python_does() -> None:
+    """For every call, torch looks up the mode's ``__torch_function__``, then that bound
+    method's ``__self__``, by name as char *. The compiled mode answers both from one
+    object it keeps (no look-up of a new str, no bound method made); any other name, and
+    a subclass that defines its own ``__torch_function__``, as Python's look-up does."""
+    hot = compiled.hot()
+    seen: list[object] = []
+
+    class Grab(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.extend(torch.overrides._get_current_function_mode_stack())
+            return torch.relu(x) + 1
+
+    tl.trace(Grab(), torch.randn(3)).cleanup()
+    (mode,) = seen
+    assert isinstance(mode, hot.Fused)
+    kind = type(mode)
+    call = _c_getattr(kind, mode, "__torch_function__")
+    assert call is _c_getattr(kind, mode, "__torch_function__")  # kept, not made again
+    assert _c_getattr(type(call), call, "__self__") is mode and call.__self__ is mode
+    assert callable(call)
+    assert _c_getattr(kind, mode, "_funcs") is mode._funcs
+    with pytest.raises(AttributeError):
+        _c_getattr(kind, mode, "no_such_attribute")
+
+    class Own(hot.Fused):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return "own"
+
+    own = Own()
+    found = _c_getattr(hot.Fused, own, "__torch_function__")
+    assert found.__func__ is Own.__torch_function__ and found.__self__ is own
 
 
 def test_forward_that_raises_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
