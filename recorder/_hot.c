@@ -949,7 +949,9 @@ static PyGetSetDef Fused_getset[] = {
  * the bare mode). A Fused answers the first with one FusedCall it keeps (``call``),
  * whose own tp_getattr answers ``__self__``; any other name, or a subclass that defines
  * its own ``__torch_function__``, takes Python's own look-up. Python code never sees
- * the difference: its look-ups go through tp_getattro, which stays the generic one. */
+ * the difference: its look-ups go through tp_getattro, which stays the generic one.
+ * (Not consulted: an instance attribute named ``__torch_function__``, which torch would
+ * refuse anyway unless it were a method bound to the mode.) */
 static PyObject *str_torch_function, *fused_tf; /* "__torch_function__", Fused's method */
 
 typedef struct {
@@ -961,8 +963,13 @@ typedef struct {
 static PyObject *Fused_torch_function(Fused *self, PyObject *const *a, size_t nargsf,
                                       PyObject *kwnames);
 
+/* (mode is NULL only after the GC cleared a cycle no one can reach any more) */
 static PyObject *FusedCall_vectorcall(FusedCall *self, PyObject *const *a, size_t nargsf,
                                       PyObject *kwnames) {
+    if (!self->mode) {
+        PyErr_SetString(PyExc_RuntimeError, "tracelake's fused mode is gone");
+        return NULL;
+    }
     return Fused_torch_function((Fused *)self->mode, a, nargsf, kwnames);
 }
 
@@ -976,7 +983,7 @@ static PyObject *getattr_string(PyObject *obj, const char *name) {
 }
 
 static PyObject *FusedCall_getattr(FusedCall *self, char *name) {
-    if (!strcmp(name, "__self__")) return Py_NewRef(self->mode);
+    if (self->mode && !strcmp(name, "__self__")) return Py_NewRef(self->mode);
     return getattr_string((PyObject *)self, name);
 }
 
@@ -997,7 +1004,7 @@ static void FusedCall_dealloc(FusedCall *self) {
 }
 
 static PyObject *FusedCall_self(FusedCall *self, void *Py_UNUSED(closure)) {
-    return Py_NewRef(self->mode);
+    return Py_NewRef(self->mode ? self->mode : Py_None);
 }
 
 static PyGetSetDef FusedCall_getset[] = {
