@@ -148,7 +148,7 @@ typedef struct {
         PyObject *known;
     } funcs_seen[FUNC_SLOTS];
     PyObject *last_shape; /* the previous op's shape tuple: the next one is often equal */
-    PyObject *call; /* this mode's FusedCall, made on torch's first lookup (fused_getattr) */
+    PyObject *call; /* this mode's FusedCall, made on torch's first look-up (Fused_getattr) */
     int plain_defaults; /* no row default is a tracked object (bind): settle_row may skip them */
 } Fused;
 
@@ -178,9 +178,8 @@ static int Fused_traverse(Fused *self, visitproc visit, void *arg) {
 }
 
 /* How many rows the last recording made: the next, most often of the same model, has
- * its rows and refs lists reserved that long at bind (growing a list of a thousand
- * items one append at a time reallocates and copies it ~30 times: ~500 instructions
- * an op, a tenth of the chain's whole per-op cost). */
+ * its rows and refs lists reserved that long at bind (a list grown one append at a
+ * time is reallocated and copied again and again; benchmarks/instructions.py). */
 #define RESERVE_MAX ((Py_ssize_t)1 << 20)
 static Py_ssize_t rows_hint = 0;
 
@@ -945,8 +944,8 @@ static PyGetSetDef Fused_getset[] = {
  * ``__self__`` (a check that it is no classmethod), each through the type's
  * ``tp_getattr`` where it has one, else by making a new str of the name and the generic
  * look-up, which a new str misses the type's method cache with: two MRO walks, a bound
- * method made and freed (~900 instructions an op, a fifth of the chain's per-op cost over
- * the bare mode). A Fused answers the first with one FusedCall it keeps (``call``),
+ * method made and freed (most of the chain's per-op cost over the bare mode, as
+ * benchmarks/instructions.py counts it). A Fused answers the first with one FusedCall it keeps (``call``),
  * whose own tp_getattr answers ``__self__``; any other name, or a subclass that defines
  * its own ``__torch_function__``, takes Python's own look-up. Python code never sees
  * the difference: its look-ups go through tp_getattro, which stays the generic one.
@@ -2002,7 +2001,7 @@ static PyObject *write_raw_shard_py(PyObject *module, PyObject *const *a, Py_ssi
 
 /* producers_dict(): an empty dict with room for as many items as the last recording
  * made rows (rows_hint): the next recording's producers dict, which gets an item per
- * row, then never grows (each growth rehashes every item: ~100 instructions an op). */
+ * row, then never grows (each growth rehashes every item). */
 static PyObject *producers_dict(PyObject *module, PyObject *Py_UNUSED(ignored)) {
 #if PY_VERSION_HEX < 0x030D0000
     if (rows_hint > 0 && rows_hint <= RESERVE_MAX) return _PyDict_NewPresized(rows_hint);
