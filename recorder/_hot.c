@@ -1526,7 +1526,10 @@ static Py_ssize_t moments_sse2(const float *x, Py_ssize_t n, Moments *m) {
     return i;
 }
 
-/* AVX2 where the processor has it: lanes 4k to 4k + 3 in s[k] and q[k]. */
+/* AVX2 where the processor has it: lanes 4k to 4k + 3 in s[k] and q[k]. Each quarter of
+ * lanes is converted straight from memory (a 128-bit load into vcvtps2pd, no shuffle to
+ * split a 256-bit load): what is left bounding the loop is the multiply-add chain of each
+ * q[k], one a LANES elements, whose order sets the bits. */
 __attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *x, Py_ssize_t n,
                                                                    Moments *m) {
     __m256d s[LANES / 4], q[LANES / 4];
@@ -1541,15 +1544,16 @@ __attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *
         Py_ssize_t end = i + BLOCK < n ? i + BLOCK : n;
         __m256i z = _mm256_setzero_si256();
         for (; i + LANES <= end; i += LANES) {
+            const float *p = x + i;
+#pragma GCC unroll 4
+            for (int k = 0; k < LANES / 4; k++) {
+                __m256d d = _mm256_cvtps_pd(_mm_loadu_ps(p + 4 * k));
+                s[k] = _mm256_add_pd(s[k], d);
+                q[k] = _mm256_fmadd_pd(d, d, q[k]);
+            }
 #pragma GCC unroll 2
             for (int k = 0; k < LANES / 8; k++) {
-                __m256 a = _mm256_loadu_ps(x + i + 8 * k);
-                __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
-                __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
-                s[2 * k] = _mm256_add_pd(s[2 * k], d0);
-                s[2 * k + 1] = _mm256_add_pd(s[2 * k + 1], d1);
-                q[2 * k] = _mm256_fmadd_pd(d0, d0, q[2 * k]);
-                q[2 * k + 1] = _mm256_fmadd_pd(d1, d1, q[2 * k + 1]);
+                __m256 a = _mm256_loadu_ps(p + 8 * k);
                 lo[k] = _mm256_min_ps(a, lo[k]), hi[k] = _mm256_max_ps(a, hi[k]);
                 z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(a, zero, _CMP_EQ_OQ)));
             }
@@ -1579,10 +1583,17 @@ static void moments_start(const float *x, Moments *m) {
  * row: so rows cut at multiples of LANES elements give the bits of one row. */
 static int has_avx2 = 0; /* (set when the module loads) */
 
-static void moments_row(const float *row, Py_ssize_t n, Moments *m) {
+/* Which implementation: the best the processor has, or (for the tests that check they
+ * all give the same bits) SSE2, or plain C. */
+typedef enum { PASS_BEST, PASS_SSE2, PASS_C } Pass;
+
+static void moments_row(const float *row, Py_ssize_t n, Moments *m, Pass pass) {
     Py_ssize_t done = 0;
 #ifdef HAVE_SIMD
-    done = has_avx2 ? moments_avx2(row, n, m) : moments_sse2(row, n, m);
+    if (pass == PASS_BEST && has_avx2)
+        done = moments_avx2(row, n, m);
+    else if (pass != PASS_C)
+        done = moments_sse2(row, n, m);
 #endif
     moments_tail(row, done, n, m);
 }
@@ -1601,10 +1612,10 @@ static void moments_end(const Moments *mm, double *out) {
 }
 
 static void moments_f32(const float *x, Py_ssize_t run, Py_ssize_t count, Py_ssize_t step,
-                        double *out) {
+                        double *out, Pass pass) {
     Moments m;
     moments_start(x, &m);
-    for (Py_ssize_t r = 0; r < count; r++) moments_row(x + r * step, run, &m);
+    for (Py_ssize_t r = 0; r < count; r++) moments_row(x + r * step, run, &m, pass);
     moments_end(&m, out);
 }
 
@@ -1772,35 +1783,41 @@ static PyObject *crc_moments_f32_py(PyObject *module, PyObject *const *a, Py_ssi
     const unsigned char *bytes = (const unsigned char *)x;
     Py_ssize_t at = skip / 4, per = block / 4;
     Cut cut = crc32c_cut((size_t)block);
-    moments_row(x, at, &m);
+    moments_row(x, at, &m, PASS_BEST);
     for (Py_ssize_t k = 0; k < blocks; k++, at += per) {
         crcs[k] = crc32c_with(0, bytes + skip + k * block, (size_t)block, cut);
-        moments_row(x + at, per, &m);
+        moments_row(x + at, per, &m, PASS_BEST);
     }
-    moments_row(x + at, count - at, &m);
+    moments_row(x + at, count - at, &m, PASS_BEST);
     moments_end(&m, out);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
 
-/* moments_f32(address, run, count, step): moments_f32's (sum, sum of squares, min, max,
- * zeros) of the float32s at address, in float64, the GIL released meanwhile. */
+/* moments_f32(address, run, count, step[, pass]): moments_f32's (sum, sum of squares, min,
+ * max, zeros) of the float32s at address, in float64, the GIL released meanwhile. pass
+ * (tests): 0 the best implementation here, 1 SSE2, 2 plain C. */
 static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "moments_f32(address, run, count, step)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "moments_f32(address, run, count, step[, pass])");
         return NULL;
     }
     void *address = PyLong_AsVoidPtr(a[0]);
     Py_ssize_t run = PyLong_AsSsize_t(a[1]), count = PyLong_AsSsize_t(a[2]);
     Py_ssize_t step = PyLong_AsSsize_t(a[3]);
+    long pass = nargs == 5 ? PyLong_AsLong(a[4]) : PASS_BEST;
     if (PyErr_Occurred()) return NULL;
+    if (pass < PASS_BEST || pass > PASS_C) {
+        PyErr_SetString(PyExc_ValueError, "moments_f32: pass is 0 (best), 1 (SSE2) or 2 (C)");
+        return NULL;
+    }
     if (!address || run <= 0 || count <= 0 || (count > 1 && step < run)) {
         PyErr_SetString(PyExc_ValueError, "moments_f32: no elements, or overlapping runs");
         return NULL;
     }
     double out[5];
     Py_BEGIN_ALLOW_THREADS
-    moments_f32((const float *)address, run, count, step, out);
+    moments_f32((const float *)address, run, count, step, out, (Pass)pass);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
@@ -2013,7 +2030,7 @@ static PyMethodDef hot_functions[] = {
     {"producers_dict", producers_dict, METH_NOARGS,
      "producers_dict(): an empty dict sized for the last recording's rows."},
     {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
-     "moments_f32(address, run, count, step): one pass's moments of float32s "
+     "moments_f32(address, run, count, step[, pass]): one pass's moments of float32s "
      "(recorder/stats.py)."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_py, METH_FASTCALL,
      "crc32c(address, nbytes[, hardware]): the CRC32C of the bytes at address."},

@@ -279,6 +279,39 @@ def test_float32_views_reduced_where_they_lie(values: np.ndarray, layout: int) -
     assert close(contiguous.l2, got.l2, 1e-12, scale)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    values=arrays(
+        np.float32,
+        st.integers(1, 700),
+        elements=st.one_of(finite32, st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 3e38])),
+    ),
+    run=st.integers(1, 90),
+    gap=st.integers(0, 13),
+)
+def test_every_implementation_of_the_pass_gives_the_same_bits(
+    values: np.ndarray, run: int, gap: int
+) -> None:
+    """The compiled pass has an implementation per instruction set (AVX2 where the
+    processor has it, SSE2, plain C): over any layout (rows of ``run`` elements ``gap``
+    apart, so every lane phase and tail) they give the same sums, extremes and zero
+    count, to the bit, so statistics do not depend on the machine that computed them."""
+    from tracelake.recorder import compiled
+
+    hot = compiled.hot()
+    assert hot is not None, "the extension is missing"
+    run = min(run, len(values))
+    step = run + gap
+    count = max(1, (len(values) - run) // step + 1)
+    layout = (values.ctypes.data, run, count, step)
+    best, sse2, plain = (hot.moments_f32(*layout, which) for which in (0, 1, 2))
+    bits = [np.array(got, dtype=np.float64).tobytes() for got in (best, sse2, plain)]
+    assert bits[0] == bits[1] == bits[2], (best, sse2, plain)  # (a zero's sign too)
+    rows = [values[k * step : k * step + run].astype(np.float64) for k in range(count)]
+    total = np.concatenate(rows)
+    assert best[2:] == (total.min(), total.max(), float((total == 0).sum()))
+
+
 def test_views_of_one_memory_share_statistics_until_written() -> None:
     """Under stats="all", a view that only reshapes or permutes an op's output reuses
     that output's statistics; an in-place write in between (seen by the version counter)
