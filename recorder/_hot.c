@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #include "_record.h" /* the row's fields by name, generated from recorder/record.py */
@@ -1073,6 +1074,38 @@ static PyTypeObject FusedType = {
  * (array, byte offset, nbytes, shape, dtype, step), the emitter's version and op slot.
  * Nothing is changed until everything that can fail has been made.
  */
+/* torch.Tensor's getters (data descriptors, called straight) and methods that the
+ * compiled entries (Packer, Reducer) read, looked up once on the type. */
+typedef struct {
+    PyObject *tensor_type;
+    PyObject *get_layout, *get_is_cpu, *get_version, *get_nbytes, *get_dtype;
+    PyObject *get_shape;
+    PyObject *is_contiguous, *is_neg, *data_ptr, *stride;
+} TensorAttrs;
+
+#define TENSOR_ATTRS(X)                                                                    \
+    X(t.tensor_type) X(t.get_layout) X(t.get_is_cpu) X(t.get_version) X(t.get_nbytes)      \
+        X(t.get_dtype) X(t.get_shape) X(t.is_contiguous) X(t.is_neg) X(t.data_ptr) X(t.stride)
+
+/* A compiled entry's tp_traverse, tp_clear and tp_dealloc, over the object fields that
+ * REFS lists. */
+#define GC_SLOTS(Type, REFS)                                                               \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                   \
+        REFS(GC_VISIT)                                                                      \
+        return 0;                                                                           \
+    }                                                                                       \
+    static int Type##_clear(Type *self) {                                                  \
+        REFS(GC_CLEAR)                                                                      \
+        return 0;                                                                           \
+    }                                                                                       \
+    static void Type##_dealloc(Type *self) {                                               \
+        PyObject_GC_UnTrack(self);                                                          \
+        Type##_clear(self);                                                                 \
+        Py_TYPE(self)->tp_free((PyObject *)self);                                           \
+    }
+#define GC_VISIT(f) Py_VISIT(self->f);
+#define GC_CLEAR(f) Py_CLEAR(self->f);
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -1084,43 +1117,50 @@ typedef struct {
     PyObject *rows;     /* the table's rows: an entry's shape */
     PyObject *op_slots; /* emitter: op entry -> slot */
     PyObject *versions; /* emitter: slot -> the tensor's version when saved */
-    PyObject *tensor_type, *strided;
-    PyObject *get_layout, *get_is_cpu, *get_version, *get_nbytes, *get_dtype;
-    PyObject *is_contiguous, *is_neg, *data_ptr; /* torch.Tensor's method descriptors */
+    PyObject *strided;
+    TensorAttrs t;
     Py_ssize_t chunk_bytes, align, small_bytes;
 } Packer;
 
 #define PACKER_REFS(X)                                                                     \
     X(fallback) X(writer) X(slots) X(plans) X(errors) X(rows) X(op_slots) X(versions)      \
-        X(tensor_type) X(strided) X(get_layout) X(get_is_cpu) X(get_version)               \
-            X(get_nbytes) X(get_dtype) X(is_contiguous) X(is_neg) X(data_ptr)
+        X(strided) TENSOR_ATTRS(X)
 
 static PyObject *str_used, *str_address, *str_buffer, *str_chunk, *str_name, *str_members,
     *str_step;
 
-static int Packer_traverse(Packer *self, visitproc visit, void *arg) {
-#define VISIT(f) Py_VISIT(self->f);
-    PACKER_REFS(VISIT)
-#undef VISIT
-    return 0;
-}
+GC_SLOTS(Packer, PACKER_REFS)
 
-static int Packer_clear(Packer *self) {
-#define CLEAR(f) Py_CLEAR(self->f);
-    PACKER_REFS(CLEAR)
-#undef CLEAR
-    return 0;
-}
-
-static void Packer_dealloc(Packer *self) {
-    PyObject_GC_UnTrack(self);
-    Packer_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+/* The torch.Tensor getters (data descriptors) and methods the compiled entries read, in
+ * the order of their fields. */
+static const char *const TENSOR_GETTERS[6] = {"layout", "is_cpu", "_version",
+                                              "nbytes", "dtype",  "shape"};
+static const char *const TENSOR_METHODS[4] = {"is_contiguous", "is_neg", "data_ptr", "stride"};
 
 /* torch.Tensor's attribute through its own getter (the caller checked the exact type). */
-static PyObject *packer_get(Packer *self, PyObject *getter, PyObject *tensor) {
-    return Py_TYPE(getter)->tp_descr_get(getter, tensor, self->tensor_type);
+static PyObject *tensor_get(TensorAttrs *t, PyObject *getter, PyObject *tensor) {
+    return Py_TYPE(getter)->tp_descr_get(getter, tensor, t->tensor_type);
+}
+
+/* The attributes of torch.Tensor (`type`) into `t`: 0, or -1 with an error set. */
+static int tensor_attrs(TensorAttrs *t, PyObject *type) {
+    Py_INCREF(type);
+    t->tensor_type = type;
+    PyObject **const out[10] = {&t->get_layout, &t->get_is_cpu, &t->get_version,
+                                &t->get_nbytes, &t->get_dtype,  &t->get_shape,
+                                &t->is_contiguous, &t->is_neg, &t->data_ptr,
+                                &t->stride};
+    for (int k = 0; k < 10; k++) {
+        int getter = k < 6;
+        const char *name = getter ? TENSOR_GETTERS[k] : TENSOR_METHODS[k - 6];
+        *out[k] = PyObject_GetAttrString(type, name);
+        if (*out[k] && getter && !Py_TYPE(*out[k])->tp_descr_get) Py_CLEAR(*out[k]);
+        if (!*out[k]) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "torch.Tensor: no %s", name);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 static PyObject *packer_method(PyObject *method, PyObject *tensor) {
@@ -1144,7 +1184,7 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
     PyObject *layout = NULL, *is_cpu = NULL, *version = NULL, *nbytes = NULL, *dtype = NULL,
              *buffer = NULL, *flag = NULL, *ptr = NULL, *name = NULL, *members = NULL,
              *step = NULL, *slot = NULL, *offset = NULL, *used = NULL, *entry = NULL;
-    if (Py_TYPE(tensor) != (PyTypeObject *)self->tensor_type || !PyLong_CheckExact(index) ||
+    if (Py_TYPE(tensor) != (PyTypeObject *)self->t.tensor_type || !PyLong_CheckExact(index) ||
         !PyLong_CheckExact(same_as) || PyList_GET_SIZE(self->errors))
         return 0;
     Py_ssize_t at = PyLong_AsSsize_t(index); /* (-1 on an error: out clears it) */
@@ -1153,15 +1193,15 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
     PyObject *row = PyList_GET_ITEM(self->rows, at);
     if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != ROW_WIDTH) goto out;
     PyObject *shape = PyTuple_GET_ITEM(row, ROW_SHAPE);
-    if (!(layout = packer_get(self, self->get_layout, tensor)) || layout != self->strided)
+    if (!(layout = tensor_get(&self->t, self->t.get_layout, tensor)) || layout != self->strided)
         goto out;
-    if (!(is_cpu = packer_get(self, self->get_is_cpu, tensor)) || is_cpu != Py_True) goto out;
-    if (!(version = packer_get(self, self->get_version, tensor))) goto out; /* inference */
-    if (!(nbytes = packer_get(self, self->get_nbytes, tensor)) || !PyLong_CheckExact(nbytes))
+    if (!(is_cpu = tensor_get(&self->t, self->t.get_is_cpu, tensor)) || is_cpu != Py_True) goto out;
+    if (!(version = tensor_get(&self->t, self->t.get_version, tensor))) goto out; /* inference */
+    if (!(nbytes = tensor_get(&self->t, self->t.get_nbytes, tensor)) || !PyLong_CheckExact(nbytes))
         goto out;
     Py_ssize_t n = PyLong_AsSsize_t(nbytes);
     if (n <= 0 || n >= self->small_bytes || n > self->chunk_bytes) goto out;
-    if (!(dtype = packer_get(self, self->get_dtype, tensor))) goto out;
+    if (!(dtype = tensor_get(&self->t, self->t.get_dtype, tensor))) goto out;
     PyObject *plan = PyDict_GetItemWithError(self->plans, dtype);
     if (!plan || !PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 2 ||
         PyTuple_GET_ITEM(plan, 1) != Py_True)
@@ -1172,10 +1212,10 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
     if (was < 0) goto out;
     Py_ssize_t start = (was + self->align - 1) & -self->align;
     if (start + n > self->chunk_bytes) goto out; /* Python flushes the full chunk */
-    if (!(flag = packer_method(self->is_contiguous, tensor)) || flag != Py_True) goto out;
+    if (!(flag = packer_method(self->t.is_contiguous, tensor)) || flag != Py_True) goto out;
     Py_CLEAR(flag);
-    if (!(flag = packer_method(self->is_neg, tensor)) || flag != Py_False) goto out;
-    if (!(ptr = packer_method(self->data_ptr, tensor))) goto out;
+    if (!(flag = packer_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
+    if (!(ptr = packer_method(self->t.data_ptr, tensor))) goto out;
     void *from = PyLong_AsVoidPtr(ptr);
     Py_ssize_t chunk = ssize_attr(stream, str_chunk);
     PyObject *address_obj = PyObject_GetAttr(stream, str_address);
@@ -1224,18 +1264,50 @@ out:
     return done;
 }
 
-static PyObject *Packer_vectorcall(Packer *self, PyObject *const *a, size_t nargsf,
-                                   PyObject *kwnames) {
-    if (!kwnames && PyVectorcall_NARGS(nargsf) == 3 && self->fallback) {
-        int r = pack(self, a[0], a[1], a[2]);
+/* A compiled entry's constructor arguments: exactly n, positional, borrowed into v. */
+static int entry_args(const char *name, PyObject *args, PyObject *kwargs, Py_ssize_t n,
+                      PyObject **v) {
+    if ((kwargs && PyDict_GET_SIZE(kwargs)) || !PyTuple_Check(args) ||
+        PyTuple_GET_SIZE(args) != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments", name, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) v[k] = PyTuple_GET_ITEM(args, k);
+    return 0;
+}
+
+/* New references to values[k] in *fields[k]. */
+static void keep_refs(PyObject **const *fields, PyObject *const *values, int n) {
+    for (int k = 0; k < n; k++) {
+        Py_INCREF(values[k]);
+        *fields[k] = values[k];
+    }
+}
+
+/* A compiled entry called as on_entry(index, tensor, same_as): its fast path `fast`
+ * (1: done, 0: not its case, -1: failed with an error set), else the Python fallback. */
+static PyObject *entry_call(PyObject *self, PyObject *fallback,
+                            int (*fast)(PyObject *, PyObject *const *), PyObject *const *a,
+                            size_t nargsf, PyObject *kwnames) {
+    if (!fallback) {
+        PyErr_Format(PyExc_RuntimeError, "%s was cleared", Py_TYPE(self)->tp_name);
+        return NULL;
+    }
+    if (!kwnames && PyVectorcall_NARGS(nargsf) == 3) {
+        int r = fast(self, a);
         if (r < 0) return NULL;
         if (r > 0) Py_RETURN_NONE;
     }
-    if (!self->fallback) {
-        PyErr_SetString(PyExc_RuntimeError, "Packer was cleared");
-        return NULL;
-    }
-    return PyObject_Vectorcall(self->fallback, a, nargsf, kwnames);
+    return PyObject_Vectorcall(fallback, a, nargsf, kwnames);
+}
+
+static int pack_entry(PyObject *self, PyObject *const *a) {
+    return pack((Packer *)self, a[0], a[1], a[2]);
+}
+
+static PyObject *Packer_vectorcall(Packer *self, PyObject *const *a, size_t nargsf,
+                                   PyObject *kwnames) {
+    return entry_call((PyObject *)self, self->fallback, pack_entry, a, nargsf, kwnames);
 }
 
 /* Packer(fallback, writer, slots, plans, errors, rows, op_slots, versions, tensor_type,
@@ -1243,13 +1315,7 @@ static PyObject *Packer_vectorcall(Packer *self, PyObject *const *a, size_t narg
 static PyObject *Packer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *v[11];
     Py_ssize_t limits[3];
-    if (kwargs && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "Packer takes no keyword arguments");
-        return NULL;
-    }
-    if (!PyArg_UnpackTuple(args, "Packer", 11, 11, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                           &v[6], &v[7], &v[8], &v[9], &v[10]))
-        return NULL;
+    if (entry_args("Packer", args, kwargs, 11, v) < 0) return NULL;
     if (!PyList_CheckExact(v[2]) || !PyDict_CheckExact(v[3]) || !PyList_CheckExact(v[4]) ||
         !PyList_CheckExact(v[5]) || !PyDict_CheckExact(v[6]) || !PyDict_CheckExact(v[7]) ||
         !PyType_Check(v[8]) || !PyArg_ParseTuple(v[10], "nnn", &limits[0], &limits[1],
@@ -1261,34 +1327,19 @@ static PyObject *Packer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     Packer *self = (Packer *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->vectorcall = (vectorcallfunc)Packer_vectorcall;
-    PyObject **given[10] = {&self->fallback, &self->writer,   &self->slots,
-                            &self->plans,    &self->errors,   &self->rows,
-                            &self->op_slots, &self->versions, &self->tensor_type,
-                            &self->strided};
-    for (int k = 0; k < 10; k++) {
-        Py_INCREF(v[k]);
-        *given[k] = v[k];
+    PyObject **const given[8] = {&self->fallback, &self->writer, &self->slots,
+                                 &self->plans,    &self->errors, &self->rows,
+                                 &self->op_slots, &self->versions};
+    keep_refs(given, v, 8);
+    keep_refs((PyObject **const[]){&self->strided}, v + 9, 1);
+    if (tensor_attrs(&self->t, v[8]) < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
-    const char *getters[5] = {"layout", "is_cpu", "_version", "nbytes", "dtype"};
-    PyObject **got[5] = {&self->get_layout, &self->get_is_cpu, &self->get_version,
-                         &self->get_nbytes, &self->get_dtype};
-    for (int k = 0; k < 5; k++) {
-        *got[k] = PyObject_GetAttrString(v[8], getters[k]);
-        if (*got[k] && !Py_TYPE(*got[k])->tp_descr_get) Py_CLEAR(*got[k]);
-        if (!*got[k]) goto fail;
-    }
-    const char *methods[3] = {"is_contiguous", "is_neg", "data_ptr"};
-    PyObject **meth[3] = {&self->is_contiguous, &self->is_neg, &self->data_ptr};
-    for (int k = 0; k < 3; k++)
-        if (!(*meth[k] = PyObject_GetAttrString(v[8], methods[k]))) goto fail;
     self->chunk_bytes = limits[0];
     self->align = limits[1];
     self->small_bytes = limits[2];
     return (PyObject *)self;
-fail:
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Packer: tensor getters not found");
-    Py_DECREF(self);
-    return NULL;
 }
 
 static PyTypeObject PackerType = {
@@ -1822,6 +1873,253 @@ static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t
     return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
 
+/* ------------------------------------------------------------------------------------
+ * Reducer: ``SelectingEmitter.on_entry`` under ``stats="all"`` with nothing saved, for a
+ * tensor too large to gather, compiled.
+ *
+ * Its Python path is on_entry -> StatsGatherer.add -> ViewedStats.stats -> fused_layout
+ * -> tensor_version -> fused_stats -> _fused_partial -> moments_f32 -> _finish: ten
+ * frames and some thirty attribute reads an op, interleaved with a forward whose
+ * activations evict them from the caches. This does the same for a plain float32 CPU
+ * torch.Tensor of more than ``gather_max`` bytes (the gatherer takes the smaller ones)
+ * whose dimensions fold into rows (fold_runs, as stats._runs): the layout key, the
+ * version, the look-up of a layout reduced before in
+ * ViewedStats's dict (shared: either path finds what the other put there), and on a
+ * miss the compiled pass and the arithmetic of _fused_partial and _finish, in the same
+ * order of operations (so the same bits: tests/test_compiled.py compares the two paths).
+ * A NaN or Inf (the sums not finite), a mean that dwarfs the spread (_std's second pass),
+ * a tensor without a version, and every other tensor go to the Python ``fallback``,
+ * which stays the reference.
+ * ------------------------------------------------------------------------------------ */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback; /* the Python on_entry(index, tensor, same_as) */
+    PyObject *stats;    /* emitter._stats: op entry -> Stats */
+    PyObject *seen;     /* ViewedStats._seen: layout -> (weakref, version, Stats) */
+    PyObject *make;     /* Stats(mean, std, min, max, absmax, l2, frac_zero, nans, infs) */
+    PyObject *strided, *float32;
+    TensorAttrs t;
+    Py_ssize_t gather_max;
+    double exact_squares; /* stats._EXACT_SQUARES */
+} Reducer;
+
+#define REDUCER_REFS(X)                                                                    \
+    X(fallback) X(stats) X(seen) X(make) X(strided) X(float32) TENSOR_ATTRS(X)
+
+GC_SLOTS(Reducer, REDUCER_REFS)
+
+/* Whether `seen` (a ViewedStats value) still holds for a tensor at `version`: the tensor
+ * first reduced is alive and neither it nor this one was written since. */
+static int still_seen(Reducer *self, PyObject *seen, PyObject *version) {
+    if (!PyTuple_CheckExact(seen) || PyTuple_GET_SIZE(seen) != 3) return 0;
+    PyObject *ref = PyTuple_GET_ITEM(seen, 0), *when = PyTuple_GET_ITEM(seen, 1);
+    if (!PyWeakref_Check(ref) || PyObject_RichCompareBool(when, version, Py_EQ) != 1) return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *kept = NULL;
+    if (PyWeakref_GetRef(ref, &kept) <= 0) return 0;
+#else
+    PyObject *kept = PyWeakref_GET_OBJECT(ref);
+    if (kept == Py_None) return 0;
+    Py_INCREF(kept);
+#endif
+    int same = 0;
+    if (Py_TYPE(kept) == (PyTypeObject *)self->t.tensor_type) {
+        PyObject *now = tensor_get(&self->t, self->t.get_version, kept);
+        same = now && PyObject_RichCompareBool(now, version, Py_EQ) == 1;
+        Py_XDECREF(now);
+    }
+    Py_DECREF(kept);
+    return same;
+}
+
+/* _fused_partial's and _finish's arithmetic, each operation as Python does it (no fused
+ * multiply-add: a contracted product would change the bits). 1: the nine fields in
+ * `out`; 0: the Python path (sums not finite, or the mean dwarfs the spread). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static int finished_stats(const double *m, Py_ssize_t numel, double exact_squares,
+                          double *out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    double total = m[0], squares = m[1], low = m[2], high = m[3], zeros = m[4];
+    if (!isfinite(total) || !isfinite(squares)) return 0;
+    double n = (double)numel;
+    double l2 = sqrt(squares), mean = total / n;
+    double spread = squares / n - mean * mean;
+    if (!(spread >= exact_squares * squares / n)) return 0;
+    double m2 = spread * n, nonzero = n - zeros;
+    double kept = 0.0 > m2 ? 0.0 : m2; /* Python's max(m2, 0.0) */
+    double a = fabs(low), b = fabs(high);
+    out[0] = mean, out[1] = sqrt(kept / n), out[2] = low, out[3] = high;
+    out[4] = b > a ? b : a; /* Python's max(abs(min), abs(max)) */
+    out[5] = l2, out[6] = (n - nonzero) / n;
+    return 1;
+}
+
+/* stats._runs of a tensor that is not contiguous: its elements as `rows` runs of `run`
+ * contiguous elements `step` apart, its dimensions (those of more than one element) taken
+ * by increasing stride (then size), as Python sorts the (stride, size) pairs. 1: folded;
+ * 0: they do not fold so (broadcast strides, say), or more dimensions than this keeps,
+ * or an error (set): the Python path says. */
+#define FOLD_DIMS 16
+static int fold_runs(Reducer *self, PyObject *tensor, Py_ssize_t *run, Py_ssize_t *rows,
+                     Py_ssize_t *step) {
+    PyObject *shape = tensor_get(&self->t, self->t.get_shape, tensor);
+    PyObject *strides = shape ? packer_method(self->t.stride, tensor) : NULL;
+    int folded = 0;
+    Py_ssize_t dims[FOLD_DIMS][2], n = 0; /* (stride, size) */
+    if (!strides || !PyTuple_Check(shape) || !PyTuple_CheckExact(strides) ||
+        PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(strides))
+        goto out;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, k));
+        Py_ssize_t stride = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, k));
+        if (PyErr_Occurred() || n == FOLD_DIMS) goto out;
+        if (size <= 1) continue;
+        Py_ssize_t at = n++; /* insertion sort: a handful of dimensions */
+        while (at > 0 && (dims[at - 1][0] > stride ||
+                          (dims[at - 1][0] == stride && dims[at - 1][1] > size))) {
+            dims[at][0] = dims[at - 1][0], dims[at][1] = dims[at - 1][1];
+            at--;
+        }
+        dims[at][0] = stride, dims[at][1] = size;
+    }
+    Py_ssize_t r = 1, count = 1, gap = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t stride = dims[k][0], size = dims[k][1];
+        if (stride == 0) goto out; /* broadcast: elements repeat */
+        if (count == 1 && stride == r)
+            r *= size; /* still the innermost contiguous block */
+        else if (count == 1 && stride > r)
+            count = size, gap = stride; /* the first gap: the rows begin */
+        else if (stride == gap * count)
+            count *= size; /* rows that continue the rows before them */
+        else
+            goto out;
+    }
+    *run = r, *rows = count, *step = count > 1 ? gap : r;
+    folded = 1;
+out:
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    return folded;
+}
+
+/* The entry's statistics taken: 1; not one for this path: 0 (no error set, nothing
+ * changed); -1: a change failed part way (the error set). */
+static int reduce_entry(Reducer *self, PyObject *index, PyObject *tensor) {
+    int done = 0;
+    PyObject *layout = NULL, *is_cpu = NULL, *dtype = NULL, *nbytes = NULL, *version = NULL,
+             *flag = NULL, *ptr = NULL, *key = NULL, *ref = NULL, *stats = NULL,
+             *value = NULL;
+    if (Py_TYPE(tensor) != (PyTypeObject *)self->t.tensor_type || !PyLong_CheckExact(index))
+        return 0;
+    if (!(layout = tensor_get(&self->t, self->t.get_layout, tensor)) || layout != self->strided)
+        goto out;
+    if (!(is_cpu = tensor_get(&self->t, self->t.get_is_cpu, tensor)) || is_cpu != Py_True) goto out;
+    if (!(dtype = tensor_get(&self->t, self->t.get_dtype, tensor)) || dtype != self->float32)
+        goto out;
+    if (!(nbytes = tensor_get(&self->t, self->t.get_nbytes, tensor)) || !PyLong_CheckExact(nbytes))
+        goto out;
+    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+    if (n <= self->gather_max) goto out; /* (-1 on an error: out clears it) */
+    if (!(version = tensor_get(&self->t, self->t.get_version, tensor))) goto out; /* inference */
+    if (!(flag = packer_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
+    Py_CLEAR(flag);
+    Py_ssize_t numel = n / (Py_ssize_t)sizeof(float), run = numel, rows = 1, step = numel;
+    if (!(flag = packer_method(self->t.is_contiguous, tensor))) goto out;
+    if (flag != Py_True && !fold_runs(self, tensor, &run, &rows, &step)) goto out;
+    if (run * rows != numel || !(ptr = packer_method(self->t.data_ptr, tensor))) goto out;
+    const float *x = PyLong_AsVoidPtr(ptr);
+    if (!x || !(key = Py_BuildValue("(Onnn)", ptr, run, rows, step))) goto out;
+    PyObject *seen = PyDict_GetItemWithError(self->seen, key); /* borrowed */
+    if (seen && still_seen(self, seen, version)) {
+        stats = PyTuple_GET_ITEM(seen, 2);
+        Py_INCREF(stats);
+        done = PyDict_SetItem(self->stats, index, stats) < 0 ? -1 : 1;
+        goto out;
+    }
+    if (PyErr_Occurred()) goto out;
+    double moments[5], fields[7];
+    Py_BEGIN_ALLOW_THREADS
+    moments_f32(x, run, rows, step, moments, PASS_BEST);
+    Py_END_ALLOW_THREADS
+    if (!finished_stats(moments, numel, self->exact_squares, fields)) goto out;
+    PyObject *args[9] = {NULL};
+    for (int k = 0; k < 7; k++)
+        if (!(args[k] = PyFloat_FromDouble(fields[k]))) break;
+    if (args[6]) {
+        args[7] = args[8] = int_zero; /* no NaN, no Inf: the sums are finite */
+        stats = PyObject_Vectorcall(self->make, args, 9, NULL);
+    }
+    for (int k = 0; k < 7; k++) Py_XDECREF(args[k]);
+    if (!stats || !(ref = PyWeakref_NewRef(tensor, NULL)) ||
+        !(value = PyTuple_Pack(3, ref, version, stats)))
+        goto out;
+    done = PyDict_SetItem(self->seen, key, value) < 0 || PyDict_SetItem(self->stats, index, stats) < 0
+               ? -1
+               : 1;
+out:
+    if (!done) PyErr_Clear(); /* the Python path does it, or raises what it meets */
+    PyObject *const owned[] = {layout, is_cpu, dtype, nbytes, version, flag,
+                               ptr,    key,    ref,   stats,  value};
+    for (size_t k = 0; k < sizeof owned / sizeof *owned; k++) Py_XDECREF(owned[k]);
+    return done;
+}
+
+static int reduce_args(PyObject *self, PyObject *const *a) {
+    return reduce_entry((Reducer *)self, a[0], a[1]);
+}
+
+static PyObject *Reducer_vectorcall(Reducer *self, PyObject *const *a, size_t nargsf,
+                                    PyObject *kwnames) {
+    return entry_call((PyObject *)self, self->fallback, reduce_args, a, nargsf, kwnames);
+}
+
+/* Reducer(fallback, stats, seen, make, tensor_type, strided, float32,
+ *         (gather_max, exact_squares)) */
+static PyObject *Reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *v[8];
+    Py_ssize_t gather_max;
+    double exact_squares;
+    if (entry_args("Reducer", args, kwargs, 8, v) < 0) return NULL;
+    if (!PyDict_CheckExact(v[1]) || !PyDict_CheckExact(v[2]) || !PyCallable_Check(v[3]) ||
+        !PyType_Check(v[4]) || !PyArg_ParseTuple(v[7], "nd", &gather_max, &exact_squares)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Reducer: wrong arguments");
+        return NULL;
+    }
+    Reducer *self = (Reducer *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->vectorcall = (vectorcallfunc)Reducer_vectorcall;
+    PyObject **const given[4] = {&self->fallback, &self->stats, &self->seen, &self->make};
+    keep_refs(given, v, 4);
+    keep_refs((PyObject **const[]){&self->strided, &self->float32}, v + 5, 2);
+    if (tensor_attrs(&self->t, v[4]) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->gather_max = gather_max;
+    self->exact_squares = exact_squares;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ReducerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelake.recorder._hot.Reducer",
+    .tp_basicsize = sizeof(Reducer),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "SelectingEmitter.on_entry for a large float32 tensor's statistics "
+              "(see recorder/_hot.c).",
+    .tp_vectorcall_offset = offsetof(Reducer, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = (traverseproc)Reducer_traverse,
+    .tp_clear = (inquiry)Reducer_clear,
+    .tp_dealloc = (destructor)Reducer_dealloc,
+    .tp_new = Reducer_new,
+};
+
 #if defined(__unix__) || defined(__APPLE__)
 #include <errno.h>
 #include <stdlib.h>
@@ -2083,7 +2381,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         Py_DECREF(pos);
     }
     if (PyType_Ready(&FusedType) < 0 || PyType_Ready(&PackerType) < 0 ||
-        PyType_Ready(&FusedCallType) < 0)
+        PyType_Ready(&ReducerType) < 0 || PyType_Ready(&FusedCallType) < 0)
         return NULL;
     /* (borrowed: the type's dict keeps it for the process) */
     if (!(fused_tf = PyDict_GetItemWithError(FusedType.tp_dict, str_torch_function))) {
@@ -2098,11 +2396,15 @@ PyMODINIT_FUNC PyInit__hot(void) {
         Py_DECREF(m);
         return NULL;
     }
-    Py_INCREF(&PackerType);
-    if (PyModule_AddObject(m, "Packer", (PyObject *)&PackerType) < 0) {
-        Py_DECREF(&PackerType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[2] = {&PackerType, &ReducerType};
+    const char *names[2] = {"Packer", "Reducer"};
+    for (int k = 0; k < 2; k++) {
+        Py_INCREF(types[k]);
+        if (PyModule_AddObject(m, names[k], (PyObject *)types[k]) < 0) {
+            Py_DECREF(types[k]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     /* The row layout this build was compiled for: compiled.py uses the extension only
      * when it matches the declaration's. */

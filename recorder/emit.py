@@ -17,10 +17,19 @@ import torch
 
 from tracelake.errors import RecorderError
 
+from . import compiled
 from .backward import GradEdges, MemoryGrads
 from .entries import ModuleEntry, OpEntry, OpTable, SlotRef
 from .selectors import Selector
-from .stats import Stats, StatsGatherer, compute_stats, fused_layout, fused_stats
+from .stats import (
+    EXACT_SQUARES,
+    GATHER_MAX,
+    Stats,
+    StatsGatherer,
+    compute_stats,
+    fused_layout,
+    fused_stats,
+)
 from .trees import Structure, flatten
 
 __all__ = [
@@ -215,21 +224,23 @@ class ViewedStats:
     first reduced, still alive, keeps the memory from being another tensor's."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[int, ...], tuple[weakref.ref[torch.Tensor], int, Stats]] = {}
+        #: layout -> (the tensor first reduced, its version then, its statistics); the
+        #: compiled ``Reducer`` reads and fills it too
+        self.seen: dict[tuple[int, ...], tuple[weakref.ref[torch.Tensor], int, Stats]] = {}
 
     def stats(self, tensor: torch.Tensor) -> Stats:
         key = fused_layout(tensor)
         version = None if key is None else tensor_version(tensor)
         if key is None or version is None:
             return fused_stats(tensor, key)
-        seen = self._seen.get(key)
+        seen = self.seen.get(key)
         if seen is not None:
             first, when, stats = seen
             kept = first()
             if when == version and kept is not None and tensor_version(kept) == version:
                 return stats
         stats = fused_stats(tensor, key)
-        self._seen[key] = (weakref.ref(tensor), version, stats)
+        self.seen[key] = (weakref.ref(tensor), version, stats)
         return stats
 
 
@@ -259,6 +270,22 @@ class SelectingEmitter:
         #: Whether every entry is selected (``tl.all()``): a subclass may then keep a
         #: new tensor without asking the selector.
         self.saves_all = self._const is True
+        reducer = getattr(compiled.hot(), "Reducer", None)
+        if self._stats_all and self._const is False and grads is None and reducer is not None:
+            # A large float32 tensor's statistics compiled (recorder/_hot.c, ``Reducer``):
+            # what on_entry -> ViewedStats.stats -> fused_stats do for it, without their
+            # frames, sharing the views' dict; any other entry goes to the Python below,
+            # the reference.
+            self.on_entry = reducer(  # type: ignore[method-assign]
+                self.on_entry,
+                self._stats,
+                self._viewed.seen,
+                Stats,
+                torch.Tensor,
+                torch.strided,
+                torch.float32,
+                (GATHER_MAX, EXACT_SQUARES),
+            )
 
     def _keep(self, tensor: torch.Tensor) -> int:
         raise NotImplementedError
@@ -302,6 +329,9 @@ class SelectingEmitter:
             self._stats.update(self._gather.finish())
             self._gather = StatsGatherer()
             self._viewed = ViewedStats()
+        # no more entries: drop a compiled on_entry, and with it the cycle through its
+        # Python fallback (this emitter's method), so the step's objects go by refcount
+        self.__dict__.pop("on_entry", None)
 
     def before_write(self, tensor: torch.Tensor) -> None:
         pass

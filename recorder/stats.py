@@ -22,6 +22,7 @@ from . import compiled
 from .record import F64, OPS, STAT_FIELDS, Stats
 
 __all__ = [
+    "EXACT_SQUARES",
     "GATHER_MAX",
     "MOMENTS",
     "UNSIGNED",
@@ -65,7 +66,7 @@ _memmove = ctypes.memmove
 #: squares (``_hot.moments_f32``; a float32 norm needs half): the sums' relative error
 #: (~n * 2**-53 at worst, ~1e-11 for a million elements) then costs the std at most
 #: ~1e-8 relatively; below, the shifted second pass (:func:`_std`).
-_EXACT_SQUARES = 1e-3
+EXACT_SQUARES = 1e-3
 
 
 def compute_stats(tensor: torch.Tensor) -> Stats:
@@ -213,7 +214,7 @@ def _fused_partial(
     numel = layout[1] * layout[2]
     l2, mean = math.sqrt(squares), total / numel
     spread = squares / numel - mean * mean
-    if spread >= _EXACT_SQUARES * squares / numel:
+    if spread >= EXACT_SQUARES * squares / numel:
         m2 = spread * numel
     else:
         m2 = _std(x.detach(), numel, mean, l2) ** 2 * numel

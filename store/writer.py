@@ -796,12 +796,6 @@ class StoreEmitter(SelectingEmitter):
     def before_write(self, tensor: torch.Tensor) -> None:
         self._writer.before_write(tensor)
 
-    def finish_ops(self) -> None:
-        super().finish_ops()
-        # no more entries: drop the compiled on_entry, and with it the cycle through its
-        # Python fallback (this emitter's method), so the step's objects go by refcount
-        self.__dict__.pop("on_entry", None)
-
     def on_entry(self, index: int, tensor: torch.Tensor, same_as: int) -> None:
         if self.saves_all and same_as < 0:  # saving all, a new tensor: straight on
             if self.grad_edges is not None:

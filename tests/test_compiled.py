@@ -414,3 +414,89 @@ def test_same_store_both_paths(
             assert _bits(out).equal(_bits(out_c)), label
     if not inference:  # (an inference tensor tracks no version: Python saves it)
         assert compiled_calls < python_calls / 4, (compiled_calls, python_calls)
+
+
+class Reductions(nn.Module):
+    """Outputs of every kind ``stats="all"`` reduces, for the compiled ``on_entry``
+    (``_hot.Reducer``) and the Python one to agree on: large float32 tensors, contiguous
+    or in rows (the compiled path), views of one reduced before (the same statistics,
+    found), the same memory after an in-place write (reduced again), the allocator
+    handing a dead tensor's memory to a new one, and what it hands over: a mean that
+    dwarfs the spread, a constant, NaN and Inf, float64, a tensor small enough to gather."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2  # (64, 256) float32: 64 KiB, past the gatherer's 16 KiB
+        total = h.view(256, 64).sum() + h.reshape(-1).sum()  # views: found
+        h.add_(1)  # written in place: its layout again, at a new version
+        total = total + h.view(-1).sum() + h.t().sum() + h[:, ::2].sum()  # strided views
+        total = total + (h.t() * 1.5).sum() + h[:, 8:200].sum()  # new strided, a slice
+        for k in range(3):  # each product dies at once: its memory comes back
+            total = total + (h * (0.5 + k)).mean()
+        shifted = h + 1e4  # the mean dwarfs the spread: a second pass (Python)
+        const = torch.full_like(h, 3.0) * 1  # no spread at all
+        zeros = torch.zeros_like(h) + 0  # all zeros
+        odd = torch.sqrt(h) + 1 / (h - h[0, 0])  # NaN, Inf: counted (Python)
+        wide = h.double() * 2  # float64 (Python)
+        small = x[:4] * 3  # 4 KiB: gathered
+        total = total + shifted.sum() + const.sum() + zeros.sum() + odd.nansum()
+        return total + wide.sum().float() + small.sum()
+
+
+def _reductions() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return Reductions(), (torch.randn(64, 256),)
+
+
+def _stat_bits(stats) -> bytes | None:  # type: ignore[no-untyped-def]
+    if stats is None:
+        return None
+    return np.array([math.nan if v is None else v for v in dataclasses.astuple(stats)]).tobytes()
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_same_statistics_both_paths(monkeypatch: pytest.MonkeyPatch, tmp_path, inference) -> None:
+    """``stats="all"`` with nothing saved gives every op the same statistics, to the bit,
+    with the compiled ``on_entry`` (``_hot.Reducer``) as with the Python one (the same
+    compiled pass under both), in a trace and in a store; and the compiled one really
+    reduces the large float32 tensors itself (an inference tensor has no version to
+    check a view by: Python takes it)."""
+    from tracelake.recorder.emit import SelectingEmitter
+
+    hot = compiled.hot()
+    assert hot is not None and hasattr(hot, "Reducer"), "the extension is missing"
+    python_entry = SelectingEmitter.on_entry
+    handed: list[int] = []
+
+    def counting(self, index, tensor, same_as):  # type: ignore[no-untyped-def]
+        handed.append(index)
+        return python_entry(self, index, tensor, same_as)
+
+    monkeypatch.setattr(SelectingEmitter, "on_entry", counting)
+    got = {}
+    for with_reducer in (False, True):
+        if with_reducer:
+            monkeypatch.undo()  # (the Reducer back)
+            monkeypatch.setattr(SelectingEmitter, "on_entry", counting)
+        else:
+            monkeypatch.delattr(hot, "Reducer")
+        handed.clear()
+        model, args = _reductions()
+        mode = torch.inference_mode() if inference else torch.no_grad()
+        with mode:
+            trace = tl.trace(model, *args, save=tl.none(), stats="all")
+        store = tl.open(tmp_path / str(with_reducer))
+        with mode, store.recording("r", model, save=tl.none(), stats="all"):
+            model(*args)
+        stored = store.sql(
+            "select label, mean, std, min, max, absmax, l2, frac_zero, nan_count, inf_count "
+            "from ops order by idx"
+        )
+        got[with_reducer] = (trace, len(handed), stored)
+    (slow, python_calls, stored), (fast, compiled_calls, stored_c) = got[False], got[True]
+    _assert_same(fast, slow)
+    for e, f in zip(fast, slow, strict=True):
+        assert _stat_bits(e.stats) == _stat_bits(f.stats), (e.label, e.stats, f.stats)
+    assert stored.equals(stored_c)
+    assert any(e.stats is not None and e.stats.nan_count > 0 for e in fast)
+    if not inference:
+        assert compiled_calls <= python_calls - 10, (compiled_calls, python_calls)
