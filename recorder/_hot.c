@@ -2038,12 +2038,18 @@ static int reduce_entry(Reducer *self, PyObject *index, PyObject *tensor) {
     if (run * rows != numel || !(ptr = packer_method(self->t.data_ptr, tensor))) goto out;
     const float *x = PyLong_AsVoidPtr(ptr);
     if (!x || !(key = Py_BuildValue("(Onnn)", ptr, run, rows, step))) goto out;
-    PyObject *seen = PyDict_GetItemWithError(self->seen, key); /* borrowed */
-    if (seen && still_seen(self, seen, version)) {
-        stats = PyTuple_GET_ITEM(seen, 2);
-        Py_INCREF(stats);
-        done = PyDict_SetItem(self->stats, index, stats) < 0 ? -1 : 1;
-        goto out;
+    PyObject *seen = PyDict_GetItemWithError(self->seen, key);
+    if (seen) {
+        Py_INCREF(seen); /* (kept while it is looked at: the checks call torch's getters) */
+        if (still_seen(self, seen, version)) {
+            stats = PyTuple_GET_ITEM(seen, 2);
+            Py_INCREF(stats);
+        }
+        Py_DECREF(seen);
+        if (stats) {
+            done = PyDict_SetItem(self->stats, index, stats) < 0 ? -1 : 1;
+            goto out;
+        }
     }
     if (PyErr_Occurred()) goto out;
     double moments[5], fields[7];
