@@ -1177,6 +1177,17 @@ static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
     return n;
 }
 
+/* A compiled entry's outcome `done`, its error dealt with: not done, an Exception is
+ * cleared (the Python path does the entry, or raises what it meets itself), but anything
+ * else (a KeyboardInterrupt from a signal handled in Python code it called) is the
+ * caller's: -1, raised. */
+static int entry_outcome(int done) {
+    if (done || !PyErr_Occurred()) return done;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 /* The entry saved here: 1; not one for this path: 0 (no error set, nothing changed);
  * -1: a change failed part way (the error set, as the Python's would be). */
 static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_as) {
@@ -1245,7 +1256,7 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
                ? -1
                : 1;
 out:
-    if (!done) PyErr_Clear(); /* the Python path does it, or raises what it meets */
+    done = entry_outcome(done);
     Py_XDECREF(layout);
     Py_XDECREF(is_cpu);
     Py_XDECREF(version);
@@ -2012,7 +2023,7 @@ out:
 }
 
 /* The entry's statistics taken: 1; not one for this path: 0 (no error set, nothing
- * changed); -1: a change failed part way (the error set). */
+ * changed); -1: a change failed part way, or an interrupt came (the error set). */
 static int reduce_entry(Reducer *self, PyObject *index, PyObject *tensor) {
     int done = 0;
     PyObject *layout = NULL, *is_cpu = NULL, *dtype = NULL, *nbytes = NULL, *version = NULL,
@@ -2072,7 +2083,7 @@ static int reduce_entry(Reducer *self, PyObject *index, PyObject *tensor) {
                ? -1
                : 1;
 out:
-    if (!done) PyErr_Clear(); /* the Python path does it, or raises what it meets */
+    done = entry_outcome(done);
     PyObject *const owned[] = {layout, is_cpu, dtype, nbytes, version, flag,
                                ptr,    key,    ref,   stats,  value};
     for (size_t k = 0; k < sizeof owned / sizeof *owned; k++) Py_XDECREF(owned[k]);

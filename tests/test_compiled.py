@@ -500,3 +500,20 @@ def test_same_statistics_both_paths(monkeypatch: pytest.MonkeyPatch, tmp_path, i
     assert any(e.stats is not None and e.stats.nan_count > 0 for e in fast)
     if not inference:
         assert compiled_calls <= python_calls - 10, (compiled_calls, python_calls)
+
+
+def test_an_interrupt_inside_the_compiled_statistics_is_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt raised in Python code the compiled ``on_entry`` calls (the
+    ``Stats`` it makes: a signal is handled there) reaches the user, as the Python
+    path's would: the compiled entry hands over what fails, but never an interrupt."""
+    from tracelake.recorder import emit
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(emit, "Stats", interrupted)  # (what the Reducer is given)
+    model, args = _reductions()
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        tl.trace(model, *args, save=tl.none(), stats="all")
