@@ -347,7 +347,9 @@ class SelectingEmitter:
                 dropped.add(slot)
         self._op_slot.clear()  # (in place: a compiled on_entry holds this dict)
         self._op_slot.update(slots)
-        self._stats = {new[i]: st for i, st in self._stats.items() if new[i] >= 0}
+        kept = {new[i]: st for i, st in self._stats.items() if new[i] >= 0}
+        self._stats.clear()  # (in place too: a compiled on_entry holds this dict)
+        self._stats.update(kept)
         if self.grad_edges is not None:
             self.grad_edges.renumber(new)
         used = set(slots.values())
