@@ -1163,7 +1163,7 @@ static int tensor_attrs(TensorAttrs *t, PyObject *type) {
     return 0;
 }
 
-static PyObject *packer_method(PyObject *method, PyObject *tensor) {
+static PyObject *tensor_method(PyObject *method, PyObject *tensor) {
     return PyObject_Vectorcall(method, &tensor, 1, NULL);
 }
 
@@ -1223,10 +1223,10 @@ static int pack(Packer *self, PyObject *index, PyObject *tensor, PyObject *same_
     if (was < 0) goto out;
     Py_ssize_t start = (was + self->align - 1) & -self->align;
     if (start + n > self->chunk_bytes) goto out; /* Python flushes the full chunk */
-    if (!(flag = packer_method(self->t.is_contiguous, tensor)) || flag != Py_True) goto out;
+    if (!(flag = tensor_method(self->t.is_contiguous, tensor)) || flag != Py_True) goto out;
     Py_CLEAR(flag);
-    if (!(flag = packer_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
-    if (!(ptr = packer_method(self->t.data_ptr, tensor))) goto out;
+    if (!(flag = tensor_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
+    if (!(ptr = tensor_method(self->t.data_ptr, tensor))) goto out;
     void *from = PyLong_AsVoidPtr(ptr);
     Py_ssize_t chunk = ssize_attr(stream, str_chunk);
     PyObject *address_obj = PyObject_GetAttr(stream, str_address);
@@ -1948,8 +1948,9 @@ static int still_seen(Reducer *self, PyObject *seen, PyObject *version) {
 }
 
 /* _fused_partial's and _finish's arithmetic, each operation as Python does it (no fused
- * multiply-add: a contracted product would change the bits). 1: the nine fields in
- * `out`; 0: the Python path (sums not finite, or the mean dwarfs the spread). */
+ * multiply-add: a contracted product would change the bits). 1: Stats's first seven
+ * fields in `out` (its NaN and Inf counts are 0 here); 0: the Python path (sums not
+ * finite, or the mean dwarfs the spread). */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
@@ -1982,7 +1983,7 @@ static int finished_stats(const double *m, Py_ssize_t numel, double exact_square
 static int fold_runs(Reducer *self, PyObject *tensor, Py_ssize_t *run, Py_ssize_t *rows,
                      Py_ssize_t *step) {
     PyObject *shape = tensor_get(&self->t, self->t.get_shape, tensor);
-    PyObject *strides = shape ? packer_method(self->t.stride, tensor) : NULL;
+    PyObject *strides = shape ? tensor_method(self->t.stride, tensor) : NULL;
     int folded = 0;
     Py_ssize_t dims[FOLD_DIMS][2], n = 0; /* (stride, size) */
     if (!strides || !PyTuple_Check(shape) || !PyTuple_CheckExact(strides) ||
@@ -2041,12 +2042,12 @@ static int reduce_entry(Reducer *self, PyObject *index, PyObject *tensor) {
     Py_ssize_t n = PyLong_AsSsize_t(nbytes);
     if (n <= self->gather_max) goto out; /* (-1 on an error: out clears it) */
     if (!(version = tensor_get(&self->t, self->t.get_version, tensor))) goto out; /* inference */
-    if (!(flag = packer_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
+    if (!(flag = tensor_method(self->t.is_neg, tensor)) || flag != Py_False) goto out;
     Py_CLEAR(flag);
     Py_ssize_t numel = n / (Py_ssize_t)sizeof(float), run = numel, rows = 1, step = numel;
-    if (!(flag = packer_method(self->t.is_contiguous, tensor))) goto out;
+    if (!(flag = tensor_method(self->t.is_contiguous, tensor))) goto out;
     if (flag != Py_True && !fold_runs(self, tensor, &run, &rows, &step)) goto out;
-    if (run * rows != numel || !(ptr = packer_method(self->t.data_ptr, tensor))) goto out;
+    if (run * rows != numel || !(ptr = tensor_method(self->t.data_ptr, tensor))) goto out;
     const float *x = PyLong_AsVoidPtr(ptr);
     if (!x || !(key = Py_BuildValue("(Onnn)", ptr, run, rows, step))) goto out;
     PyObject *seen = PyDict_GetItemWithError(self->seen, key);

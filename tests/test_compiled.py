@@ -317,6 +317,20 @@ def test_same_rows_is_tuple_equality(a: list, b: list, copy: bool) -> None:
     assert hot.same_rows(first, first)
 
 
+def _count_python_entries(monkeypatch: pytest.MonkeyPatch, emitter: type) -> list[int]:
+    """The op entries ``emitter``'s Python ``on_entry`` is handed from now on (what a
+    compiled entry passes over to it)."""
+    python_entry = emitter.on_entry  # type: ignore[attr-defined]
+    handed: list[int] = []
+
+    def counting(self, index, tensor, same_as):  # type: ignore[no-untyped-def]
+        handed.append(index)
+        return python_entry(self, index, tensor, same_as)
+
+    monkeypatch.setattr(emitter, "on_entry", counting)
+    return handed
+
+
 class Packs(nn.Module):
     """Outputs of every kind a save-all recording packs, for the compiled ``on_entry``
     (``_hot.Packer``) and the Python one to agree on: small tensors of plain dtypes (the
@@ -369,14 +383,7 @@ def test_same_store_both_paths(
     build = {**MODELS, "packs": _packs}[name]
     from tracelake.store.writer import StoreEmitter
 
-    python_entry = StoreEmitter.on_entry
-    handed: list[int] = []
-
-    def counting(self, index, tensor, same_as):  # type: ignore[no-untyped-def]
-        handed.append(index)
-        return python_entry(self, index, tensor, same_as)
-
-    monkeypatch.setattr(StoreEmitter, "on_entry", counting)
+    handed = _count_python_entries(monkeypatch, StoreEmitter)
     stored = {}
     for enabled, where in ((False, "python"), (True, "compiled")):
         monkeypatch.setattr(compiled, "ENABLED", enabled)
@@ -464,19 +471,12 @@ def test_same_statistics_both_paths(monkeypatch: pytest.MonkeyPatch, tmp_path, i
 
     hot = compiled.hot()
     assert hot is not None and hasattr(hot, "Reducer"), "the extension is missing"
-    python_entry = SelectingEmitter.on_entry
-    handed: list[int] = []
-
-    def counting(self, index, tensor, same_as):  # type: ignore[no-untyped-def]
-        handed.append(index)
-        return python_entry(self, index, tensor, same_as)
-
-    monkeypatch.setattr(SelectingEmitter, "on_entry", counting)
+    handed = _count_python_entries(monkeypatch, SelectingEmitter)
     got = {}
     for with_reducer in (False, True):
         if with_reducer:
             monkeypatch.undo()  # (the Reducer back)
-            monkeypatch.setattr(SelectingEmitter, "on_entry", counting)
+            handed = _count_python_entries(monkeypatch, SelectingEmitter)
         else:
             monkeypatch.delattr(hot, "Reducer")
         handed.clear()
