@@ -7,6 +7,7 @@ attribute ``torch_dtype`` and the catalog), so every dtype round-trips bitwise.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -15,7 +16,15 @@ import torch
 
 from tracelake.errors import StoreError
 
-__all__ = ["dtype_name", "numpy_dtype", "parse_dtype", "tensor_bits", "tensor_from_bytes"]
+__all__ = [
+    "dtype_name",
+    "memory_at",
+    "memory_bits",
+    "numpy_dtype",
+    "parse_dtype",
+    "tensor_bits",
+    "tensor_from_bytes",
+]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -48,6 +57,26 @@ def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
         tensor = tensor.view(_BITS[tensor.element_size()])
         return tensor.numpy().view(_NUMPY_BITS[tensor.element_size()])
     return tensor.numpy()
+
+
+def memory_at(address: int, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` bytes of memory at ``address``, as a uint8 array that holds nothing
+    alive: read it only while something else keeps the memory (a writer's worker reads
+    the forward's tensors so, under their lock, because a view, ``numpy()``'s included,
+    is a handle on the tensor's storage that the end of a step counts as a holder)."""
+    if not nbytes:
+        return np.empty(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def memory_bits(tensor: torch.Tensor) -> np.ndarray:
+    """:func:`tensor_bits` of a contiguous CPU tensor by its address (:func:`memory_at`:
+    no handle on its storage, nothing kept alive)."""
+    dtype = numpy_dtype(tensor.dtype)
+    if dtype is None:
+        dtype = np.dtype(_NUMPY_BITS[tensor.element_size()])
+    bits = memory_at(tensor.data_ptr(), tensor.nbytes).view(dtype)
+    return bits.reshape(tuple(tensor.shape))
 
 
 def tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from tracelake.recorder.forks import fork_safe_lock
 
+from .dtypes import memory_at
 from .layout import libc_function
 
 __all__ = [
@@ -236,8 +237,11 @@ class Packed(Live):
         ``region`` (or done), and for a tensor to gather. Call under ``lock``."""
         if self.source is None or self.version is None or self.gather:
             return None
-        bits = self.source.reshape(-1).view(torch.uint8).numpy()
-        return bits[self.skip : self.skip + self.nbytes]
+        # By address, not a view: a view is one more handle on the storage while the
+        # worker writes, which the end of the step (``storage_holders``) counts as a
+        # holder outside the writer, and then waits for this chunk's write to copy what
+        # it finds written. ``source`` keeps the memory alive: it goes only under ``lock``.
+        return memory_at(self.source.data_ptr() + self.skip, self.nbytes)
 
     def copy(self) -> bool:
         """Copy the referenced bytes into ``region`` (gather them there), if still

@@ -1828,6 +1828,11 @@ class Store:
 
     def delete(self, name: str) -> None:
         """Remove run ``name`` from view at once; ``gc()`` reclaims its space."""
+        if not isinstance(name, str):  # (else DuckDB's cast error, from inside a transaction)
+            raise TypeError(
+                f"delete takes one run's name (str), not {name!r}; to delete several, "
+                "call it once for each"
+            )
         if self._catalog.delete(name) < 0:
             raise RunNotFoundError(name, list(self))
 

@@ -39,7 +39,7 @@ from tracelake.errors import ChunkCorruptError, ObjectNotFoundError, StoreError
 
 from .backend import ByteStore, Pending
 from .codecs import choose_codec
-from .dtypes import dtype_name, numpy_dtype, parse_dtype, tensor_bits, tensor_from_bytes
+from .dtypes import dtype_name, memory_bits, numpy_dtype, parse_dtype, tensor_from_bytes
 from .format import (
     ALIGN,
     ARRAY_NAME,
@@ -282,15 +282,20 @@ class RunArrays:
         def read() -> AbstractContextManager[torch.Tensor]:
             return reading() if reading is not None else contextlib.nullcontext(tensor)
 
+        # The tensor read by address (``memory_bits``), inside ``read()`` only: a view
+        # would be a handle on the forward's storage that the writer's end of a step
+        # counts as a holder outside it (and copies the tensor for)
         shape = tuple(tensor.shape) or (1,)
         with read() as now:
-            data = tensor_bits(now)
+            data = memory_bits(now)
             codec = choose_codec(data)
-        chunks = chunk_shape(shape, data.dtype.itemsize)
+        bits = data.dtype
+        del data
+        chunks = chunk_shape(shape, bits.itemsize)
         attributes = {"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)}
         zarr.create_array(
             self.backend.zarr_store(name),
-            **own_array_spec(shape, chunks, data.dtype, codec, attributes),
+            **own_array_spec(shape, chunks, bits, codec, attributes),
         )
         own = pending is None
         pending = self.backend.pending(background=False) if pending is None else pending
@@ -298,12 +303,13 @@ class RunArrays:
             for idx in chunk_grid(shape, chunks):
                 sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks, strict=True))
                 with read() as now:  # encoded and written before it may change
-                    if on_chunk is not None:
-                        on_chunk(now.reshape(shape)[sel])
-                    part = tensor_bits(now).reshape(shape)[sel]
+                    part = memory_bits(now).reshape(shape)[sel]
+                    if on_chunk is not None:  # (a tensor on the numpy array: no handle)
+                        on_chunk(torch.from_numpy(part).view(now.dtype))
                     self.backend.put(
                         chunk_key(name, idx), encode_chunk(part, chunks, codec), pending
                     )
+                    del part
         finally:
             if own:
                 pending.close()

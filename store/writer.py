@@ -447,13 +447,16 @@ class TensorWriter:
         members: list[int],
         refs: list[Packed],
     ) -> None:
+        # What reads the forward's tensors (numpy views, the tensors by slot): emptied
+        # before they are marked done, so that a done tensor has no holder here left for
+        # the end of the step to count (``settle``: it copies one held outside the writer)
+        sources: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+        tensors: dict[int, torch.Tensor] = {}
         try:
             with contextlib.ExitStack() as locked:
                 for ref in refs:  # held still while read: statistics, checksums, write
                     locked.enter_context(ref.lock)
                 raw = not pack_codec(name).compressors  # (its checksums: of the bytes)
-                sources: list[tuple[int, np.ndarray, np.ndarray | None]] = []
-                tensors: dict[int, torch.Tensor] = {}
                 known: dict[int, Stats] = {}
                 for ref in refs:  # strided ones: gathered into their place, now
                     if ref.gather and ref.copy():
@@ -461,14 +464,15 @@ class TensorWriter:
                         if raw:
                             self._checked_gathered(ref, buffer, sources, known)
                 for ref in refs:
-                    now = ref.referenced()
-                    if now is not None:
+                    bits = ref.referenced()
+                    if bits is not None:
                         assert ref.source is not None
                         crcs = None
                         if raw and ref.source.dtype is torch.float32:
-                            crcs, known[ref.slot] = _checked_stats(ref.source, ref.skip, now)
-                        sources.append((ref.start, now, crcs))
+                            crcs, known[ref.slot] = _checked_stats(ref.source, ref.skip, bits)
+                        sources.append((ref.start, bits, crcs))
                         tensors[ref.slot] = ref.source
+                bits = None
                 batches, singles = _chunk_stats(
                     buffer, chunk * CHUNK_BYTES, members, self.slots, tensors, known
                 )
@@ -481,6 +485,8 @@ class TensorWriter:
             with self._lock:
                 self.bytes_written += used
         finally:
+            sources.clear()
+            tensors.clear()
             for ref in refs:
                 with ref.lock:
                     held = ref.source is not None and ref.version is not None

@@ -502,6 +502,9 @@ def test_delete_then_gc_reclaims_space(tmp_path: Path) -> None:
     assert "gone" not in store and list(store.runs()["name"]) == ["keep"]
     with pytest.raises(tl.RunNotFoundError):
         store.delete("gone")
+    with pytest.raises(TypeError, match="call it once for each"):
+        store.delete(["keep", "gone"])  # type: ignore[arg-type]
+    assert "keep" in store
     freed = store.gc()
     assert freed["runs"] == 1 and freed["bytes"] > 0 and not gone_dir.exists()
     assert store.verify().ok
