@@ -464,12 +464,14 @@ class CatalogWriter:
                     self._known_top, self._top = self._top if self._unchanged else None, None
                     if not made and not self._unchanged:
                         check_objects(con, _ATTACHED)
+                    if made:  # (the ATTACH made the file: no runs, so none by name)
+                        self._names, self._known_top = set(), (0, 0)
                     self._checked = None
                     con.execute(f"USE {_ATTACHED}")
                     try:  # (BEGIN inside: a Ctrl-C right after it still rolls it back,
                         con.execute("BEGIN TRANSACTION")  # or the DETACH below waits on it)
                         if not self._has_schema:  # once per writer and file, in the
-                            create_schema(con)  # transaction: one commit, not one a table
+                            create_schema(con, empty=made)  # transaction: one commit
                         folded = 0 if read else self._fold(con, then)
                         yield con
                         self._commit(con, seen, size + folded, vacuum)
@@ -1503,7 +1505,7 @@ class CatalogMirror:
         # directory): past its memory limit a query fails (QueryLimitError)
         self.con.execute("SET temp_directory = ''")
         self.con.execute("SET enable_external_access = false")
-        create_schema(self.con)
+        create_schema(self.con, empty=True)  # (a new in-memory database)
         accept_rows(self.con)
         self._local = threading.local()  # each thread's reading cursor
         self._memory: str | None = None  # the memory limit set, as QUERY_LIMITS says

@@ -182,11 +182,12 @@ def present_columns(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
     return present
 
 
-def create_schema(con: duckdb.DuckDBPyConnection) -> None:
+def create_schema(con: duckdb.DuckDBPyConnection, empty: bool = False) -> None:
     """Create every table the catalog lacks, and every column an older catalog's tables
     lack (filled with the column's default): run in a writer's transaction, or on a
-    reader's own in-memory database."""
-    present = present_columns(con)
+    reader's own in-memory database. ``empty``: the database is known to hold no table
+    (a catalog file just made), so nothing is looked up first."""
+    present = {} if empty else present_columns(con)
     for table in TABLES.values():
         if table.name not in present:
             columns = ", ".join(_definition(f) for f in table.columns)
