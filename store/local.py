@@ -208,6 +208,81 @@ def _durable(fd: int, sync: bool = True) -> None:
 Staged = Callable[[int, np.ndarray], tuple[int, bool]]
 
 
+#: Small files written before (``put_unsynced``), by their bytes: the path of one that
+#: holds exactly them. A run's Zarr metadata is mostly the bytes of the run's before it
+#: (its group's; a pack's of one shard), and a hard link to that file makes a directory
+#: entry where a new file also takes an inode (on a busy filesystem the slow part: two
+#: of a batched tiny run's seven new entries). Safe because no such file is ever written
+#: in place: ``put_unsynced`` replaces a file (unlinks it) and forgets what it held, so
+#: a link never changes another run's (or, in one process, another store's) file. A
+#: source gone (its run renamed at its commit, deleted, collected), a filesystem that
+#: refuses links, or another filesystem's file is forgotten, the file created as before.
+_SHARED: dict[bytes, str] = {}
+_SHARED_KEPT = 32  # distinct contents remembered (the oldest forgotten first)
+_SHARED_MAX = 64 << 10  # bytes: larger files are never shared
+_SHARED_LOCK = fork_safe_lock()
+
+
+def _remember(data: bytes, path: str | None) -> None:
+    """``path`` holds ``data`` now (None: forget the file that did)."""
+    with _SHARED_LOCK:
+        _SHARED.pop(data, None)
+        if path is not None:
+            _SHARED[data] = path
+            while len(_SHARED) > _SHARED_KEPT:
+                del _SHARED[next(iter(_SHARED))]
+
+
+def _replacing(path: str) -> None:
+    """``path`` is about to hold other bytes: whatever it was remembered for, forget
+    (a pack's metadata written again: the bytes it held are no longer there)."""
+    with _SHARED_LOCK:
+        stale = [data for data, at in _SHARED.items() if at == path]
+        for data in stale:
+            del _SHARED[data]
+
+
+def _link_shared(path: str, data: bytes) -> bool:
+    """Make ``path`` a hard link to a file known to hold ``data`` (a file already at
+    ``path`` replaced); whether it did (else nothing is left at ``path``). As many calls
+    as a creation where the directory is new (a failed try, its ``mkdir``, the link)."""
+    with _SHARED_LOCK:
+        source = _SHARED.get(data)
+    if source is None:
+        return False
+    made = False
+    for _ in range(3):
+        try:
+            os.link(source, path, follow_symlinks=False)
+            return True
+        except FileExistsError:
+            os.unlink(path)  # (replaced, not written into: it may be a link itself)
+        except FileNotFoundError:
+            if made:  # the directory is there: the source is gone
+                break
+            made = True
+            try:
+                os.mkdir(os.path.dirname(path))
+            except FileExistsError:  # (it was there: the source is gone)
+                break
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError:  # no link: another filesystem's file, too many links, none at all
+            break
+    _remember(data, None)
+    return False
+
+
+def _create_new(path: str) -> int:
+    """``_create``, but a file already at ``path`` is replaced (unlinked first), never
+    truncated: it may be a hard link another run's file shares (``_SHARED``)."""
+    try:
+        return _create(Path(path), os.O_EXCL)
+    except FileExistsError:
+        os.unlink(path)
+        return _create(Path(path), os.O_EXCL)
+
+
 def _create(path: Path, extra: int = 0) -> int:
     """The new (truncated) file ``path`` opened for writing, its directory made if
     missing (only then: no mkdir a shard). ``O_NOFOLLOW``: a symbolic link planted at
@@ -444,16 +519,24 @@ class LocalBackend(ByteStore):
             raise self._write_error(key, path, exc) from exc
 
     def put_unsynced(self, key: str, data: bytes) -> None:
-        # (a file created, written and closed, and no more: a tiny run writes two)
-        path = Path(self._file(key))
+        # (a file created, written and closed, and no more: a tiny run writes two, the
+        # same bytes as the run before's: shared by a hard link where it can, _SHARED)
+        path = self._file(key)
+        share = len(data) <= _SHARED_MAX
         try:
-            fd = _create(path)
+            if share:
+                _replacing(path)
+            if share and _link_shared(path, data):
+                return
+            fd = _create_new(path) if share else _create(Path(path))
             try:
                 writev_all(fd, [data])
             finally:
                 os.close(fd)
+            if share:
+                _remember(data, path)
         except OSError as exc:
-            raise self._write_error(key, path, exc) from exc
+            raise self._write_error(key, Path(path), exc) from exc
 
     def _write_error(self, key: str, path: Path, exc: OSError) -> StoreError:
         """The error to raise for ``exc``, met writing ``key`` at ``path``."""

@@ -497,3 +497,65 @@ def test_the_catalog_change_token_moves_with_the_catalog(tmp_path: Path) -> None
     assert first is not None and token.token() == first
     paths.catalog.write_bytes(b"changed without a bump")
     assert token.token() != first
+
+
+class _ManySmall(torch.nn.Module):
+    """200 tensors of 32 KiB: a pack that grows past its first 4 MiB shard, so its
+    metadata is written again, with the grown length, at the end of the run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(200):
+            x = x + 1
+        return x
+
+
+def test_runs_share_their_identical_metadata_files_and_never_change_each_others(
+    tmp_path: Path,
+) -> None:
+    """A run's Zarr metadata that is byte for byte an earlier run's of the batch is a
+    hard link to that file (an inode fewer); a file written again later (the metadata of
+    a pack that grew) is replaced, not written into, so the runs it was shared with keep
+    their own bytes; a source collected away is not needed by the runs after."""
+    import tracelake as tl
+
+    store = tl.open(tmp_path / "s")
+    tiny, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    first = store.record(tiny, x, name="first")
+    with store.batch():
+        second = store.record(tiny, x, name="second")
+        third = store.record(tiny, x, name="third")
+        grown = store.record(_ManySmall(), torch.zeros(8192), name="grown")
+
+    def meta(run: object, key: str) -> Path:
+        return tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / key  # type: ignore[attr-defined]
+
+    for key in ("zarr.json", "pack_raw/zarr.json"):
+        assert meta(second, key).samefile(meta(third, key)), key
+    assert meta(grown, "zarr.json").samefile(meta(third, "zarr.json"))
+    pack = meta(third, "pack_raw/zarr.json")
+    assert json.loads(pack.read_bytes())["shape"][0] == CHUNK_BYTES
+    assert json.loads(meta(first, "pack_raw/zarr.json").read_bytes()) == json.loads(
+        pack.read_bytes()
+    )
+    length = json.loads(meta(grown, "pack_raw/zarr.json").read_bytes())["shape"][0]
+    assert length > CHUNK_BYTES
+    assert not meta(grown, "pack_raw/zarr.json").samefile(pack)
+
+    with store.batch():  # a pack grows after its first metadata was shared from it
+        again = store.record(_ManySmall(), torch.zeros(8192), name="again")
+        after = store.record(tiny, x, name="after")
+    assert json.loads(meta(after, "pack_raw/zarr.json").read_bytes())["shape"][0] == CHUNK_BYTES
+    assert json.loads(meta(again, "pack_raw/zarr.json").read_bytes())["shape"][0] == length
+
+    for name in ("first", "second", "third"):
+        store.delete(name)
+    store.gc()
+    with store.batch():
+        last = store.record(tiny, x, name="last")
+    assert meta(last, "zarr.json").is_file()
+    reopened = tl.open(tmp_path / "s", create=False)
+    assert_bitwise(reopened["last"]["output_1"].out, tiny(x), "a run after its source went")
+    assert_bitwise(reopened["grown"]["output_1"].out, torch.zeros(8192) + 200, "grown")
+    group = zarr.open_group(str(meta(reopened["grown"], "")), mode="r")
+    assert group["pack_raw"].shape == (length,)
+    assert reopened.verify().ok

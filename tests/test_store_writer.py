@@ -294,7 +294,8 @@ def test_a_catalog_left_attached_is_detached_by_the_next_transaction(tmp_path: P
     con = catalog._ENGINE.connection()
     con.execute(f"ATTACH '{tmp_path / 's' / 'catalog.duckdb'}' AS tl_catalog")
     catalog._ENGINE.attached = True
-    store.record(InPlaceAfter(), torch.randn(4, 8), name="s")
+    store.record(InPlaceAfter(), torch.randn(4, 8), name="s")  # (sealed: no transaction)
+    store.flush()  # a transaction: inserts the sealed run's rows
     assert not catalog._ENGINE.attached
     assert con.execute(
         "SELECT count(*) FROM duckdb_databases() WHERE database_name = 'tl_catalog'"
@@ -616,13 +617,17 @@ def test_every_file_of_a_batch_is_durable_before_its_commit(
     store = tl.open(tmp_path / "s", create=True)
     model, x = nn.Linear(8, 8), torch.randn(2, 8)
     store.record(model, x, name="before")
-    earlier = {p.stat().st_ino for p in runs.rglob("*") if p.is_file()}
+    earlier = {p for p in runs.rglob("*") if p.is_file()}
     synced: set[int] = set()
-    at_commit: list[tuple[set[int], set[int]]] = []  # (files there, files synced)
+    at_commit: list[tuple[int, set[int], set[int]]] = []  # (files, their inodes, synced)
     whole: list[int] = []  # syncfs calls ended (each covers every file there was)
 
-    def inodes() -> set[int]:  # the runs' arrays (not the batch's own bookkeeping)
-        return {p.stat().st_ino for p in runs.rglob("tensors/**/*") if p.is_file()} - earlier
+    def batch_files() -> list[Path]:  # the batch's runs' arrays (not its bookkeeping),
+        # by name: a file's inode may be another's (metadata shared by a hard link)
+        return [p for p in runs.rglob("tensors/**/*") if p.is_file() and p not in earlier]
+
+    def inodes() -> set[int]:
+        return {p.stat().st_ino for p in batch_files()}
 
     real_syncfs, real_fsync = layout._syncfs, layout._fsync_one
     assert real_syncfs is not None, "Linux's syncfs is missing from libc"
@@ -644,7 +649,7 @@ def test_every_file_of_a_batch_is_durable_before_its_commit(
     real_commit = catalog.CatalogWriter._commit
 
     def commit(self: catalog.CatalogWriter, *args: Any, **kwargs: Any) -> None:
-        at_commit.append((inodes(), set(synced)))
+        at_commit.append((len(batch_files()), inodes(), set(synced)))
         real_commit(self, *args, **kwargs)
 
     monkeypatch.setattr(layout, "_syncfs", slow_syncfs)
@@ -654,8 +659,8 @@ def test_every_file_of_a_batch_is_durable_before_its_commit(
     with store.batch():
         for k in range(3):
             store.record(model, x, name=f"b{k}")
-    files, durable = at_commit[-1]  # (the batch's: the last transaction)
-    assert len(files) >= 9, "three runs' group and pack metadata and shards"
+    count, files, durable = at_commit[-1]  # (the batch's: the last transaction)
+    assert count >= 9, "three runs' group and pack metadata and shards"
     assert bool(whole) == syncfs
     assert files <= durable, "a file not durable before the COMMIT"
     for k in range(3):
