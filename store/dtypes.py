@@ -7,7 +7,6 @@ attribute ``torch_dtype`` and the catalog), so every dtype round-trips bitwise.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -59,23 +58,41 @@ def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def memory_at(address: int, nbytes: int) -> np.ndarray:
-    """The ``nbytes`` bytes of memory at ``address``, as a uint8 array that holds nothing
-    alive: read it only while something else keeps the memory (a writer's worker reads
-    the forward's tensors so, under their lock, because a view, ``numpy()``'s included,
-    is a handle on the tensor's storage that the end of a step counts as a holder)."""
+class _Memory:
+    """Memory at an address as numpy sees it (``__array_interface__``), holding the
+    object that owns it: an array made from it keeps the owner alive, not a view of it."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, address: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def memory_at(address: int, nbytes: int, owner: object) -> np.ndarray:
+    """The ``nbytes`` bytes of memory at ``address`` as a uint8 array that keeps
+    ``owner`` (what owns that memory: a tensor) alive, and makes nothing else: a writer's
+    worker reads the forward's tensors so, because a view of a tensor, ``numpy()``'s
+    included, is a handle on its storage, which the end of a step counts as a holder."""
     if not nbytes:
         return np.empty(0, dtype=np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+    return np.asarray(_Memory(address, nbytes, owner))
 
 
 def memory_bits(tensor: torch.Tensor) -> np.ndarray:
-    """:func:`tensor_bits` of a contiguous CPU tensor by its address (:func:`memory_at`:
-    no handle on its storage, nothing kept alive)."""
+    """:func:`tensor_bits` of a contiguous CPU tensor through :func:`memory_at` (no handle
+    on its storage; the tensor object kept alive by the array)."""
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        raise ValueError("memory_bits reads a contiguous CPU tensor's memory as it lies")
     dtype = numpy_dtype(tensor.dtype)
     if dtype is None:
         dtype = np.dtype(_NUMPY_BITS[tensor.element_size()])
-    bits = memory_at(tensor.data_ptr(), tensor.nbytes).view(dtype)
+    bits = memory_at(tensor.data_ptr(), tensor.nbytes, tensor).view(dtype)
     return bits.reshape(tuple(tensor.shape))
 
 

@@ -240,8 +240,8 @@ class Packed(Live):
         # By address, not a view: a view is one more handle on the storage while the
         # worker writes, which the end of the step (``storage_holders``) counts as a
         # holder outside the writer, and then waits for this chunk's write to copy what
-        # it finds written. ``source`` keeps the memory alive: it goes only under ``lock``.
-        return memory_at(self.source.data_ptr() + self.skip, self.nbytes)
+        # it finds written. The array keeps ``source`` (the object) alive.
+        return memory_at(self.source.data_ptr() + self.skip, self.nbytes, self.source)
 
     def copy(self) -> bool:
         """Copy the referenced bytes into ``region`` (gather them there), if still

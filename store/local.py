@@ -208,68 +208,95 @@ def _durable(fd: int, sync: bool = True) -> None:
 Staged = Callable[[int, np.ndarray], tuple[int, bool]]
 
 
-#: Small files written before (``put_unsynced``), by their bytes: the path of one that
-#: holds exactly them. A run's Zarr metadata is mostly the bytes of the run's before it
-#: (its group's; a pack's of one shard), and a hard link to that file makes a directory
-#: entry where a new file also takes an inode (on a busy filesystem the slow part: two
-#: of a batched tiny run's seven new entries). Safe because no such file is ever written
-#: in place: ``put_unsynced`` replaces a file (unlinks it) and forgets what it held, so
-#: a link never changes another run's (or, in one process, another store's) file. A
-#: source gone (its run renamed at its commit, deleted, collected), a filesystem that
-#: refuses links, or another filesystem's file is forgotten, the file created as before.
-_SHARED: dict[bytes, str] = {}
+#: Small files written before (``put_unsynced``), by their bytes: an open descriptor of
+#: the one that holds exactly them. A run's Zarr metadata is mostly the bytes of the
+#: run's before it (its group's; a pack's of one shard), and a hard link to that file
+#: makes a directory entry where a new file also takes an inode (on a busy filesystem
+#: the slow part: two of a tiny run's three new files). The link is made to the open
+#: file itself (``/proc/self/fd``, Linux), so whatever is at its old name now (renamed
+#: at its run's commit, or something else put there) does not matter. Safe because no
+#: such file is ever written in place: ``put_unsynced`` replaces a file (unlinks it) and
+#: forgets what it held, so a link never changes another run's (or, in one process,
+#: another store's) file. A source deleted (its run collected), another filesystem's,
+#: or a filesystem that refuses links is forgotten, the file created as before.
+_SHARED: dict[bytes, tuple[str, int]] = {}  # bytes -> (the path it was made at, its fd)
 _SHARED_KEPT = 32  # distinct contents remembered (the oldest forgotten first)
 _SHARED_MAX = 64 << 10  # bytes: larger files are never shared
+_SHARING = os.path.isdir("/proc/self/fd")  # (where a file can be linked by descriptor)
+_PROC_FDS: list[int] = []  # this process's /proc/self/fd, opened once (what links name)
+#: Held for the whole of a ``put_unsynced``: no file is replaced between the lookup of a
+#: source and the link to it (another thread's pack that grew).
 _SHARED_LOCK = fork_safe_lock()
 
 
-def _remember(data: bytes, path: str | None) -> None:
-    """``path`` holds ``data`` now (None: forget the file that did)."""
-    with _SHARED_LOCK:
-        _SHARED.pop(data, None)
-        if path is not None:
-            _SHARED[data] = path
-            while len(_SHARED) > _SHARED_KEPT:
-                del _SHARED[next(iter(_SHARED))]
+def _forget(data: bytes) -> None:
+    _, fd = _SHARED.pop(data)
+    os.close(fd)
 
 
-def _replacing(path: str) -> None:
-    """``path`` is about to hold other bytes: whatever it was remembered for, forget
-    (a pack's metadata written again: the bytes it held are no longer there)."""
-    with _SHARED_LOCK:
-        stale = [data for data, at in _SHARED.items() if at == path]
-        for data in stale:
-            del _SHARED[data]
+def _forget_all() -> None:
+    for data in list(_SHARED):
+        _forget(data)
+    while _PROC_FDS:  # (a parent's: its /proc entry, not the child's)
+        os.close(_PROC_FDS.pop())
 
 
-def _link_shared(path: str, data: bytes) -> bool:
-    """Make ``path`` a hard link to a file known to hold ``data`` (a file already at
-    ``path`` replaced); whether it did (else nothing is left at ``path``). As many calls
-    as a creation where the directory is new (a failed try, its ``mkdir``, the link)."""
-    with _SHARED_LOCK:
-        source = _SHARED.get(data)
-    if source is None:
-        return False
+# a forked child's parent goes on replacing files the child would not hear of
+os.register_at_fork(after_in_child=_forget_all)
+
+
+def _put_shared(path: str, data: bytes) -> None:
+    """Write the small file ``path`` holding ``data`` (under ``_SHARED_LOCK``): a hard
+    link to a file known to hold those bytes where there is one, else a new file,
+    remembered. A file already at ``path`` is replaced, never written into (it may be a
+    link another run's file shares), and what it held forgotten."""
+    for held in [d for d, (at, _) in _SHARED.items() if at == path]:
+        _forget(held)
+    share = _SHARING and len(data) <= _SHARED_MAX
+    known = _SHARED.get(data) if share else None
+    if known is not None:
+        if _linked(path, known[1]):
+            return
+        _forget(data)
+    fd = _create_new(path)
+    try:
+        writev_all(fd, [data])
+    except BaseException:
+        os.close(fd)
+        raise
+    if not share:
+        os.close(fd)
+        return
+    _SHARED[data] = (path, fd)  # (kept open: what a later file of these bytes links to)
+    while len(_SHARED) > _SHARED_KEPT:
+        _forget(next(iter(_SHARED)))
+
+
+def _linked(path: str, fd: int) -> bool:
+    """Make ``path`` a hard link to the open file ``fd`` (a file already at ``path``
+    replaced); whether it did (nothing is left at ``path`` where not). As many calls as
+    a creation where the directory is new: a failed try, its ``mkdir``, the link."""
+    if not _PROC_FDS:
+        _PROC_FDS.append(os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
     made = False
     for _ in range(3):
-        try:
-            os.link(source, path, follow_symlinks=False)
+        try:  # (linkat with AT_SYMLINK_FOLLOW: the descriptor's file, not the /proc link)
+            os.link(str(fd), path, src_dir_fd=_PROC_FDS[0], follow_symlinks=True)
             return True
         except FileExistsError:
             os.unlink(path)  # (replaced, not written into: it may be a link itself)
         except FileNotFoundError:
-            if made:  # the directory is there: the source is gone
-                break
+            if made:  # the directory is there: the source is deleted
+                return False
             made = True
             try:
                 os.mkdir(os.path.dirname(path))
-            except FileExistsError:  # (it was there: the source is gone)
-                break
+            except FileExistsError:  # (it was there: the source is deleted)
+                return False
             except FileNotFoundError:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
         except OSError:  # no link: another filesystem's file, too many links, none at all
-            break
-    _remember(data, None)
+            return False
     return False
 
 
@@ -522,19 +549,9 @@ class LocalBackend(ByteStore):
         # (a file created, written and closed, and no more: a tiny run writes two, the
         # same bytes as the run before's: shared by a hard link where it can, _SHARED)
         path = self._file(key)
-        share = len(data) <= _SHARED_MAX
         try:
-            if share:
-                _replacing(path)
-            if share and _link_shared(path, data):
-                return
-            fd = _create_new(path) if share else _create(Path(path))
-            try:
-                writev_all(fd, [data])
-            finally:
-                os.close(fd)
-            if share:
-                _remember(data, path)
+            with _SHARED_LOCK:
+                _put_shared(path, data)
         except OSError as exc:
             raise self._write_error(key, Path(path), exc) from exc
 

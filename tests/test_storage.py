@@ -559,3 +559,22 @@ def test_runs_share_their_identical_metadata_files_and_never_change_each_others(
     group = zarr.open_group(str(meta(reopened["grown"], "")), mode="r")
     assert group["pack_raw"].shape == (length,)
     assert reopened.verify().ok
+
+
+def test_a_shared_metadata_source_swapped_for_another_file_is_not_linked(
+    tmp_path: Path,
+) -> None:
+    """A file remembered as holding some bytes, then replaced behind the writer's back
+    (another file at its name, same size), is not what a later file of those bytes
+    links to: the link is checked to be the remembered file (its inode)."""
+    data = b'{"zarr_format": 3, "node_type": "group"}'
+    first, second = LocalBackend(tmp_path / "a"), LocalBackend(tmp_path / "b")
+    first.put_unsynced("g/zarr.json", data)
+    source = tmp_path / "a" / "g" / "zarr.json"
+    source.unlink()
+    source.write_bytes(b"x" * len(data))  # another file, not written through the store
+    second.put_unsynced("g/zarr.json", data)
+    assert (tmp_path / "b" / "g" / "zarr.json").read_bytes() == data
+    third = LocalBackend(tmp_path / "c")
+    third.put_unsynced("g/zarr.json", data)  # (linked to the second's: that one is right)
+    assert (tmp_path / "c" / "g" / "zarr.json").samefile(tmp_path / "b" / "g" / "zarr.json")

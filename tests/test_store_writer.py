@@ -324,20 +324,33 @@ def test_what_the_user_writes_after_a_step_is_not_stored(tmp_path: Path, rows: i
     assert_bitwise(run.step(1)["input_1"].out, x, "step 1's input")
 
 
-@pytest.mark.parametrize("rows", [128, 4096], ids=["mid-size", "own-array"])
+@pytest.mark.parametrize(
+    ("held", "rows", "dtype"),
+    [
+        ("writing", 128, torch.float32),
+        ("statistics", 128, torch.float16),  # (a zstd pack's: torch reductions)
+        ("writing", 4096, torch.float32),
+    ],
+    ids=["mid-size", "mid-size-half", "own-array"],
+)
 def test_the_end_of_a_step_waits_for_no_write_of_a_tensor_only_the_writer_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: str, rows: int, dtype: torch.dtype
 ) -> None:
     """While a worker writes a tensor from the forward's own memory (holding its lock),
     the end of the step (``settle``) finds nothing but the writer holding it and goes
     on: the worker reads the memory without a handle on its storage, which would count
     as a holder outside the writer, and make the step's end wait for the write only to
     copy bytes by then written (~4 ms of a GPT-2 step, a 32 MiB copy on the wide model)."""
+    from tracelake.recorder import stats as stats_module
     from tracelake.store import tensors as tensors_module
 
     inside, go = threading.Event(), threading.Event()
-    module, name = (
-        (RunArrays, "write_pack_chunk") if rows == 128 else (tensors_module, "encode_chunk")
+    module, name = (  # where the worker is held: writing, or computing its statistics
+        (stats_module, "_real")
+        if held == "statistics"
+        else (RunArrays, "write_pack_chunk")
+        if rows == 128
+        else (tensors_module, "encode_chunk")
     )
     writes = getattr(module, name)
 
@@ -348,7 +361,7 @@ def test_the_end_of_a_step_waits_for_no_write_of_a_tensor_only_the_writer_holds(
 
     monkeypatch.setattr(module, name, held_back)
     writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
-    x = torch.randn(rows, 1024)
+    x = torch.randn(rows, 1024).to(dtype)
     slot = writer.save(x * 3)  # a temporary of the forward: only the writer holds it
     writer.flush()
     assert inside.wait(30), "the worker never started the write"
