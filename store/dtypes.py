@@ -19,13 +19,12 @@ __all__ = [
     "dtype_name",
     "memory_at",
     "memory_bits",
+    "memory_tensor",
     "numpy_dtype",
     "parse_dtype",
-    "tensor_bits",
     "tensor_from_bytes",
 ]
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -48,14 +47,6 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
         return torch.empty(0, dtype=dtype).numpy().dtype
     except (TypeError, RuntimeError):
         return None
-
-
-def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor as numpy, in numpy's dtype or as same-width unsigned bits."""
-    if numpy_dtype(tensor.dtype) is None:
-        tensor = tensor.view(_BITS[tensor.element_size()])
-        return tensor.numpy().view(_NUMPY_BITS[tensor.element_size()])
-    return tensor.numpy()
 
 
 class _Memory:
@@ -85,8 +76,9 @@ def memory_at(address: int, nbytes: int, owner: object) -> np.ndarray:
 
 
 def memory_bits(tensor: torch.Tensor) -> np.ndarray:
-    """:func:`tensor_bits` of a contiguous CPU tensor through :func:`memory_at` (no handle
-    on its storage; the tensor object kept alive by the array)."""
+    """A contiguous CPU tensor as numpy, in numpy's dtype or as same-width unsigned bits,
+    through :func:`memory_at` (no handle on its storage; the tensor object kept alive by
+    the array)."""
     if not (tensor.is_cpu and tensor.is_contiguous()):
         raise ValueError("memory_bits reads a contiguous CPU tensor's memory as it lies")
     dtype = numpy_dtype(tensor.dtype)
@@ -94,6 +86,13 @@ def memory_bits(tensor: torch.Tensor) -> np.ndarray:
         dtype = np.dtype(_NUMPY_BITS[tensor.element_size()])
     bits = memory_at(tensor.data_ptr(), tensor.nbytes, tensor).view(dtype)
     return bits.reshape(tuple(tensor.shape))
+
+
+def memory_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's values as a tensor on :func:`memory_bits` (a storage of
+    its own over the same memory) rather than a view: torch's reductions of it make no
+    handle on the tensor's storage."""
+    return torch.from_numpy(memory_bits(tensor)).view(tensor.dtype)
 
 
 def tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

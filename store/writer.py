@@ -49,7 +49,7 @@ from tracelake.recorder.stats import (
     segment_moments,
 )
 
-from .dtypes import memory_bits, numpy_dtype
+from .dtypes import memory_tensor, numpy_dtype
 from .format import ALIGN, CHUNK_BYTES, INNER_BYTES, pack_codec, pack_stream
 from .inflight import (
     Buffers,
@@ -472,7 +472,7 @@ class TensorWriter:
                             crcs, known[ref.slot] = _checked_stats(ref.source, ref.skip, bits)
                         sources.append((ref.start, bits, crcs))
                         if ref.slot not in known:  # (its statistics from a tensor on the
-                            tensors[ref.slot] = _on_memory(ref.source)  # memory: no handle)
+                            tensors[ref.slot] = memory_tensor(ref.source)  # memory: no handle)
                 bits = None
                 batches, singles = _chunk_stats(
                     buffer, chunk * CHUNK_BYTES, members, self.slots, tensors, known
@@ -531,7 +531,7 @@ class TensorWriter:
                 live.reading,
             )
             with live.reading() as tensor:
-                self.stats[slot] = combine_stats(_on_memory(tensor), partials)
+                self.stats[slot] = combine_stats(memory_tensor(tensor), partials)
             del tensor
             with self._lock:
                 self.bytes_written += live.nbytes
@@ -655,13 +655,6 @@ def _inline(stream: _Stream) -> bool:
         and not stream.refs
         and stream.used <= INLINE_BYTES
     )
-
-
-def _on_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU ``tensor``'s values as a tensor on its memory (by address, through
-    numpy) rather than a view: what the workers compute statistics from, since a view is
-    a handle on the forward's storage, which the end of a step counts as a holder."""
-    return torch.from_numpy(memory_bits(tensor)).view(tensor.dtype)
 
 
 def _checked_stats(
