@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracelake.errors import ChunkCorruptError, MissingExtraError, QueryError
+from tracelake.errors import MissingExtraError, QueryError
 from tracelake.store.dtypes import numpy_dtype, parse_dtype
-from tracelake.store.format import chunk_key
 
 if TYPE_CHECKING:
     import dask.array
@@ -132,11 +131,7 @@ def _own_array(
     run_id = fetcher.run_ids[row]
     label = fetcher.labels[row]
     arrays = fetcher.store.arrays(run_id, fetcher.names.get(run_id))
-    for index in arrays.chunk_keys(name):
-        if not arrays.has_chunk(name, index):
-            raise ChunkCorruptError(
-                arrays.run, label, chunk_key(name, index), "the chunk file is missing"
-            )
+    arrays.require_chunks(name, label)
     data = da.from_zarr(arrays.array(name, label), name=f"tracelake-{token}-{row}")
     if not shape:  # 0-d tensors are stored as shape (1,)
         data = data.reshape(())

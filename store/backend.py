@@ -1,7 +1,7 @@
 """The storage seam: where the bytes of a run's arrays live.
 
 A :class:`ByteStore` holds objects (bytes) under ``/``-separated keys relative to its
-root (``pack_raw/c/0``, ``t12/zarr.json``). Everything above it (the Zarr layout, shard
+root (``pack_raw/0``, ``t12/zarr.json``). Everything above it (the Zarr layout, shard
 indexes, codecs, the chunk cache) speaks keys and bytes only, so another backend (object
 storage) is one more implementation of this class, checked by the same conformance
 suite (``tests/test_storage.py``).

@@ -11,6 +11,10 @@ One Zarr v3 group per run, readable by plain zarr-python:
 - **Large tensors** get their own N-d array (``t<slot>``), chunked along the leading
   dimensions to about :data:`CHUNK_BYTES` (:func:`chunk_shape`) so that a slice reads
   few chunks; edge chunks are stored full size, as Zarr v3 requires.
+- Chunks are files beside their array's ``zarr.json`` (:data:`CHUNK_KEY_ENCODING`:
+  ``pack_raw/0``, ``t12/3.0``) in a store of format 2 or later; format 1 wrote them
+  under Zarr's default ``c/`` prefix (``pack_raw/c/0``, ``t12/c/3/0``), which every
+  array's metadata still declares where it was written so (:func:`chunk_key`).
 - Every chunk is its array's codec chain applied to its C-order bytes
   (:class:`~.codecs.Chain`: [zstd →] crc32c). A shard (``sharding_indexed``,
   ``index_location: end``) is its inner chunks one after the other, then the index
@@ -40,6 +44,7 @@ from .codecs import CRC32C, RAW, ZSTD, Buffer, Chain
 __all__ = [
     "ALIGN",
     "CHUNK_BYTES",
+    "CHUNK_KEY_ENCODING",
     "INNER_BYTES",
     "INNER_PER_SHARD",
     "SHARD_INDEX_BYTES",
@@ -91,12 +96,24 @@ _ZSTD_STREAM_DTYPES = frozenset(
 # -- keys ------------------------------------------------------------------------------------
 
 
-def chunk_key(array: str, index: Sequence[int] | str | int) -> str:
-    """The key of chunk (or shard) ``index`` of ``array`` (Zarr v3 default encoding;
-    an ``int``: shard ``index`` of a pack)."""
-    if isinstance(index, int | str):
-        return f"{array}/c/{index}"
-    return f"{array}/c/{'/'.join(map(str, index))}"
+#: How the arrays of a store of format 2 or later name their chunks: Zarr v3's ``v2``
+#: chunk key encoding with ``.`` between a chunk's indexes, so that every chunk is a file
+#: beside its array's ``zarr.json``. Zarr's default encoding (format 1's) puts them
+#: under ``c/`` and a directory for each index but the last: one more directory a pack
+#: (a tiny run made four, each as dear as creating a small file on ext4), and for a
+#: large tensor chunked along its leading dimension one for every chunk besides.
+CHUNK_KEY_ENCODING: dict[str, Any] = {"name": "v2", "separator": "."}
+
+
+def chunk_key(array: str, index: Sequence[int] | int, flat: bool = True) -> str:
+    """The key of chunk ``index`` (its indexes; an ``int``: shard ``index`` of a pack) of
+    ``array``, an array written with :data:`CHUNK_KEY_ENCODING` (``flat``) or Zarr's
+    default encoding (format 1's arrays). Where an array's metadata is at hand, its
+    ``encode_chunk_key`` says which (``RunArrays.chunk_key``)."""
+    parts = (index,) if isinstance(index, int) else index
+    if flat:
+        return f"{array}/{CHUNK_KEY_ENCODING['separator'].join(map(str, parts))}"
+    return f"{array}/c/{'/'.join(map(str, parts))}"
 
 
 def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[int, ...]]:
@@ -104,9 +121,9 @@ def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[int, .
     return _product([range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)])
 
 
-def selection_chunks(key: tuple[Any, ...], chunks: Sequence[int]) -> list[str] | None:
-    """Chunk indexes (``"i/j"``) a normalised basic selection touches (``None`` when
-    there are too many to list cheaply; zarr's checksums still guard what is read)."""
+def selection_chunks(key: tuple[Any, ...], chunks: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """Chunk indexes a normalised basic selection touches (``None`` when there are too
+    many to list cheaply; zarr's checksums still guard what is read)."""
     ranges = []
     count = 1
     for k, c in zip(key, chunks, strict=True):
@@ -121,7 +138,7 @@ def selection_chunks(key: tuple[Any, ...], chunks: Sequence[int]) -> list[str] |
         count *= len(ranges[-1])
         if count > 4096:
             return None
-    return ["/".join(map(str, idx)) for idx in _product(ranges)]
+    return _product(ranges)
 
 
 def _product(ranges: list[range]) -> list[tuple[int, ...]]:
@@ -172,8 +189,9 @@ def pack_codec(name: str) -> Chain:
     return ZSTD if name.startswith("pack_zstd") else RAW
 
 
-def pack_array_spec(name: str) -> dict[str, Any]:
-    """``zarr.create_array`` arguments of pack ``name``, before its first shard."""
+def pack_array_spec(name: str, flat: bool = True) -> dict[str, Any]:
+    """``zarr.create_array`` arguments of pack ``name``, before its first shard (``flat``:
+    see :func:`chunk_key`)."""
     return {
         "shape": (CHUNK_BYTES,),
         "chunks": (INNER_BYTES,),
@@ -181,8 +199,13 @@ def pack_array_spec(name: str) -> dict[str, Any]:
         "dtype": "uint8",
         "fill_value": 0,
         "compressors": pack_codec(name).zarr_codecs(),
+        "chunk_key_encoding": _key_encoding(flat),
         "attributes": {"tracelake": "pack"},
     }
+
+
+def _key_encoding(flat: bool) -> dict[str, Any]:
+    return CHUNK_KEY_ENCODING if flat else {"name": "default", "separator": "/"}
 
 
 #: Whole inner chunks read from elsewhere than a shard's buffer (``encode_shard``): their
@@ -335,14 +358,17 @@ def own_array_spec(
     dtype: np.dtype,
     codec: Chain,
     attributes: dict[str, Any],
+    flat: bool = True,
 ) -> dict[str, Any]:
-    """``zarr.create_array`` arguments of a large tensor's own array."""
+    """``zarr.create_array`` arguments of a large tensor's own array (``flat``: see
+    :func:`chunk_key`)."""
     return {
         "shape": shape,
         "chunks": chunks,
         "dtype": dtype,
         "fill_value": 0,
         "compressors": codec.zarr_codecs(),
+        "chunk_key_encoding": _key_encoding(flat),
         "config": _ZARR_CONFIG,
         "attributes": attributes,
     }

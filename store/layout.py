@@ -3,7 +3,7 @@
 ::
 
     STORE/
-      tracelake.json        {"format": 1, ...}: what this directory is, in which format
+      tracelake.json        {"format": 2, ...}: what this directory is, in which format
       catalog.duckdb        the catalog (runs, ops, tensors, edges, modules)
       catalog.lock          flock: writers hold it exclusively for a moment, readers shared
       catalog.gen           bumped after every catalog change: readers re-sync when it moves
@@ -27,7 +27,9 @@
                             any writer or reader inserts them, then removes this file
       runs/.trash-<id>-*    a run directory gc() is removing (renamed first, so a gc
                             killed half-way leaves it for the next one to finish)
-        tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays
+        tensors/            a Zarr v3 group: packed small tensors and large tensors' arrays,
+                            each chunk a file beside its array's zarr.json (format 2;
+                            format 1's under c/: format.CHUNK_KEY_ENCODING)
 
 Run names live only in the catalog, so no name ever becomes a path.
 """
@@ -88,8 +90,13 @@ __all__ = [
 #: (``max_inflight=``; here, beside the store's other settings, for the facade to name
 #: without loading the write path).
 DEFAULT_MAX_INFLIGHT = 256 << 20
-#: The on-disk format this code writes; a store with a larger number is refused.
-FORMAT = 1
+#: The on-disk format this code writes into a store it creates; a store with a larger
+#: number is refused. 2: arrays name their chunks flat (``format.CHUNK_KEY_ENCODING``); a
+#: store of format 1 keeps taking format 1's runs (``StorePaths.flat_chunks``), which the
+#: tracelake that made it reads.
+FORMAT = 2
+#: The first format whose arrays name their chunks flat.
+_FLAT_CHUNKS = 2
 _MARKER = "tracelake.json"
 #: Where the directories of runs not yet committed are made (under ``runs/``): a
 #: directory of their own, so that making one leaves ``runs/`` (whose stat tells a
@@ -153,6 +160,15 @@ class StorePaths:
         self.runs = self.root / "runs"
         self.reserve = self.root / "catalog.reserve"
         self.sealed = self.runs / SEALED
+        #: the store's format, as ``check`` finds (or makes) it; 1 until then (a
+        #: DuckLake store's scratch directory has no marker: its runs keep format 1's
+        #: layout, which every tracelake reads)
+        self.format = 1
+
+    @property
+    def flat_chunks(self) -> bool:
+        """Whether new runs' arrays name their chunks flat (``format.chunk_key``)."""
+        return self.format >= _FLAT_CHUNKS
 
     def run_dir(self, run_id: int) -> Path:
         return self.runs / f"{int(run_id):08d}"
@@ -242,7 +258,7 @@ class StorePaths:
     def check(self, create: bool) -> None:
         """Make sure a store of a format we read is here, creating one if asked."""
         if self.marker.exists():
-            self._check_format()
+            self.format = self._check_format()
             return
         if not create:
             raise StoreNotFoundError(
@@ -261,8 +277,9 @@ class StorePaths:
         fsync_file(tmp)
         os.replace(tmp, self.marker)  # two processes creating at once: both write the same
         fsync_dir(self.root)
+        self.format = FORMAT
 
-    def _check_format(self) -> None:
+    def _check_format(self) -> int:
         try:
             marker = json.loads(read_small(self.marker))
             version = int(marker["format"])
@@ -276,6 +293,7 @@ class StorePaths:
                 f"the store at {str(self.root)!r} has format {version}, newer than this "
                 f"tracelake reads ({FORMAT}); upgrade tracelake to open it"
             )
+        return version
 
 
 def read_small(path: Path, limit: int = 1 << 16) -> str:

@@ -218,7 +218,10 @@ Staged = Callable[[int, np.ndarray], tuple[int, bool]]
 #: such file is ever written in place: ``put_unsynced`` replaces a file (unlinks it) and
 #: forgets what it held, so a link never changes another run's (or, in one process,
 #: another store's) file. A source deleted (its run collected), another filesystem's,
-#: or a filesystem that refuses links is forgotten, the file created as before.
+#: or a filesystem that refuses links is forgotten, the file created as before; so is
+#: one someone else wrote into (a user's editor, a script fixing one run's metadata):
+#: its bytes are read back before each link, so a new run never links to what it no
+#: longer holds.
 _SHARED: dict[bytes, tuple[str, int]] = {}  # bytes -> (the path it was made at, its fd)
 _SHARED_KEPT = 32  # distinct contents remembered (the oldest forgotten first)
 _SHARED_MAX = 64 << 10  # bytes: larger files are never shared
@@ -255,7 +258,7 @@ def _put_shared(path: str, data: bytes) -> None:
     share = _SHARING and len(data) <= _SHARED_MAX
     known = _SHARED.get(data) if share else None
     if known is not None:
-        if _linked(path, known[1]):
+        if os.pread(known[1], len(data) + 1, 0) == data and _linked(path, known[1]):
             return
         _forget(data)
     fd = _create_new(path)
@@ -302,19 +305,22 @@ def _linked(path: str, fd: int) -> bool:
 
 def _create_new(path: str) -> int:
     """``_create``, but a file already at ``path`` is replaced (unlinked first), never
-    truncated: it may be a hard link another run's file shares (``_SHARED``)."""
+    truncated: it may be a hard link another run's file shares (``_SHARED``). Opened for
+    reading too: ``_SHARED`` reads its bytes back before a link to it."""
     try:
-        return _create(Path(path), os.O_EXCL)
+        return _create(Path(path), os.O_EXCL | os.O_RDWR)
     except FileExistsError:
         os.unlink(path)
-        return _create(Path(path), os.O_EXCL)
+        return _create(Path(path), os.O_EXCL | os.O_RDWR)
 
 
 def _create(path: Path, extra: int = 0) -> int:
-    """The new (truncated) file ``path`` opened for writing, its directory made if
-    missing (only then: no mkdir a shard). ``O_NOFOLLOW``: a symbolic link planted at
-    the name is refused (ELOOP), never written through."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | extra
+    """The new (truncated) file ``path`` opened for writing (``extra``: more flags; with
+    ``O_RDWR``, for reading too), its directory made if missing (only then: no mkdir a
+    shard). ``O_NOFOLLOW``: a symbolic link planted at the name is refused (ELOOP), never
+    written through."""
+    access = 0 if extra & os.O_RDWR else os.O_WRONLY
+    flags = access | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | extra
     try:
         return os.open(path, flags, 0o644)
     except FileNotFoundError:

@@ -480,6 +480,7 @@ class Recording:
                     self.name,
                     create=True,
                     made=batch is not None and self.store._catalog.stages_runs,
+                    flat=self.store.paths.flat_chunks,
                 )
             # (its files are made durable with the run's other files, at the commit:
             # Store._durable, or the batch's, not one fdatasync each)

@@ -141,31 +141,32 @@ def _check_not_linked(where: str | os.PathLike[str], run: str) -> None:
         here = os.path.dirname(here)
 
 
-_TEMPLATES: dict[str, bytes] = {}
+_TEMPLATES: dict[tuple[str, bool], bytes] = {}
 
 
-def _template(kind: str) -> bytes:
+def _template(kind: str, flat: bool = True) -> bytes:
     """The ``zarr.json`` zarr-python writes for a run's group (``"group"``) or a new
-    pack (its name), made once per process in memory: zarr-python's own create costs a
-    millisecond or two each, a good part of a tiny run."""
-    data = _TEMPLATES.get(kind)
+    pack (its name; ``flat``: its chunk keys, ``format.chunk_key``), made once per
+    process in memory: zarr-python's own create costs a millisecond or two each, a good
+    part of a tiny run."""
+    data = _TEMPLATES.get((kind, flat))
     if data is None:
         memory: dict[str, Any] = {}
         store = zarr.storage.MemoryStore(memory)
         if kind == "group":
             zarr.create_group(store, zarr_format=3)
         else:
-            zarr.create_array(store, **pack_array_spec(kind))
-        data = _TEMPLATES[kind] = memory["zarr.json"].to_bytes()
+            zarr.create_array(store, **pack_array_spec(kind, flat))
+        data = _TEMPLATES[kind, flat] = memory["zarr.json"].to_bytes()
     return data
 
 
 @functools.lru_cache(maxsize=64)
-def _pack_metadata(name: str, nbytes: int) -> bytes:
+def _pack_metadata(name: str, nbytes: int, flat: bool) -> bytes:
     """Pack ``name``'s ``zarr.json`` for a length of ``nbytes``: zarr-python's own
     metadata of a new pack, its shape changed as ``resize`` changes it (kept: every run
     writes its packs' first, and most runs' lengths repeat)."""
-    metadata = json.loads(_template(name))
+    metadata = json.loads(_template(name, flat))
     metadata["shape"] = [nbytes]
     return json.dumps(metadata, indent=2).encode()
 
@@ -175,6 +176,8 @@ class RunArrays:
 
     ``where`` is the run's backend, or a directory (a :class:`LocalBackend` on it).
     Safe to use from several writer threads: each pack grows under its own lock.
+    Arrays it creates name their chunks as ``flat`` says (``format.chunk_key``: a store
+    of format 2 or later); it reads either kind.
     """
 
     def __init__(
@@ -183,6 +186,7 @@ class RunArrays:
         run: str = "",
         create: bool = False,
         made: bool = False,
+        flat: bool = True,
     ):
         # (``made``: ``where`` is a new directory in directories the caller has just
         # made itself, a batch's run's: nothing there to check, at six lstats a tiny run)
@@ -190,6 +194,9 @@ class RunArrays:
             _check_not_linked(where, run)
         self.backend = where if isinstance(where, ByteStore) else LocalBackend(where, made)
         self.run = run
+        self.flat = flat
+        #: packs found written with Zarr's default chunk keys (format 1), by ``_shard``
+        self._prefixed: set[str] = set()
         self._arrays: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._grow: dict[str, threading.Lock] = {}
@@ -215,7 +222,8 @@ class RunArrays:
         with self._lock:
             grow = self._grow.get(name)
             if grow is None:
-                self._put_metadata(f"{name}/zarr.json", _pack_metadata(name, CHUNK_BYTES))
+                metadata = _pack_metadata(name, CHUNK_BYTES, self.flat)
+                self._put_metadata(f"{name}/zarr.json", metadata)
                 self._pack_bytes[name] = self._pack_length[name] = CHUNK_BYTES
                 grow = self._grow[name] = threading.Lock()
             return grow
@@ -238,7 +246,7 @@ class RunArrays:
         with grow:  # packs only ever grow, so concurrent writers cannot lose shards
             if self._pack_length[name] < end:
                 self._pack_length[name] = end
-        key, codec = chunk_key(name, index), pack_codec(name)
+        key, codec = chunk_key(name, index, self.flat), pack_codec(name)
         # a local raw shard in one compiled call (no Python object an inner chunk)
         local = self.backend if isinstance(self.backend, LocalBackend) else None
         write = shard_writer(data, codec, sources) if local is not None else None
@@ -260,7 +268,7 @@ class RunArrays:
                 if length > self._pack_bytes[name]
             ]
         for name, length in grown:
-            self._put_metadata(f"{name}/zarr.json", _pack_metadata(name, length))
+            self._put_metadata(f"{name}/zarr.json", _pack_metadata(name, length, self.flat))
             with self._lock:
                 self._pack_bytes[name] = length
 
@@ -295,7 +303,7 @@ class RunArrays:
         attributes = {"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)}
         zarr.create_array(
             self.backend.zarr_store(name),
-            **own_array_spec(shape, chunks, bits, codec, attributes),
+            **own_array_spec(shape, chunks, bits, codec, attributes, self.flat),
         )
         own = pending is None
         pending = self.backend.pending(background=False) if pending is None else pending
@@ -307,7 +315,9 @@ class RunArrays:
                     if on_chunk is not None:  # (a tensor on the numpy array: no handle)
                         on_chunk(torch.from_numpy(part).view(now.dtype))
                     self.backend.put(
-                        chunk_key(name, idx), encode_chunk(part, chunks, codec), pending
+                        chunk_key(name, idx, self.flat),
+                        encode_chunk(part, chunks, codec),
+                        pending,
                     )
                     del part
         finally:
@@ -334,8 +344,12 @@ class RunArrays:
         """The arrays the backend holds (whatever the catalog says)."""
         return [n for n in self.backend.list_dir() if n != "zarr.json"]
 
-    def has_chunk(self, name: str, index: str) -> bool:
-        return self.backend.exists(chunk_key(name, index))
+    def chunk_key(self, name: str, index: tuple[int, ...]) -> str:
+        """The key of chunk ``index`` of array ``name``, as its metadata encodes it."""
+        return f"{name}/{self.array(name).metadata.encode_chunk_key(index)}"
+
+    def has_chunk(self, name: str, index: tuple[int, ...]) -> bool:
+        return self.backend.exists(self.chunk_key(name, index))
 
     def check_name(self, name: str, label: str = "?") -> str:
         """``name`` if it is an array name the writer gives (see ``ARRAY_NAME``), else
@@ -377,25 +391,43 @@ class RunArrays:
         links: Callable[[], list[str]] | None = getattr(self.backend, "links", None)
         return links() if links is not None else []
 
-    def _read(self, name: str, label: str, key: Any, chunk_keys: list[str]) -> np.ndarray:
-        for index in chunk_keys:
+    def require_chunks(
+        self, name: str, label: str, indexes: list[tuple[int, ...]] | None = None
+    ) -> None:
+        """``ChunkCorruptError`` unless every chunk ``indexes`` names (None: all of them)
+        of array ``name`` exists: zarr-python reads a missing chunk as zeros."""
+        for index in self.chunk_indexes(name) if indexes is None else indexes:
             if not self.has_chunk(name, index):
                 raise ChunkCorruptError(
-                    self.run, label, chunk_key(name, index), "the chunk file is missing"
+                    self.run, label, self.chunk_key(name, index), "the chunk file is missing"
                 )
+
+    def _read(self, name: str, label: str, key: Any, chunks: list[tuple[int, ...]]) -> np.ndarray:
         array = self.array(name, label)
+        self.require_chunks(name, label, chunks)
         try:
             return np.asarray(array[key])
         except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
-            raise ChunkCorruptError(self.run, label, f"{name} {chunk_keys}", str(exc)) from exc
+            keys = [self.chunk_key(name, index) for index in chunks]
+            raise ChunkCorruptError(self.run, label, f"{keys}", str(exc)) from exc
 
-    def _shard_version(self, key: str, label: str) -> Any:
-        try:
-            return self.backend.version(key)
-        except ObjectNotFoundError:
-            raise ChunkCorruptError(self.run, label, key, "the shard file is missing") from None
-        except StoreError as exc:  # (a link, say)
-            raise ChunkCorruptError(self.run, label, key, f"unreadable: {exc}") from exc
+    def _shard(self, name: str, shard: int, label: str) -> tuple[str, Any]:
+        """The key of shard ``shard`` of pack ``name`` and its version. Packs are read
+        without their metadata: the key as format 2 names it is looked for first, then
+        as format 1 did (remembered for the pack: a run's arrays are of one format)."""
+        prefixed = chunk_key(name, shard, flat=False)
+        keys = [prefixed] if name in self._prefixed else [chunk_key(name, shard), prefixed]
+        for key in keys:
+            try:
+                version = self.backend.version(key)
+            except ObjectNotFoundError:
+                continue
+            except StoreError as exc:  # (a link, say)
+                raise ChunkCorruptError(self.run, label, key, f"unreadable: {exc}") from exc
+            if key is not keys[0]:
+                self._prefixed.add(name)
+            return key, version
+        raise ChunkCorruptError(self.run, label, keys[0], "the shard file is missing")
 
     def _get(
         self,
@@ -432,8 +464,7 @@ class RunArrays:
         Packs are read here rather than through zarr-python, whose per-read overhead
         dominates reading a small tensor; the decoding is the one the array's metadata
         declares, and ``verify()`` reads every shard through zarr-python."""
-        key = chunk_key(name, shard)
-        version = self._shard_version(key, label)
+        key, version = self._shard(name, shard, label)
         data = _CHUNKS.get((version, j))
         if data is not None:
             return data
@@ -487,7 +518,7 @@ class RunArrays:
         ints and slices with non-negative bounds, one per dimension)."""
         array = self.array(name, label)
         if not shape:  # 0-d tensors are stored as shape (1,)
-            data = self._read(name, label, slice(None), ["0"])
+            data = self._read(name, label, slice(None), [(0,)])
             return tensor_from_bytes(data, dtype, ())
         if key is None:
             key = tuple(slice(0, n, 1) for n in shape)
@@ -495,7 +526,7 @@ class RunArrays:
         data = self._read(name, label, key, keys if keys is not None else [])
         return tensor_from_bytes(data, dtype, data.shape)
 
-    def chunk_keys(self, name: str) -> list[str]:
-        """Every chunk index (``"i/j"``) array ``name`` must have."""
+    def chunk_indexes(self, name: str) -> list[tuple[int, ...]]:
+        """Every chunk index array ``name`` must have."""
         array = self.array(name)
-        return ["/".join(map(str, idx)) for idx in chunk_grid(array.shape, array.chunks)]
+        return chunk_grid(array.shape, array.chunks)

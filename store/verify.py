@@ -262,12 +262,12 @@ def _check_chunks(
                     f"the catalog points past the end of {name} ({end} > {array.shape[0]} bytes)",
                 )
             )
-        keys = [str(k) for k in range(math.ceil(end / _file_size(array)))]
+        indexes = [(k,) for k in range(math.ceil(end / _file_size(array)))]
     else:
-        keys = arrays.chunk_keys(name)
-    for key in keys:
+        indexes = arrays.chunk_indexes(name)
+    for idx in indexes:
         report.chunks += 1
-        idx = tuple(int(i) for i in key.split("/"))
+        key = arrays.chunk_key(name, idx)
         sizes = (_file_size(array),) if packed else array.chunks
         selection = tuple(
             slice(i * c, min((i + 1) * c, n))
@@ -276,8 +276,8 @@ def _check_chunks(
         if packed:  # only the bytes tensors occupy: the shard holds no inner chunk past them
             selection = (slice(selection[0].start, min(selection[0].stop, end)),)
         try:
-            if not arrays.has_chunk(name, key):
-                raise ChunkCorruptError(run.name, every, f"{name}/c/{key}", "missing")
+            if not arrays.has_chunk(name, idx):
+                raise ChunkCorruptError(run.name, every, key, "missing")
             array[selection]
         except Exception as exc:
             if packed:
@@ -286,9 +286,7 @@ def _check_chunks(
             else:
                 labels = ", ".join(s[2] for s in spans)
             what = "missing" if isinstance(exc, ChunkCorruptError) else f"damaged ({exc})"
-            report.problems.append(
-                Problem(run.name, labels or name, f"chunk {name}/c/{key} is {what}")
-            )
+            report.problems.append(Problem(run.name, labels or name, f"chunk {key} is {what}"))
 
 
 def _file_size(array: Any) -> int:
@@ -321,7 +319,7 @@ def _check_spans(
             arrays.read_packed(name, offset, nbytes, torch.uint8, [nbytes], labels)
         except ChunkCorruptError as exc:
             found.append(Problem(run.name, labels, str(exc)))
-    shard = f"chunk {name}/c/"
+    shard = f"chunk {name}/"  # (its shards, as either format names them)
     if found:
         report.problems[shard_problems:] = [
             p

@@ -70,6 +70,10 @@ def test_verify_clean() -> None:
 def test_append_to_old_store() -> None:
     appended = _report("read")["append"]
     assert appended["same"] is True
+    # the run is written as format 1 wrote runs (chunks under c/), in a store still of
+    # format 1: the tracelake that made the store reads it
+    assert appended["format"] == 1
+    assert appended["files"] == ["pack_raw/c/0", "pack_raw/zarr.json", "zarr.json"]
     reopened = _report("reopen")
     assert reopened["runs"] == [*OLD_RUNS, "new"]
     assert reopened["new_same"] is True
@@ -236,7 +240,13 @@ def _append(store: Any) -> dict[str, Any]:
     with torch.no_grad():
         store.record(model, x, name="new", meta={"lr": 0.5})
         want = model(x)
-    return {"same": _same(store["new"]["relu_1_2"].out, _bits(want))}
+    root = Path(store.path)
+    arrays = root / "runs" / f"{store['new'].id:08d}" / "tensors"
+    return {
+        "same": _same(store["new"]["relu_1_2"].out, _bits(want)),
+        "format": json.loads((root / "tracelake.json").read_text())["format"],
+        "files": sorted(p.relative_to(arrays).as_posix() for p in arrays.rglob("*") if p.is_file()),
+    }
 
 
 def _section(report: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:

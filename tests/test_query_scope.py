@@ -12,6 +12,7 @@ from model_zoo import mlp
 
 import tracelake as tl
 from tracelake.query import compile_query
+from tracelake.store.format import chunk_key
 
 NAMES = ["r0", "r1", "r2", "r3"]
 
@@ -244,7 +245,7 @@ def test_verify_reads_tensor_rows_in_batches_over_every_run(
     assert _loaded(store) == set()
     run = store["r2"]
     where = run["relu_1_2"].array._slot.array
-    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
+    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / chunk_key(where, 0)
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0x40
     chunk.write_bytes(bytes(data))

@@ -578,3 +578,23 @@ def test_a_shared_metadata_source_swapped_for_another_file_is_not_linked(
     third = LocalBackend(tmp_path / "c")
     third.put_unsynced("g/zarr.json", data)  # (linked to the second's: that one is right)
     assert (tmp_path / "c" / "g" / "zarr.json").samefile(tmp_path / "b" / "g" / "zarr.json")
+
+
+def test_a_shared_metadata_file_someone_wrote_into_is_never_linked_again(
+    tmp_path: Path,
+) -> None:
+    """A run's metadata file edited in place, outside tracelake (a user's script fixing
+    one run), changes only the runs already linked to it: a later file of the bytes it
+    held is a new file holding them, not a link to the edited one."""
+    data = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+    first, second = LocalBackend(tmp_path / "a"), LocalBackend(tmp_path / "b")
+    first.put_unsynced("g/zarr.json", data)
+    source = tmp_path / "a" / "g" / "zarr.json"
+    with open(source, "r+b") as f:  # in place: the inode the writer keeps open
+        f.write(b'{"zarr_format": 3, "node_type": "array"')
+    second.put_unsynced("g/zarr.json", data)
+    made = tmp_path / "b" / "g" / "zarr.json"
+    assert made.read_bytes() == data and not made.samefile(source)
+    third = LocalBackend(tmp_path / "c")
+    third.put_unsynced("g/zarr.json", data)  # (linked to the second's: that one is right)
+    assert (tmp_path / "c" / "g" / "zarr.json").samefile(made)

@@ -20,6 +20,7 @@ from model_zoo import BUILDERS
 from torch import nn
 
 import tracelake as tl
+from tracelake.store.format import chunk_key
 from tracelake.store.tensors import CHUNK_BYTES
 
 TESTS = Path(__file__).parent
@@ -200,6 +201,11 @@ def test_every_dtype_round_trips_bitwise(tmp_path: Path) -> None:
         want[2 * DTYPES.index(torch.bfloat16) + 1],
         "bfloat16 through plain zarr",
     )
+    # A new store is of format 2: every chunk a file beside its array's zarr.json, no
+    # directory below an array's (format 1's c/ and one per leading index)
+    assert json.loads((tmp_path / "s" / "tracelake.json").read_text())["format"] == 2
+    tensors = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors"
+    assert [p for p in tensors.rglob("*") if p.is_dir() and p.parent != tensors] == []
 
 
 # -- multi-step recordings --------------------------------------------------------------
@@ -294,14 +300,17 @@ def test_partial_read_touches_only_the_chunks_it_needs(tmp_path: Path) -> None:
     # Remove every chunk file but the one holding x[5]: a read of x[5, :, 3:9] must
     # still succeed, because it never opens another chunk.
     tensors = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors"
-    chunk_dir = tensors / lazy._slot.array / "c"
-    chunks = sorted(
-        p.relative_to(chunk_dir).as_posix() for p in chunk_dir.rglob("*") if p.is_file()
-    )
-    assert len(chunks) == 4
-    for key in chunks:
-        if key != "1/0/0":
-            (chunk_dir / key).unlink()
+    chunk_dir = tensors / lazy._slot.array
+    # a store's arrays name their chunks flat: every one a file beside zarr.json
+    assert sorted(p.name for p in chunk_dir.iterdir()) == [
+        "0.0.0",
+        "1.0.0",
+        "2.0.0",
+        "3.0.0",
+        "zarr.json",
+    ]
+    for key in ("0.0.0", "2.0.0", "3.0.0"):
+        (chunk_dir / key).unlink()
     assert_bitwise(lazy[5, :, 3:9], want[5, :, 3:9], "x[5, :, 3:9]")
     backwards = torch.from_numpy(want.numpy()[-11, ::-3, -5:].copy())
     assert_bitwise(lazy[-11, ::-3, -5:], backwards, "negative indices and steps")
@@ -318,7 +327,7 @@ def _flip_byte(root: Path, run: tl.Run, label: str, at: int, bit: int = 0x40) ->
     """Damage the first chunk file of the array holding ``label``'s tensor: one bit of
     its byte ``at``."""
     where = run[label].array._slot.array
-    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / where / "c" / "0"
+    chunk = root / "runs" / f"{run.id:08d}" / "tensors" / chunk_key(where, 0)
     data = bytearray(chunk.read_bytes())
     data[at] ^= bit
     chunk.write_bytes(bytes(data))
@@ -417,7 +426,7 @@ def test_mid_size_tensors_round_trip_with_their_checksums_and_statistics(
     for label in ("input_1", "mul_1_1", "tanh_1_4", "add_2_6"):
         assert run[label].stats == compute_stats(run[label].out), label
     assert store.verify().ok
-    shard = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / "pack_raw" / "c" / "0"
+    shard = tmp_path / "s" / "runs" / f"{run.id:08d}" / "tensors" / chunk_key("pack_raw", 0)
     data = bytearray(shard.read_bytes())
     inner = offsets["tanh_1_4"] // (64 << 10) + 1  # its first whole inner chunk
     data[inner * ((64 << 10) + 4) + 1000] ^= 0x01
