@@ -110,6 +110,8 @@ def chunk_key(array: str, index: Sequence[int] | int, flat: bool = True) -> str:
     ``array``, an array written with :data:`CHUNK_KEY_ENCODING` (``flat``) or Zarr's
     default encoding (format 1's arrays). Where an array's metadata is at hand, its
     ``encode_chunk_key`` says which (``RunArrays.chunk_key``)."""
+    if isinstance(index, str):
+        raise TypeError(f"a chunk index is an int or a tuple of ints, not {index!r}")
     parts = (index,) if isinstance(index, int) else index
     if flat:
         return f"{array}/{CHUNK_KEY_ENCODING['separator'].join(map(str, parts))}"

@@ -837,7 +837,10 @@ class LakeStore(Store):
         from .tensors import RunArrays
 
         return self._open_arrays.get(
-            run_id, lambda: RunArrays(self._objects(run_id), name or str(run_id))
+            run_id,
+            lambda: RunArrays(
+                self._objects(run_id), name or str(run_id), flat=self.paths.flat_chunks
+            ),
         )
 
     def _listed(self, all: bool) -> list[dict[str, Any]]:

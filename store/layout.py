@@ -275,9 +275,9 @@ class StorePaths:
         tmp = self.root / f".{_MARKER}.{os.getpid()}"
         write_new(tmp, json.dumps(marker).encode())
         fsync_file(tmp)
-        os.replace(tmp, self.marker)  # two processes creating at once: both write the same
+        os.replace(tmp, self.marker)  # two processes creating at once: the last one's stays
         fsync_dir(self.root)
-        self.format = FORMAT
+        self.format = self._check_format()  # (an older tracelake's, if it won: format 1)
 
     def _check_format(self) -> int:
         try:

@@ -1235,7 +1235,7 @@ class Batch:
         from .tensors import RunArrays
 
         if self._unread is None:  # (one for the batch: nothing reads it)
-            self._unread = RunArrays(self.store.paths.root)
+            self._unread = RunArrays(self.store.paths.root, flat=self.store.paths.flat_chunks)
 
         def not_yet(*_: Any, **__: Any) -> Any:
             raise StoreError(
@@ -1657,7 +1657,9 @@ class Store:
                 ).fetchone()
                 name, created = (row[0], row[1]) if row else (str(run_id), None)
             check_run_marker(self.paths, run_id, name, created)
-            return RunArrays(self._arrays_at(self.paths.run_dir(run_id)), name)
+            return RunArrays(
+                self._arrays_at(self.paths.run_dir(run_id)), name, flat=self.paths.flat_chunks
+            )
 
         return self._open_arrays.get(run_id, opener)
 

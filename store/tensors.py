@@ -176,8 +176,10 @@ class RunArrays:
 
     ``where`` is the run's backend, or a directory (a :class:`LocalBackend` on it).
     Safe to use from several writer threads: each pack grows under its own lock.
-    Arrays it creates name their chunks as ``flat`` says (``format.chunk_key``: a store
-    of format 2 or later); it reads either kind.
+    ``flat``: whether the run's arrays name their chunks flat (``format.chunk_key``), as
+    its store's format says (``StorePaths.flat_chunks``; every run of a store is of the
+    store's format): how the arrays it creates name them, and how packs are read (without
+    their metadata; an own array's keys come from its ``zarr.json``).
     """
 
     def __init__(
@@ -186,7 +188,8 @@ class RunArrays:
         run: str = "",
         create: bool = False,
         made: bool = False,
-        flat: bool = True,
+        *,
+        flat: bool,
     ):
         # (``made``: ``where`` is a new directory in directories the caller has just
         # made itself, a batch's run's: nothing there to check, at six lstats a tiny run)
@@ -195,8 +198,6 @@ class RunArrays:
         self.backend = where if isinstance(where, ByteStore) else LocalBackend(where, made)
         self.run = run
         self.flat = flat
-        #: packs found written with Zarr's default chunk keys (format 1), by ``_shard``
-        self._prefixed: set[str] = set()
         self._arrays: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._grow: dict[str, threading.Lock] = {}
@@ -408,26 +409,16 @@ class RunArrays:
         try:
             return np.asarray(array[key])
         except Exception as exc:  # zarr reports a checksum mismatch as a ValueError
-            keys = [self.chunk_key(name, index) for index in chunks]
-            raise ChunkCorruptError(self.run, label, f"{keys}", str(exc)) from exc
+            keys = ", ".join(self.chunk_key(name, index) for index in chunks)
+            raise ChunkCorruptError(self.run, label, keys or name, str(exc)) from exc
 
-    def _shard(self, name: str, shard: int, label: str) -> tuple[str, Any]:
-        """The key of shard ``shard`` of pack ``name`` and its version. Packs are read
-        without their metadata: the key as format 2 names it is looked for first, then
-        as format 1 did (remembered for the pack: a run's arrays are of one format)."""
-        prefixed = chunk_key(name, shard, flat=False)
-        keys = [prefixed] if name in self._prefixed else [chunk_key(name, shard), prefixed]
-        for key in keys:
-            try:
-                version = self.backend.version(key)
-            except ObjectNotFoundError:
-                continue
-            except StoreError as exc:  # (a link, say)
-                raise ChunkCorruptError(self.run, label, key, f"unreadable: {exc}") from exc
-            if key is not keys[0]:
-                self._prefixed.add(name)
-            return key, version
-        raise ChunkCorruptError(self.run, label, keys[0], "the shard file is missing")
+    def _shard_version(self, key: str, label: str) -> Any:
+        try:
+            return self.backend.version(key)
+        except ObjectNotFoundError:
+            raise ChunkCorruptError(self.run, label, key, "the shard file is missing") from None
+        except StoreError as exc:  # (a link, say)
+            raise ChunkCorruptError(self.run, label, key, f"unreadable: {exc}") from exc
 
     def _get(
         self,
@@ -464,7 +455,8 @@ class RunArrays:
         Packs are read here rather than through zarr-python, whose per-read overhead
         dominates reading a small tensor; the decoding is the one the array's metadata
         declares, and ``verify()`` reads every shard through zarr-python."""
-        key, version = self._shard(name, shard, label)
+        key = chunk_key(name, shard, self.flat)
+        version = self._shard_version(key, label)
         data = _CHUNKS.get((version, j))
         if data is not None:
             return data

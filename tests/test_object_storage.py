@@ -55,7 +55,7 @@ class TestObjectBackend(ByteStoreTests):
 def test_a_run_written_to_the_bucket_reads_back_and_matches_disk(s3: str, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/run-roundtrip"
     backend = ObjectBackend(open_object_store(url, s3_options(s3)), url=url)
-    arrays = RunArrays(backend, "s3run", create=True)
+    arrays = RunArrays(backend, "s3run", create=True, flat=True)
     writer = _write_run(arrays)
     for slot, tensor in enumerate(_tensors()):
         assert_bitwise(_read(arrays, writer, slot), tensor, f"slot {slot}")
@@ -63,7 +63,7 @@ def test_a_run_written_to_the_bucket_reads_back_and_matches_disk(s3: str, tmp_pa
     from tracelake.store.local import LocalBackend
 
     local = LocalBackend(tmp_path / "run")
-    _write_run(RunArrays(local, "l", create=True))
+    _write_run(RunArrays(local, "l", create=True, flat=True))
     assert backend.list() == local.list()
     for key in local.list():
         assert backend.get(key) == local.get(key), key

@@ -443,10 +443,15 @@ def _read(arrays: RunArrays, writer: TensorWriter, slot: int) -> torch.Tensor:
     return arrays.read_array(loc.array, loc.dtype, loc.shape, "x")
 
 
-def test_a_run_written_to_memory_reads_back_and_matches_disk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flat", [True, False], ids=["format 2", "format 1"])
+def test_a_run_written_to_memory_reads_back_and_matches_disk(tmp_path: Path, flat: bool) -> None:
+    """In either format's layout (format 1: chunk keys under c/, as a format 1 store's
+    runs are still written): read back bitwise, by zarr-python too, byte for byte as on
+    disk."""
     memory = MemoryBackend()
-    arrays = RunArrays(memory, "m", create=True)
+    arrays = RunArrays(memory, "m", create=True, flat=flat)
     writer = _write_run(arrays)
+    assert all(("/c/" in key) != flat for key in memory.list() if "zarr.json" not in key)
     for slot, tensor in enumerate(_tensors()):
         assert_bitwise(_read(arrays, writer, slot), tensor, f"slot {slot}")
     assert {writer.codec(loc.array) for loc in writer.locations} == {"raw", "zstd"}
@@ -455,7 +460,7 @@ def test_a_run_written_to_memory_reads_back_and_matches_disk(tmp_path: Path) -> 
         np.asarray(arrays.array(name)[:])
     # the same run on disk: the same keys holding the same bytes
     local = LocalBackend(tmp_path / "run")
-    _write_run(RunArrays(local, "l", create=True))
+    _write_run(RunArrays(local, "l", create=True, flat=flat))
     assert local.list() == memory.list()
     for key in memory.list():
         assert local.get(key) == memory.get(key), key
@@ -464,7 +469,7 @@ def test_a_run_written_to_memory_reads_back_and_matches_disk(tmp_path: Path) -> 
 
 def test_a_changed_shard_is_never_read_from_the_cache() -> None:
     memory = MemoryBackend()
-    arrays = RunArrays(memory, "m", create=True)
+    arrays = RunArrays(memory, "m", create=True, flat=True)
     writer = _write_run(arrays)
     loc = writer.location(0)
     _read(arrays, writer, 0)  # cached now
@@ -481,7 +486,7 @@ def test_a_changed_shard_is_never_read_from_the_cache() -> None:
 
 def test_lost_arrays_are_deleted_through_the_backend() -> None:
     memory = MemoryBackend()
-    arrays = RunArrays(memory, "m", create=True)
+    arrays = RunArrays(memory, "m", create=True, flat=True)
     _write_run(arrays)
     name = next(n for n in arrays.names() if n.startswith("t"))
     arrays.delete(name)

@@ -85,7 +85,7 @@ def mid_size_tensors() -> list[torch.Tensor]:
 
 def test_saved_bytes_are_the_values(tmp_path: Path) -> None:
     """Every tensor reads back bit for bit, whichever copy the writer took."""
-    arrays = RunArrays(tmp_path / "t", "r", create=True)
+    arrays = RunArrays(tmp_path / "t", "r", create=True, flat=True)
     writer = TensorWriter(arrays)
     tensors = [*small_tensors(), *mid_size_tensors(), torch.randn(1100, 1024)]  # last: own
     slots = [writer.save(t) for t in tensors]
@@ -105,7 +105,7 @@ def test_statistics_are_compute_stats(tmp_path: Path) -> None:
     chunks' reductions: float32 norms of 4 MiB parts, closer to the float64 value than one
     norm of the whole, hence the tolerance); undefined ones (empty tensors, complex means)
     stay undefined."""
-    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True, flat=True))
     tensors = [
         *small_tensors(),
         *mid_size_tensors(),
@@ -133,7 +133,7 @@ def test_buffers_never_exceed_the_cap(tmp_path: Path) -> None:
     """Copies in flight plus buffers kept for reuse stay within max_inflight, with large
     tensors of several sizes going through; nothing is kept after close."""
     cap = 3 * CHUNK_BYTES
-    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True), max_inflight=cap)
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True, flat=True), max_inflight=cap)
     buffers = writer._buffers
     for k in range(12):
         writer.save(torch.full(((4 + k % 4) * MiB // 4,), float(k)))
@@ -151,7 +151,7 @@ def test_a_writer_that_ended_refuses_tensors_instead_of_waiting(tmp_path: Path, 
     workers are gone, and bytes its cancelled writes still count in flight would
     otherwise make it wait for room for ever."""
     cap = 2 * CHUNK_BYTES
-    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True), max_inflight=cap)
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True, flat=True), max_inflight=cap)
     writer.save(torch.ones(1000))
     writer._buffers.used = cap  # as cancelled writes leave it: counted, never released
     getattr(writer, end)()
@@ -360,7 +360,7 @@ def test_the_end_of_a_step_waits_for_no_write_of_a_tensor_only_the_writer_holds(
         return writes(*args, **kwargs)
 
     monkeypatch.setattr(module, name, held_back)
-    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True))
+    writer = TensorWriter(RunArrays(tmp_path / "t", "r", create=True, flat=True))
     x = torch.randn(rows, 1024).to(dtype)
     slot = writer.save(x * 3)  # a temporary of the forward: only the writer holds it
     writer.flush()
@@ -895,7 +895,7 @@ def test_strided_tensors_round_trip_bitwise(
     dims = list(range(len(shape)))
     order.shuffle(dims)
     views = [base.permute(*dims), base[::step], base.permute(*dims)[::step]]
-    arrays = RunArrays(tmp_path_factory.mktemp("t"), "r", create=True)
+    arrays = RunArrays(tmp_path_factory.mktemp("t"), "r", create=True, flat=True)
     writer = TensorWriter(arrays)
     slots = [writer.save(v) for v in views]
     writer.close()
@@ -916,7 +916,7 @@ def test_a_strided_tensor_the_writer_cannot_copy_fails_at_save_not_at_close(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (torch deprecates quantized tensors)
         q = torch.quantize_per_tensor(torch.randn(300, 300), 0.1, 0, torch.qint8)
-    arrays = RunArrays(tmp_path / "t", "r", create=True)
+    arrays = RunArrays(tmp_path / "t", "r", create=True, flat=True)
     writer = TensorWriter(arrays)
     with pytest.raises(RuntimeError, match="quantized"):
         writer.save(q.t())
