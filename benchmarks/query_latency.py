@@ -21,8 +21,10 @@ Measured, each warmed up and then timed ``--repeats`` times (wall time, median a
   such a point lookup is answered by the mirror's op index (built then, in the warm-up
   here) and not by DuckDB. A second row measures the same fetch with all of it
   forgotten before each: the SQL runs in DuckDB.
-* ``stack 1,000``: ``select out from ops where label = 'relu_1_2'`` then ``.stack()``:
-  one label across every run (target <= 150 ms hot).
+* ``stack 1,000``: ``select out from ops where label = :label`` then ``.stack()``:
+  one label across every run (target <= 150 ms hot). The label (here and in ``fetch
+  one``) is the chain's first ReLU, as a trace of it names it: its ops repeat in a
+  loop, so they are labelled by pass (``relu_1_2:1``).
 * ``key-join``: ``select a.key, a.label, b.l2 - a.l2 as d from ops a join ops b
   using (key) where a.run = :a and b.run = :b order by abs(d) desc limit 10``, two
   random runs of ``--ops`` ops each, statistics only (target <= 50 ms, issue 11).
@@ -78,6 +80,12 @@ class Chain(nn.Module):
         return x
 
 
+def first_relu(ops: int) -> str:
+    """The label of the chain's first ReLU, from a trace of the chain (not assumed:
+    labels follow TorchLens's, which number a loop's passes)."""
+    return tl.trace(Chain(ops), torch.zeros(32, 32), save=tl.none()).find(func="relu")[0].label
+
+
 def build(root: Path, runs: int, ops: int) -> tl.Store:
     marker = root / "bench.json"
     want = {"runs": runs, "ops": ops}
@@ -131,10 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     root = Path(args.dir)
     build(root, args.runs, args.ops)
+    relu = first_relu(args.ops)
 
     start = time.perf_counter()
     first = tl.open(root, create=False).query(
-        "select out from ops where run = 'run0000' and label = 'relu_1_2'"
+        "select out from ops where run = 'run0000' and label = :label", label=relu
     )
     first_s = time.perf_counter() - start
     assert first.tensors()[0] is not None
@@ -157,14 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         ("catalog predicate", *timed(lambda: len(store.query(predicate)), args.repeats), 0.020)
     )
 
-    # "Hot": every run's relu_1_2 chunk read once before (as the stack below reads them).
-    store.query("select out from ops where label = 'relu_1_2'")
+    # "Hot": every run's chunk of that ReLU read once before (as the stack below reads them).
+    store.query("select out from ops where label = :label", label=relu)
 
     def fetch_one() -> None:
         res = store.query(
             "select out from ops where run = :run and label = :label",
             run=rng.choice(names),
-            label="relu_1_2",
+            label=relu,
         )
         assert res.tensors()[0].nbytes == 4096
 
@@ -183,9 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def stack() -> None:
-        assert store.query("select out from ops where label = 'relu_1_2'").stack().shape[0] == len(
-            names
-        )
+        stacked = store.query("select out from ops where label = :label", label=relu).stack()
+        assert stacked.shape[0] == len(names)
 
     rows.append(
         (
