@@ -1523,6 +1523,9 @@ class CatalogMirror:
         #: (queries filter ops by run id rather than join ``runs`` for a name).
         self.run_ids: dict[str, int] = {}
         self.run_names: dict[int, str] = {}
+        #: The complete runs' ``created`` by id (what their identity markers hold), as
+        #: of the last refresh: opening a run's arrays checks its marker against it.
+        self.run_created: dict[int, Any] = {}
         # (SQL, parameter types) -> DuckDB's parsed statement and its result's schema
         self._prepared: dict[tuple[str, tuple[type, ...]], tuple[Any, Any]] = {}
         #: Where each op's tensor lies, by run id and label, as of the last refresh.
@@ -1576,6 +1579,7 @@ class CatalogMirror:
                 # The catalog as last read, only more runs' rows wanted (a run opened
                 # for the first time): the mirror's runs table is the file's already.
                 complete, direct, run_ids = self._complete, self._direct, self.run_ids
+                created = self.run_created
             else:
                 # a meta that is not valid JSON (a crafted store's, or a lone surrogate
                 # an older tracelake wrote) reads as none, so that meta.* queries of
@@ -1596,6 +1600,13 @@ class CatalogMirror:
                 run_ids = {
                     name: i
                     for i, name, st in zip(ids, names, statuses, strict=True)
+                    if st == COMPLETE
+                }
+                created = {
+                    i: when
+                    for i, when, st in zip(
+                        ids, table.column("created").to_pylist(), statuses, strict=True
+                    )
                     if st == COMPLETE
                 }
             everything = not direct and (runs is None or self._everything)
@@ -1641,6 +1652,7 @@ class CatalogMirror:
         self._direct, self._everything = direct, everything
         self.run_ids = run_ids
         self.run_names = {i: name for name, i in run_ids.items()}
+        self.run_created = created
         self._gen = gen
         if self._compressed and (gone or new):
             con.execute(f"CHECKPOINT {_MIRROR_DB}")  # compresses the row groups that changed

@@ -1048,9 +1048,12 @@ class Recording:
 
 
 #: How many runs' arrays a store keeps open (:class:`OpenRuns`), the most recently read.
-#: Opening one reads its metadata (~0.1-1 ms); keeping one costs ~0.7 KB, which without
-#: a bound grew with every run a long-lived store (a notebook's) ever read.
-OPEN_RUNS_KEPT = 256
+#: Opening one reads its identity marker and metadata (~0.1-1 ms); keeping one costs
+#: ~0.7 KB, which without a bound grew with every run a long-lived store (a notebook's)
+#: ever read. Enough for a query over a thousand runs (a label stacked across them) to
+#: find every run open the next time: at 256 each such query opened every run again
+#: (an LRU cycled through by more runs than it keeps keeps none of them).
+OPEN_RUNS_KEPT = 1024
 
 
 class OpenRuns:
@@ -1651,6 +1654,10 @@ class Store:
 
         def opener() -> RunArrays:
             nonlocal name, created
+            if name is None or created is None:  # the mirror's, as of its last refresh
+                mirror = self.catalog
+                name = mirror.run_names.get(run_id) if name is None else name
+                created = mirror.run_created.get(run_id) if created is None else created
             if name is None or created is None:
                 row = self._query(
                     "SELECT name, created FROM runs WHERE id = ?", [run_id], ()

@@ -300,3 +300,31 @@ def test_a_store_keeps_only_the_runs_it_read_last_open(tmp_path: Path) -> None:
     for name, x in zip(names, inputs, strict=True):
         assert_bitwise(got[name], model(x).detach())
     assert len(store._open_arrays.ids()) == 3
+
+
+def test_a_query_opening_runs_again_asks_the_catalog_nothing_per_run(tmp_path: Path) -> None:
+    """A query over more runs than the store keeps open opens the others again; their
+    names and creation times (what each identity marker is checked against) come from
+    the catalog mirror's runs table, not from a catalog query a run (0.9 ms each: a
+    label stacked across 1,000 runs took 0.9 s). A run whose directory holds another
+    run's data is still refused."""
+    store = tl.open(tmp_path / "s")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    inputs = [torch.randn(2, 8) + k for k in range(6)]
+    with store.batch():
+        for k, x in enumerate(inputs):
+            store.record(model, x, name=f"r{k}")
+    store._open_arrays.kept = 2
+    asked: list[str] = []
+    query = store._query
+    store._query = lambda sql, *a, **k: (asked.append(sql), query(sql, *a, **k))[1]  # type: ignore[method-assign]
+    for _ in range(2):  # the second time every run is opened again (two kept of six)
+        stacked = store.query("select out from ops where func = 'relu' order by run").stack()
+        assert_bitwise(stacked, torch.stack([model(x).detach() for x in inputs]))
+    assert not [sql for sql in asked if "FROM runs WHERE id" in sql]
+    marker = store.paths.run_marker(store["r0"].id)
+    marker.write_text(marker.read_text().replace('"created": ', '"created": 1'))
+    fresh = tl.open(tmp_path / "s", create=False)  # (nothing open: r0 is opened, checked)
+    with pytest.raises(tl.StoreError, match="another run's data"):
+        fresh.query("select out from ops where func = 'relu' and run = 'r0'").stack()
