@@ -55,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -473,11 +473,13 @@ def fill(root: Path, runs: int, ops: int, per_batch: int = 50) -> float:
     commit_batch = store._catalog.commit_batch
 
     def keep(
-        runs: list[catalog.StagedRun], tables: Sequence[dict[str, Any]] = ()
+        runs: list[catalog.StagedRun],
+        tables: Sequence[dict[str, Any]] = (),
+        durable: Callable[[], None] | None = None,
     ) -> list[dict[str, Any]]:
         staged.extend(runs)
         built.extend(tables)
-        return commit_batch(runs, tables)
+        return commit_batch(runs, tables, durable)
 
     store._catalog.commit_batch = keep  # type: ignore[method-assign]
     try:
@@ -526,6 +528,7 @@ def log_cost(base: Path, rounds: int, runs: int, ops: int) -> dict[str, dict[str
         with torch.no_grad():
             for i in range(runs):
                 store.record(Chain(ops), torch.randn(32, 32), name=f"c{i}", **_options(False))
+            store.flush()  # (the chain runs' rows checkpointed into the file in both)
             if which == "log":
                 catalog.LOG_BYTES = bound
             step = 0
@@ -534,8 +537,10 @@ def log_cost(base: Path, rounds: int, runs: int, ops: int) -> dict[str, dict[str
                 if (which == "log" and size + step > bound) or (which == "no log" and i == tiny):
                     break
                 store.record(model, x, name=f"t{i}")
+                store.flush()  # (a run is sealed; its rows reach the file, or its log, here)
                 step = max(step, log_size(root) - size)
             tiny = i
+            store.flush()  # (before the bound is back: the no-log store's last rows too)
         catalog.LOG_BYTES = bound
     for which, root in stores.items():
         print(f"  {which}: {len(tl.open(root))} runs, log {log_size(root)} B")

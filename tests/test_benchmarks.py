@@ -1,0 +1,50 @@
+"""The benchmarks behind the README's query and catalog tables still run, at their
+smallest: three of them had gone stale unnoticed (a label the chain no longer has, a
+patched method's signature, a run's rows no longer reaching the catalog at ``record``)
+and failed, or measured nothing, for days. Each runs as a user runs it, in a process of
+its own; nothing here is timed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(tmp: Path, script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_query_latency_reads_the_label_it_stacks(tmp_path: Path) -> None:
+    out = _run(tmp_path, "query_latency.py", "--runs", "3", "--ops", "40", "--repeats", "1",
+               "--dir", str(tmp_path / "q"))  # fmt: skip
+    assert "store: 3 runs" in out and "stack one label across 3 runs" in out
+
+
+def test_many_runs_fills_a_store_and_records_against_it(tmp_path: Path) -> None:
+    _run(tmp_path, "many_runs.py", "--fill", str(tmp_path / "f"), "--runs", "30", "--ops", "20")
+    out = _run(tmp_path, "many_runs.py", "--against", str(tmp_path / "f"), "--rounds", "2",
+               "--ops", "20")  # fmt: skip
+    counts = sorted(int(n) for n in re.findall(r"(\d+) runs in the store", out))
+    assert len(counts) == 2 and counts[0] < 30 < counts[1], out  # a new store, the filled one
+
+
+def test_many_runs_log_cost_compares_a_log_with_none(tmp_path: Path) -> None:
+    out = _run(tmp_path, "many_runs.py", "--log-cost", "--runs", "2", "--ops", "20",
+               "--rounds", "1")  # fmt: skip
+    with_log = re.search(r"  log: (\d+) runs, log (\d+) B", out)
+    without = re.search(r"no log: (\d+) runs, log (\d+) B", out)
+    assert with_log and without, out
+    assert with_log[1] == without[1] and int(with_log[2]) > 0 and int(without[2]) == 0
