@@ -100,43 +100,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    root = tempfile.mkdtemp()
-    warnings.simplefilter("ignore", tl.TraceLakeWarning)  # "created a new, empty store"
-    store = tl.open(root)
-    torch.manual_seed(0)
-    model = Stack(args.ops)
-    for run in range(args.runs):
-        with torch.no_grad():
-            store.record(model, torch.randn(args.batch, FEATURES), name=f"r{run}")
-    rows = args.runs * args.ops * args.batch
-    nbytes = rows * FEATURES * 4
-    print(
-        f"{args.runs} runs x {args.ops} activations of {args.batch} x {FEATURES} float32: "
-        f"{rows:,} rows, {nbytes / 2**20:.0f} MiB; {os.cpu_count()} cores; "
-        f"load {os.getloadavg()[0]:.2f} before"
-    )
-    times: dict[str, list[float]] = {name: [] for name in ENGINES}
-    answers: dict[str, dict[str, Any]] = {}
-    for _ in range(args.rounds):  # interleaved: every engine sees the same load
-        for name, engine in ENGINES.items():
-            reader = tl.open(root, create=False)  # a new reader each time, chunk cache empty
-            clear_chunk_cache()
-            start = time.perf_counter()
-            answers[name] = engine(reader)
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["numpy (stack)"])
-    want = answers["numpy (stack)"]
-    print(f"{'engine':<22}{'median s':>10}{'vs numpy':>10}  mean err   var err    pca err")
-    for name, measured in times.items():
-        got = answers[name]
-        pca = "n/a" if got["pca"] is None else f"{np.abs(got['pca'] - want['pca']).max():.1e}"
+    with tempfile.TemporaryDirectory(prefix="tl-aggregate-") as root:
+        warnings.simplefilter("ignore", tl.TraceLakeWarning)  # "created a new, empty store"
+        store = tl.open(root)
+        torch.manual_seed(0)
+        model = Stack(args.ops)
+        for run in range(args.runs):
+            with torch.no_grad():
+                store.record(model, torch.randn(args.batch, FEATURES), name=f"r{run}")
+        rows = args.runs * args.ops * args.batch
+        nbytes = rows * FEATURES * 4
         print(
-            f"{name:<22}{statistics.median(measured):>10.3f}"
-            f"{statistics.median(measured) / base:>9.2f}x"
-            f"  {abs(got['mean'] - want['mean']):.1e}  {abs(got['var'] - want['var']):.1e}"
-            f"    {pca}"
+            f"{args.runs} runs x {args.ops} activations of {args.batch} x {FEATURES} float32: "
+            f"{rows:,} rows, {nbytes / 2**20:.0f} MiB; {os.cpu_count()} cores; "
+            f"load {os.getloadavg()[0]:.2f} before"
         )
-    print(f"load {os.getloadavg()[0]:.2f} after")
+        times: dict[str, list[float]] = {name: [] for name in ENGINES}
+        answers: dict[str, dict[str, Any]] = {}
+        for _ in range(args.rounds):  # interleaved: every engine sees the same load
+            for name, engine in ENGINES.items():
+                reader = tl.open(root, create=False)  # a new reader each time, chunk cache empty
+                clear_chunk_cache()
+                start = time.perf_counter()
+                answers[name] = engine(reader)
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["numpy (stack)"])
+        want = answers["numpy (stack)"]
+        print(f"{'engine':<22}{'median s':>10}{'vs numpy':>10}  mean err   var err    pca err")
+        for name, measured in times.items():
+            got = answers[name]
+            pca = "n/a" if got["pca"] is None else f"{np.abs(got['pca'] - want['pca']).max():.1e}"
+            print(
+                f"{name:<22}{statistics.median(measured):>10.3f}"
+                f"{statistics.median(measured) / base:>9.2f}x"
+                f"  {abs(got['mean'] - want['mean']):.1e}  {abs(got['var'] - want['var']):.1e}"
+                f"    {pca}"
+            )
+        print(f"load {os.getloadavg()[0]:.2f} after")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     model, args = _model(opts.model)
+    if opts.dir is not None:
+        os.makedirs(opts.dir, exist_ok=True)
     root = tempfile.mkdtemp(dir=opts.dir, prefix="tl-direct-")
     results: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     try:

@@ -36,12 +36,14 @@ import tracelake as tl
 TARGET = 1.1
 
 
-def _conditions(model: Any, ids: torch.Tensor, other: torch.Tensor) -> dict[str, Callable]:
+def _conditions(
+    model: Any, ids: torch.Tensor, other: torch.Tensor, where: str
+) -> dict[str, Callable]:
     block = model.h[3]
     donor_trace = tl.trace(model, other, save=tl.in_module("h.3"))
     residual = donor_trace["h.3"].output_labels[0]
     donor_hidden = donor_trace[residual].out
-    store = tl.open(tempfile.mkdtemp() + "/bench.tl")
+    store = tl.open(where + "/bench.tl")
     stored = store.record(model, other, name="donor", save=tl.in_module("h.3"))
     in_memory = tl.when(tl.label(residual), tl.patch_from(donor_trace))
     from_store = tl.when(tl.label(residual), tl.patch_from(stored))
@@ -93,11 +95,11 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     options = parser.parse_args()
     torch.set_num_threads(1)
-    with torch.no_grad():
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="tl-intervene-") as where:
         model, (ids,) = build_model("gpt2")
         model.eval()
         other = torch.randint(0, 50257, ids.shape, generator=torch.Generator().manual_seed(1))
-        conditions = _conditions(model, ids, other)
+        conditions = _conditions(model, ids, other, where)
         names = list(conditions)
         for fn in conditions.values():  # warm-up
             fn()
