@@ -1,8 +1,8 @@
-"""The benchmarks behind the README's query and catalog tables still run, at their
+"""The benchmarks behind the README's tables and issue 16's targets still run, at their
 smallest: three of them had gone stale unnoticed (a label the chain no longer has, a
 patched method's signature, a run's rows no longer reaching the catalog at ``record``)
 and failed, or measured nothing, for days. Each runs as a user runs it, in a process of
-its own; nothing here is timed."""
+its own, and must end with what it measures; nothing here is timed."""
 
 from __future__ import annotations
 
@@ -48,3 +48,19 @@ def test_many_runs_log_cost_compares_a_log_with_none(tmp_path: Path) -> None:
     without = re.search(r"no log: (\d+) runs, log (\d+) B", out)
     assert with_log and without, out
     assert with_log[1] == without[1] and int(with_log[2]) > 0 and int(without[2]) == 0
+
+
+def test_the_write_and_capture_benchmarks_print_their_targets(tmp_path: Path) -> None:
+    """Issue 16's measures, at their smallest: each benchmark ends with a verdict on its
+    targets (met or missed: this machine's speed is not what is asserted here)."""
+    verdict = r"\): (?:met|MET|MISSED)"
+    out = _run(tmp_path, "store_write.py", "--models", "chain", "--repeats", "1",
+               "--no-torchlens", "--dir", str(tmp_path / "w"))  # fmt: skip
+    assert len(re.findall(r"chain: [\d,]+ small ops/s end to end [^\n]*" + verdict, out)) == 3
+    out = _run(tmp_path, "capture_overhead.py", "--models", "mlp,chain", "--repeats", "1",
+               "--no-torchlens")  # fmt: skip
+    assert re.search(r"bare mode's per-op cost, chain[^\n]*: (?:MET|MISSED) \(measured", out)
+    out = _run(tmp_path, "many_runs.py", "--skip-growth", "--rounds", "1",
+               "--dir", str(tmp_path / "m"))  # fmt: skip
+    assert re.search(r"one tiny run, store.record: [\d.]+ ms a run \(target <= 10 ms\): ", out)
+    assert re.search(r"many tiny runs in a row, batched: [\d.]+ ms a run \(target <= 2 ms\)", out)
