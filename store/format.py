@@ -191,7 +191,7 @@ def pack_codec(name: str) -> Chain:
     return ZSTD if name.startswith("pack_zstd") else RAW
 
 
-def pack_array_spec(name: str, flat: bool = True) -> dict[str, Any]:
+def pack_array_spec(name: str, *, flat: bool) -> dict[str, Any]:
     """``zarr.create_array`` arguments of pack ``name``, before its first shard (``flat``:
     see :func:`chunk_key`)."""
     return {
@@ -360,7 +360,8 @@ def own_array_spec(
     dtype: np.dtype,
     codec: Chain,
     attributes: dict[str, Any],
-    flat: bool = True,
+    *,
+    flat: bool,
 ) -> dict[str, Any]:
     """``zarr.create_array`` arguments of a large tensor's own array (``flat``: see
     :func:`chunk_key`)."""

@@ -156,7 +156,7 @@ def _template(kind: str, flat: bool = True) -> bytes:
         if kind == "group":
             zarr.create_group(store, zarr_format=3)
         else:
-            zarr.create_array(store, **pack_array_spec(kind, flat))
+            zarr.create_array(store, **pack_array_spec(kind, flat=flat))
         data = _TEMPLATES[kind, flat] = memory["zarr.json"].to_bytes()
     return data
 
@@ -304,7 +304,7 @@ class RunArrays:
         attributes = {"torch_dtype": dtype_name(tensor.dtype), "torch_shape": list(tensor.shape)}
         zarr.create_array(
             self.backend.zarr_store(name),
-            **own_array_spec(shape, chunks, bits, codec, attributes, self.flat),
+            **own_array_spec(shape, chunks, bits, codec, attributes, flat=self.flat),
         )
         own = pending is None
         pending = self.backend.pending(background=False) if pending is None else pending
