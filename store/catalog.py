@@ -518,12 +518,7 @@ class CatalogWriter:
         before its seal or commit left (an orphan, no marker)."""
         if self.paths.catalog.exists():
             return
-        sealed = set(self.paths.sealed_ids())
-        made = [
-            i
-            for i in self.paths.run_dir_ids()
-            if i not in sealed and self.paths.run_marker(i).exists()
-        ]
+        made = _committed_without_catalog(self.paths)
         if made:
             raise StoreError(
                 f"the store at {str(self.paths.root)!r} has run directories but no "
@@ -912,6 +907,10 @@ class CatalogWriter:
             ids = self.paths.run_dir_ids()
         self._refuse_older_catalog(ids, top, sealed)
         run_id = max(top, ids[-1] if ids else 0, max(sealed, default=0)) + 1
+        if top == 0 and not self.paths.catalog.exists():
+            # a new store's: the reserve its first fold may give up to make the catalog
+            # on a full disk (a transaction makes it otherwise, after its commit)
+            keep_reserve(self.paths)
         self.paths.make_sealed()
         run_dir = self.paths.run_dir(run_id)
         os.rename(run.staged, run_dir)
@@ -1377,8 +1376,8 @@ def read_source(
 ) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
     """The catalog file opened read-only, checked (:func:`check_objects`; ``check=False``:
     the caller checked it as it is now), with the columns its tables have; the caller
-    holds the catalog lock shared. ``CatalogError`` if the file was lost (it exists once
-    anything committed). ``memory``: the connection's ``memory_limit`` (its
+    holds the catalog lock shared. ``CatalogError`` if the file was lost (callers read
+    it where :func:`catalog_made`). ``memory``: the connection's ``memory_limit`` (its
     configuration is locked once open)."""
     if not paths.catalog.exists():  # committed to once, so it was lost
         raise CatalogError(
@@ -1423,6 +1422,21 @@ def _open_shadow(paths: StorePaths, config: dict[str, Any]) -> duckdb.DuckDBPyCo
     return duckdb.connect(str(paths.shadow), read_only=True, config=config)
 
 
+def _committed_without_catalog(paths: StorePaths) -> list[int]:
+    """The ids of the run directories whose rows were committed once (with an identity
+    marker), not sealed ones' (their rows in no catalog yet): where the catalog file is
+    missing, runs it made, so it was lost."""
+    sealed = set(paths.sealed_ids())
+    return [i for i in paths.run_dir_ids() if i not in sealed and paths.run_marker(i).exists()]
+
+
+def catalog_made(paths: StorePaths) -> bool:
+    """Whether the catalog file is there to be read, or should be: it exists, or runs
+    it made do (it was lost: reading it says so). Not yet where a new store's runs are
+    all sealed, waiting for the fold that makes it (one that could not: a full disk)."""
+    return paths.catalog.exists() or bool(_committed_without_catalog(paths))
+
+
 def fold_or_warn(fold: Callable[[], None]) -> None:
     """Insert the sealed runs' rows into the catalog (``fold``: a writer's
     :meth:`CatalogWriter.fold`), before a read or after a seal. Where that cannot be
@@ -1451,8 +1465,8 @@ def read_runs(
     :meth:`CatalogWriter.fold`; None: the caller did)."""
     if fold is not None and paths.sealed_ids():
         fold_or_warn(fold)
-    if FileChangeToken(paths).token() is None:  # no run ever committed
-        return []
+    if FileChangeToken(paths).token() is None or not catalog_made(paths):
+        return []  # (no run ever committed, or none the fold could insert yet)
     with (
         duckdb_errors(f"cannot read the catalog {paths.catalog}"),
         locked(paths.lock, exclusive=False),
@@ -1534,6 +1548,11 @@ class CatalogMirror:
     def _token(self) -> str | None:
         return self.changes.token()
 
+    def _made(self) -> bool:
+        """Whether the catalog holds rows to read (:func:`catalog_made`), once its token
+        moved and the sealed runs were folded."""
+        return catalog_made(self.paths)
+
     @contextmanager
     def _refresh_source(self) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, set[str]]]]:
         """Where a refresh reads rows from, with the columns its tables have: the
@@ -1563,8 +1582,8 @@ class CatalogMirror:
         if fold and self.paths.sealed_ids():
             fold_or_warn(self._fold)  # type: ignore[arg-type]
             gen = self._token()
-        if gen is None:
-            return
+        if gen is None or (gen != self._gen and not self._made()):
+            return  # (the fold that makes the catalog could not, yet: tried again next time)
         if gen == self._gen:
             if runs is None and self._direct:
                 return

@@ -691,6 +691,9 @@ class LakeMirror(CatalogMirror):
         with self._lake_lock:
             return self.changes.token()
 
+    def _made(self) -> bool:
+        return True  # (the lake's catalog is made with the store)
+
     def _runs_sql(self, present: dict[str, set[str]]) -> str:
         return runs_sql(present, False)
 

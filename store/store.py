@@ -932,8 +932,9 @@ class Recording:
             self._steps = []
             self._batch.add(staged, lock)
             return
-        if self.run_id < 0 and self.store.paths.catalog.exists():
-            # staged: sealed, its rows in the catalog a moment later
+        if self.run_id < 0:
+            # staged: sealed, its rows in the catalog a moment later (a new store's
+            # first run too: the fold that inserts its rows makes the catalog)
             with _os_errors(f"cannot make run {self.name!r} durable"):
                 self.store._durable_sealed(staged)  # durable before visible
             catalog = self.store._catalog
@@ -941,18 +942,6 @@ class Recording:
             self.run_id = self.info["id"]
             if catalog.sealed_waiting >= FOLD_AFTER:
                 fold_or_warn(catalog.fold)  # (the run is complete: a failure only warns)
-        elif self.run_id < 0:
-            # A new store's first run: its rows make the catalog (and its reserve) in a
-            # transaction at once, as a batch's would; sealed, they would be written to
-            # a file of their own, only to be read back by the fold that follows. Its
-            # files' syncs go on meanwhile, waited for before the COMMIT.
-            what = f"cannot make run {self.name!r} durable"
-            with _os_errors(what):
-                summary["bytes"], durable = _durable_when(
-                    self.store._begin_durable(self._dir), what
-                )
-            self.info = self.store._catalog.commit_batch([staged], durable=durable)[0]
-            self.run_id = self.info["id"]
         else:
             with _os_errors(f"cannot make run {self.name!r} durable"):
                 summary["bytes"] = self.store._durable(self._dir)  # durable before visible

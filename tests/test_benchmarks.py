@@ -56,7 +56,8 @@ def test_the_write_and_capture_benchmarks_print_their_targets(tmp_path: Path) ->
     verdict = r"\): (?:met|MET|MISSED)"
     out = _run(tmp_path, "store_write.py", "--models", "chain", "--repeats", "1",
                "--no-torchlens", "--dir", str(tmp_path / "w"))  # fmt: skip
-    assert len(re.findall(r"chain: [\d,]+ small ops/s end to end [^\n]*" + verdict, out)) == 3
+    # into a new store and an existing one, each alone and with its share of a fold
+    assert len(re.findall(r"chain: [\d,]+ small ops/s end to end [^\n]*" + verdict, out)) == 4
     out = _run(tmp_path, "capture_overhead.py", "--models", "mlp,chain", "--repeats", "1",
                "--no-torchlens")  # fmt: skip
     assert re.search(r"bare mode's per-op cost, chain[^\n]*: (?:MET|MISSED) \(measured", out)

@@ -80,7 +80,8 @@ def recorded(tmp_path: Path) -> tuple[Path, torch.nn.Module, tuple[torch.Tensor,
     """A store with one run, ``a``, recorded before any fault is injected."""
     model, inputs = BUILDERS["mlp"]()
     root = tmp_path / "s"
-    tl.open(root).record(model, *inputs, name="a")
+    with tl.open(root) as store:  # (closed: its fold makes the catalog file)
+        store.record(model, *inputs, name="a")
     return root, model, inputs
 
 
@@ -259,7 +260,8 @@ def damaged(tmp_path: Path) -> Path:
     the shadow a writer would restore it from (test_hardening_errors.py has that case)."""
     model, inputs = BUILDERS["mlp"]()
     root = tmp_path / "s"
-    tl.open(root).record(model, *inputs, name="a")
+    with tl.open(root) as store:  # (closed: its fold makes the catalog file)
+        store.record(model, *inputs, name="a")
     catalog_file = root / "catalog.duckdb"
     catalog_file.write_bytes(b"not a duckdb file" * 1000)
     (root / "catalog.shadow").unlink()

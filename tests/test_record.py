@@ -53,6 +53,7 @@ def test_stats_are_the_statistics_columns() -> None:
 def test_a_new_catalog_has_exactly_the_declared_columns(tmp_path: Path) -> None:
     store = tl.open(tmp_path / "s.tl")
     store.record(nn.Linear(2, 2), torch.ones(1, 2), name="a")
+    store.flush()  # (the fold that inserts its rows makes the catalog file)
     con = duckdb.connect(str(tmp_path / "s.tl" / "catalog.duckdb"), read_only=True)
     for table in schema.TABLES.values():
         got = con.execute(

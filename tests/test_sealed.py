@@ -23,7 +23,10 @@ from tracelake.store.sealed import read_sealed, write_sealed
 
 
 def _in_file(root: Path) -> list[str]:
-    """The complete runs' names in the catalog file itself (read directly)."""
+    """The complete runs' names in the catalog file itself (read directly; none where
+    there is no file yet)."""
+    if not (root / "catalog.duckdb").exists():
+        return []
     con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
     try:
         rows = con.execute("SELECT name FROM runs WHERE status = 'complete' ORDER BY id")
@@ -50,16 +53,17 @@ def test_a_sealed_run_is_complete_everywhere_before_its_rows_reach_the_catalog(
     for i in range(3):
         model, inputs = _outputs(i)
         store.record(model, *inputs, name=f"r{i}")
-    # the first run made the catalog; the other two wait, sealed
-    assert _in_file(root) == ["r0"]
-    assert len(store.paths.sealed_ids()) == 2
+    # every run is sealed, a new store's first too: there is no catalog file yet
+    assert not (root / "catalog.duckdb").exists()
+    assert len(store.paths.sealed_ids()) == 3
     done = run_python(_READ_ALL, str(root))  # another process sees all three, bit for bit
     listed, *lines = done.stdout.splitlines()
     assert listed == "r0,r1,r2"
     for i, line in enumerate(lines):
         model, inputs = _outputs(i)
         assert line == f"r{i} {model(*inputs).detach().numpy().tobytes().hex()}"
-    # ... and, reading, inserted their rows (its refresh folded them): once each
+    # ... and, reading, inserted their rows (its refresh folded them, making the
+    # catalog): once each
     assert _in_file(root) == ["r0", "r1", "r2"]
     assert store.paths.sealed_ids() == []
     assert list(store.runs()["name"]) == ["r0", "r1", "r2"]
@@ -78,13 +82,54 @@ def test_a_writer_folds_every_so_many_runs_and_when_it_closes(
     for i in range(10):
         store.record(model, *inputs, name=f"r{i}")
         waiting.append(len(store.paths.sealed_ids()))
-    # the first run is inserted at once (it makes the catalog); then every fourth folds
-    assert waiting == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    assert _in_file(root) == [f"r{i}" for i in range(9)]
+    # every fourth run folds the four (the first fold makes the catalog)
+    assert waiting == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert _in_file(root) == [f"r{i}" for i in range(8)]
     store.close()
     assert _in_file(root) == [f"r{i}" for i in range(10)]
     run = tl.open(root, create=False)["r9"]
     assert run.info["seq"] == 10 and run.id == 10  # (ids and commit order follow the seals)
+
+
+def test_a_new_stores_sealed_runs_wait_where_no_fold_can_make_its_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new store's runs are all sealed until a fold makes its catalog. A reader whose
+    fold cannot (a full disk, here made to fail) warns and sees no runs yet, with no
+    error, and the store is not taken for one whose catalog was lost; the next fold
+    that can inserts them, and nothing was lost."""
+    root = tmp_path / "s"
+    model, inputs = _outputs(0)
+    run_python(  # recorded by another process, which exits before any fold ...
+        """
+        import os, sys
+        import tracelake as tl
+        from test_catalog_log import _outputs
+        model, inputs = _outputs(0)
+        tl.open(sys.argv[1]).record(model, *inputs, name="r0")
+        os._exit(0)
+        """,
+        str(root),
+    )
+    assert not (root / "catalog.duckdb").exists() and len(tl.open(root).paths.sealed_ids()) == 1
+
+    def full(_self: object) -> None:
+        raise tl.StoreError("No space left on device (made to fail)")
+
+    monkeypatch.setattr(catalog.CatalogWriter, "_fold_all", full)
+    reader = tl.open(root, create=False)
+    with pytest.warns(tl.TraceLakeWarning, match="could not be added to its catalog"):
+        assert list(reader.runs()["name"]) == []
+    with pytest.warns(tl.TraceLakeWarning, match="could not be added"):
+        assert len(reader.sql("SELECT * FROM ops")) == 0
+    with pytest.warns(tl.TraceLakeWarning, match="could not be added"):
+        assert "r0" not in reader
+    assert not (root / "catalog.duckdb").exists()
+    monkeypatch.undo()
+    assert list(reader.runs()["name"]) == ["r0"]  # ... and this fold makes the catalog
+    assert _in_file(root) == ["r0"] and not reader.paths.sealed_ids()
+    assert_bitwise(reader["r0"]["output_1"].out, model(*inputs), "the run sealed first")
+    reads_back(reader, 1)
 
 
 def test_a_sealed_name_is_taken_and_replaced_as_a_committed_one(tmp_path: Path) -> None:

@@ -480,22 +480,24 @@ def test_open_errors(tmp_path: Path) -> None:
         tl.open(tmp_path / "s").record(nn.ReLU(), torch.ones(2), meta={"x": object()})
 
 
-def test_a_new_store_makes_its_catalog_with_its_first_run(tmp_path: Path) -> None:
-    """Opening a new store runs no catalog transaction: the catalog file comes with the
-    first run. Until then readers (this process and another one) see no runs, and the
-    first run's rows, committed in the transaction that creates the schema, find it."""
+def test_a_new_store_makes_its_catalog_with_its_first_fold(tmp_path: Path) -> None:
+    """Opening a new store runs no catalog transaction, and its first run is sealed as
+    every run is: the catalog file comes with the first fold. Until a run is recorded
+    readers (this process and another one) see no runs; then both see it, and the other
+    process's read inserts its rows, making the catalog with its schema."""
     store = tl.open(tmp_path / "s")
     assert not (tmp_path / "s" / "catalog.duckdb").exists()
     assert len(store.runs()) == 0 and len(store.runs(all=True)) == 0
     assert len(tl.open(tmp_path / "s", create=False).sql("SELECT * FROM ops")) == 0
     store.record(nn.ReLU(), torch.randn(3), name="first")
-    assert (tmp_path / "s" / "catalog.duckdb").exists()
+    assert not (tmp_path / "s" / "catalog.duckdb").exists()
     done = run_python(
         "import sys, tracelake as tl; "
         "print(tl.open(sys.argv[1], create=False).runs()['name'].tolist())",
         str(tmp_path / "s"),
     )
     assert "['first']" in done.stdout
+    assert (tmp_path / "s" / "catalog.duckdb").exists() and not store.paths.sealed_ids()
     tl.open(tmp_path / "s").record(nn.ReLU(), torch.randn(3), name="second")
     assert sorted(store.runs()["name"]) == ["first", "second"]
 

@@ -51,7 +51,8 @@ def _store(root: Path, big: bool = False) -> tuple[nn.Module, torch.Tensor]:
         x = torch.randn(1100, 1024)  # 4.3 MB outputs: over CHUNK_BYTES
     else:
         model, (x,) = BUILDERS["mlp"]()
-    tl.open(root).record(model, x, name="a")
+    with tl.open(root) as store:  # (closed: its fold makes the catalog file)
+        store.record(model, x, name="a")
     return model, x
 
 
