@@ -39,6 +39,8 @@ def test_many_runs_fills_a_store_and_records_against_it(tmp_path: Path) -> None:
                "--ops", "20")  # fmt: skip
     counts = sorted(int(n) for n in re.findall(r"(\d+) runs in the store", out))
     assert len(counts) == 2 and counts[0] < 30 < counts[1], out  # a new store, the filled one
+    # both verdicts: medians (commit) and means (every merge of row groups included)
+    assert len(re.findall(r"\(target: flat, <= [\d.]+x\): (?:met|MISSED)", out)) == 2, out
 
 
 def test_many_runs_log_cost_compares_a_log_with_none(tmp_path: Path) -> None:
