@@ -79,6 +79,7 @@ from .layout import (
     from_micros,
     fsync_all,
     fsync_dir,
+    fsync_file,
     keep_reserve,
     lock_held,
     locked,
@@ -439,20 +440,26 @@ class CatalogWriter:
         with _ENGINE.lock, locked(self.paths.lock, exclusive=True):
             self._refuse_lost_catalog()
             _refuse_links(self.paths)
-            made = committed = False
+            made = False
             try:
                 con = _ENGINE.connection()
                 if _ENGINE.attached:  # forget what a failed transaction left attached
                     con.execute("USE memory")
                     con.execute(f"DETACH DATABASE IF EXISTS {_ATTACHED}")
-                path = str(self.paths.catalog).replace("'", "''")
                 if not self.paths.catalog.exists():
                     self._has_schema = False
                 seen = _file_state(self.paths)
                 # no file and no log: the ATTACH below makes an empty catalog (under the
-                # lock), which holds nothing to check
+                # lock), which holds nothing to check. It is made under another name and
+                # renamed once complete (_made_whole): killed half-way, the ATTACH
+                # leaves a file without DuckDB's headers, which no one could open.
                 made = seen is None and not os.path.lexists(wal_of(self.paths.catalog))
-                con = self._attach(con, path)
+                file = self.paths.catalog_new if made else self.paths.catalog
+                if made:  # (a killed first fold's: it held only what is still sealed)
+                    for leftover in (file, wal_of(file)):
+                        with contextlib.suppress(FileNotFoundError):
+                            leftover.unlink()
+                con = self._attach(con, str(file).replace("'", "''"))
                 try:
                     # Before any statement reads a table; skipped when the file is, by
                     # its stat, as this writer's own last transaction left it, or new
@@ -475,19 +482,26 @@ class CatalogWriter:
                         folded = 0 if read else self._fold(con, then)
                         yield con
                         self._commit(con, seen, size + folded, vacuum)
-                        committed = True
                     except BaseException:
                         with contextlib.suppress(duckdb.Error):  # the first error says more
                             con.execute("ROLLBACK")
                         raise
                     self._has_schema = True
-                    if not read:
-                        self._tell_readers()
-                    self._bound_log(con, durable, vacuum)
+                    if made:  # all of it in the file (unless the COMMIT checkpointed
+                        if os.path.exists(wal_of(file)):  # it): no log to rename with it
+                            self._checkpoint(con, "CHECKPOINT", vacuum)
+                    else:
+                        if not read:
+                            self._tell_readers()
+                        self._bound_log(con, durable, vacuum)
                 except BaseException:
                     _detach(con, quietly=True)
                     raise
                 _detach(con, quietly=False)
+                if made:
+                    self._made_whole()
+                    if not read:
+                        self._tell_readers()
                 self._checked = _file_state(self.paths)
                 if read and self._checked != seen:
                     self._tell_readers()
@@ -504,12 +518,19 @@ class CatalogWriter:
                 # statement, the engine may still hold the file: a new one, next time
                 if not isinstance(exc, TraceLakeError):
                     _ENGINE.reset()
-                if made and not committed:  # (a file this transaction began: on a full
-                    _ENGINE.reset()  # disk, cut short and unreadable; it holds nothing)
-                    for path_made in (self.paths.catalog, wal_of(self.paths.catalog)):
+                if made and not self.paths.catalog.exists():  # (a file this transaction
+                    _ENGINE.reset()  # began: on a full disk, cut short and unreadable;
+                    for path_made in (file, wal_of(file)):  # the sealed runs hold it all)
                         with contextlib.suppress(OSError):
                             path_made.unlink()
                 raise
+
+    def _made_whole(self) -> None:
+        """Put the catalog a new store's first transaction made (complete, checkpointed,
+        detached) in its place, durably: readers see no catalog until it is whole."""
+        fsync_file(self.paths.catalog_new)
+        os.replace(self.paths.catalog_new, self.paths.catalog)
+        fsync_dir(self.paths.root)
 
     def _refuse_lost_catalog(self) -> None:
         """``StoreError`` where the catalog file is missing while run directories it
@@ -1577,8 +1598,9 @@ class CatalogMirror:
         reading one of them, does not copy all the others first. Past ``MIRROR_OPS``
         ops, ``None`` copies none: such queries read the file (``direct``)."""
         gen = self._token()
-        # (a seal moves the token: its runs are complete, to be read)
-        fold = gen is not None and gen != self._gen and self._fold is not None
+        # (a seal moves the token: its runs are complete, to be read; a new store's
+        # seal that could not make its token, on a full disk, left none at all)
+        fold = (gen is None or gen != self._gen) and self._fold is not None
         if fold and self.paths.sealed_ids():
             fold_or_warn(self._fold)  # type: ignore[arg-type]
             gen = self._token()

@@ -10,6 +10,9 @@
       catalog.shadow        catalog.duckdb as the last completed change left it (duckfile.py):
                             what a catalog a killed writer left unreadable is restored from
       catalog.duckdb.unreadable-<time>  such an unreadable catalog, kept after the restore
+      catalog.duckdb.new    a new store's catalog while its first transaction makes it
+                            (renamed to catalog.duckdb once whole; a killed one's is
+                            removed by the next, its rows being still sealed)
       runs/<id>/            one directory per run, named by its numeric id, never by its name
         run.json            {"run": id, "created": microseconds}: which catalog row owns it
         writing.lock        flock held by the live writing process
@@ -154,6 +157,7 @@ class StorePaths:
         self.root = Path(root).expanduser().absolute()
         self.marker = self.root / _MARKER
         self.catalog = self.root / "catalog.duckdb"
+        self.catalog_new = self.root / "catalog.duckdb.new"
         self.lock = self.root / "catalog.lock"
         self.gen = self.root / "catalog.gen"
         self.shadow = self.root / "catalog.shadow"

@@ -91,6 +91,35 @@ def test_a_writer_folds_every_so_many_runs_and_when_it_closes(
     assert run.info["seq"] == 10 and run.id == 10  # (ids and commit order follow the seals)
 
 
+def test_a_new_stores_run_is_read_where_its_seal_could_not_tell_readers(tmp_path: Path) -> None:
+    """A new store's first seal whose readers' token could not be made (a full disk:
+    the run stands, a warning says so) left neither a token nor a catalog: every read
+    of another process still folds and sees the run, listing and queries alike."""
+    root = tmp_path / "s"
+    model, inputs = _outputs(0)
+    run_python(  # recorded, and the process gone before any fold
+        """
+        import errno, os, sys
+        import tracelake as tl
+        from tracelake.store import catalog
+        from test_catalog_log import _outputs
+        def full(_self):
+            raise OSError(errno.ENOSPC, "No space left on device (made to fail)")
+        catalog.FileChangeToken.bump = full
+        model, inputs = _outputs(0)
+        tl.open(sys.argv[1]).record(model, *inputs, name="r0")
+        os._exit(0)
+        """,
+        str(root),
+    )
+    assert not (root / "catalog.gen").exists() and not (root / "catalog.duckdb").exists()
+    reader = tl.open(root, create=False)
+    assert len(reader) == 1 and "r0" in reader  # (before runs(): these read the mirror)
+    assert int(reader.sql("SELECT count(*) AS n FROM runs")["n"][0]) == 1
+    assert_bitwise(reader["r0"]["output_1"].out, model(*inputs), "the run sealed untold")
+    assert _in_file(root) == ["r0"]
+
+
 def test_a_new_stores_sealed_runs_wait_where_no_fold_can_make_its_catalog(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,19 +19,39 @@ from tracelake.store import catalog
 
 TESTS = Path(__file__).parent
 
-# A child that records run "c" and SIGKILLs itself at the moment named by argv[2].
-_DIE_AT = """
+# What both children below begin with: die() SIGKILLs the process; die_at_insert()
+# makes it die as a fold inserts its rows (after its schema, before its COMMIT).
+_DYING = """
 import os, signal, sys
 import duckdb
-import torch
 import tracelake as tl
-from tracelake.store import catalog, local
+from tracelake.store import catalog
 from model_zoo import BUILDERS
 
 root, moment = sys.argv[1], sys.argv[2]
 
 def die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
+
+def die_at_insert():
+    connect = duckdb.connect
+    class Dying:
+        def __init__(self, con):
+            self.con = con
+        def execute(self, sql, *args):
+            if sql.startswith('INSERT INTO "calls"'):
+                die()
+            return self.con.execute(sql, *args)
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+    duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
+"""
+
+# A child that records run "c" and SIGKILLs itself at the moment named by argv[2].
+_DIE_AT = (
+    _DYING
+    + """
+from tracelake.store import local
 
 model, inputs = BUILDERS["cnn"]()
 if moment == "mid-forward":
@@ -66,23 +86,14 @@ elif moment == "after-seal":  # sealed (record returns next), readers not yet to
     catalog.FileChangeToken.bump = bump_then_die
     catalog.CatalogWriter.seal = seal_then_die
 elif moment == "mid-fold":  # record returned; its rows being inserted (at exit), no COMMIT
-    connect = duckdb.connect
-    class Dying:
-        def __init__(self, con):
-            self.con = con
-        def execute(self, sql, *args):
-            if sql.startswith('INSERT INTO "calls"'):
-                die()
-            return self.con.execute(sql, *args)
-        def __getattr__(self, name):
-            return getattr(self.con, name)
-    duckdb.connect = lambda *a, **k: Dying(connect(*a, **k))
+    die_at_insert()
 elif moment == "after-fold":  # its rows committed, its sealed file not yet removed
     catalog.remove_sealed = die
 store = tl.open(root)
 store.record(model, *inputs, name="c", meta={"moment": moment})
 print("survived")
 """
+)
 
 
 def _killed(script: str, root: Path, moment: str) -> None:
@@ -151,6 +162,62 @@ def test_sigkill_leaves_earlier_runs_intact(tmp_path: Path, moment: str) -> None
     model, inputs = BUILDERS["mlp"]()
     store.record(model, *inputs, name="c", overwrite=committed)
     assert store.verify().ok
+
+
+# A child that records two runs into a new store (sealed: no catalog yet), then closes
+# it, its fold making the catalog, and SIGKILLs itself at the moment named by argv[2].
+_FIRST_FOLD_DIES = (
+    _DYING
+    + """
+if moment == "after-attach":  # the new file's headers written, nothing in it
+    attach = catalog.CatalogWriter._attach
+    catalog.CatalogWriter._attach = lambda self, con, path: die(attach(self, con, path))
+elif moment == "mid-fold":  # schema made, rows being inserted, no COMMIT
+    die_at_insert()
+elif moment == "before-rename":  # committed, checkpointed, synced: not in its place
+    replace = os.replace
+    def replace_or_die(source, target):
+        if str(target).endswith("catalog.duckdb"):
+            die()
+        replace(source, target)
+    os.replace = replace_or_die
+store = tl.open(root)
+for name, builder in (("a", "mlp"), ("b", "cnn")):
+    model, inputs = BUILDERS[builder]()
+    store.record(model, *inputs, name=name)
+assert not store.paths.catalog.exists()
+store.close()
+print("survived")
+"""
+)
+
+
+@pytest.mark.parametrize("moment", ["after-attach", "cut", "mid-fold", "before-rename"])
+def test_a_new_stores_first_fold_killed_half_way_loses_nothing(tmp_path: Path, moment: str) -> None:
+    """The fold that makes a new store's catalog makes it under another name and puts it
+    in place only once whole: killed at any moment of it, it leaves no catalog anyone
+    must repair, and the next process's fold makes it again from the runs still sealed.
+    ("cut": the new file cut short, as a kill while DuckDB wrote its headers leaves it.)"""
+    root = tmp_path / "s"
+    _killed(_FIRST_FOLD_DIES, root, "after-attach" if moment == "cut" else moment)
+    paths = tl.open(root, create=False).paths  # (openable, and reads nothing yet)
+    assert not paths.catalog.exists() and paths.catalog_new.exists()
+    assert len(paths.sealed_ids()) == 2
+    if moment == "cut":
+        with paths.catalog_new.open("r+b") as f:
+            f.truncate(4096)
+
+    store = tl.open(root)
+    assert sorted(store.runs()["name"]) == ["a", "b"]
+    for name, builder in (("a", "mlp"), ("b", "cnn")):
+        model, inputs = BUILDERS[builder]()
+        assert_bitwise(store[name]["output_1"].out, model(*inputs), name)
+    assert paths.catalog.exists() and not paths.catalog_new.exists()
+    assert paths.sealed_ids() == [] and store.verify().ok
+    model, inputs = BUILDERS["mlp"]()
+    store.record(model, *inputs, name="c")
+    store.close()
+    assert sorted(tl.open(root, create=False).runs()["name"]) == ["a", "b", "c"]
 
 
 _WRITER = """
