@@ -22,8 +22,8 @@ the same model and input:
   median; not interleaved: recording 16 runs in a sample fills the page cache, which
   then slowed the buffered raw write of the next samples 3x) and added: ``x raw,
   fold share in`` is the median over rounds of the raw write's seconds over the
-  condition's plus its share (``ops/s, fold share in``: the median ops/s, likewise, for
-  the chain).
+  condition's plus its share (``ops/s, fold share in``: the chain's ops over its median
+  seconds plus the share).
 * ``raw write``: the bytes tracelake stored, as one file written sequentially in 4 MiB
   blocks, fsync'd, and its directory fsync'd (a new file's name is durable only then,
   as tracelake's are): the disk's durable speed, without any forward.
@@ -688,7 +688,6 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.models.split(","):
             rows += measure(name, args.repeats, root)
             raw = next(r for r in rows if r["model"] == name and r["condition"] == "raw write")
-
             for r in rows:
                 if r["model"] == name and r["condition"] == "tracelake":
                     r["x raw, closed"] = _x_raw(r, raw, r["phases"][CLOSE])
