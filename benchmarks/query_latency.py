@@ -239,18 +239,17 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"store: {len(names)} runs, {n_ops:,} ops, load {os.getloadavg()[0]:.2f}")
     header = ("measure", "median ms", "p90 ms", "target ms", "")
-    lines = []
-    for name, med, p90, target in rows:
-        verdict = "" if target is None else ("met" if med <= target else "MISSED")
-        lines.append(
-            (
-                name,
-                f"{med * 1e3:.2f}",
-                f"{p90 * 1e3:.2f}",
-                "" if target is None else f"{target * 1e3:g}",
-                verdict,
-            )
+    verdicts = ["" if t is None else ("met" if med <= t else "MISSED") for _, med, _, t in rows]
+    lines = [
+        (
+            name,
+            f"{med * 1e3:.2f}",
+            f"{p90 * 1e3:.2f}",
+            "" if target is None else f"{target * 1e3:g}",
+            verdict,
         )
+        for (name, med, p90, target), verdict in zip(rows, verdicts, strict=True)
+    ]
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|---|---:|---:|---:|---|")
@@ -259,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for line in [header, *lines]:
             print(f"{line[0]:<40} {line[1]:>10} {line[2]:>10} {line[3]:>10}  {line[4]}")
+    print("Targets (medians):")  # (the lines benchmarks/targets.py gathers)
+    for (name, med, _, target), verdict in zip(rows, verdicts, strict=True):
+        if target is not None:
+            print(f"  {name}: {med * 1e3:.2f} ms (target <= {target * 1e3:g} ms): {verdict}")
     if args.json:
         from ab import write_results
 

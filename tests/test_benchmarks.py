@@ -67,3 +67,21 @@ def test_the_write_and_capture_benchmarks_print_their_targets(tmp_path: Path) ->
                "--dir", str(tmp_path / "m"))  # fmt: skip
     assert re.search(r"one tiny run, store.record: [\d.]+ ms a run \(target <= 10 ms\): ", out)
     assert re.search(r"many tiny runs in a row, batched: [\d.]+ ms a run \(target <= 2 ms\)", out)
+
+
+def test_targets_gathers_every_verdict_of_the_benchmarks_it_runs(tmp_path: Path) -> None:
+    """``targets.py`` runs the benchmarks it is given and tabulates the lines where each
+    judges a target: both of many_runs.py's tiny-run targets, and each of query_latency's
+    (its table's verdict column is not taken for one)."""
+    out = _run(tmp_path, "targets.py", "--quick", "--only", "tiny,query",
+               "--out", str(tmp_path / "o"))  # fmt: skip
+    rows = [line for line in out.splitlines() if re.search(r"\| (?:\*\*met\*\*|MISSED) \|$", line)]
+    assert len(rows) == 2 + 6, out
+    assert sum("(target <= 2 ms)" in row for row in rows) == 2, out  # batched; the fetch
+    assert (tmp_path / "o" / "targets.md").read_text().strip() == out.strip()
+    assert "catalog predicate" in (tmp_path / "o" / "query.txt").read_text()
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "targets.py"), "--only", "tiny,nope"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown benchmark(s) nope" in proc.stderr
