@@ -6,8 +6,8 @@ the lines where it judges a target (``met`` / ``MISSED``) are gathered into one 
 Run: ``python benchmarks/targets.py [--only NAMES] [--out DIR] [--quick]``. ``--out``
 keeps each benchmark's whole output (``NAME.txt``: its tables, in markdown where it has
 them) beside the table, ``targets.md``; ``--quick`` runs each at its smallest (a check
-that the chain of commands works; its figures mean nothing). About 35 minutes in full on
-the 2-core development machine, most of it the 10,000-run build of ``growth``.
+that the chain of commands works; its figures mean nothing). About 15 minutes in full on
+the 2-core development machine, half of it the 10,000-run build of ``growth``.
 
 The verdicts are the benchmarks' own (each measures its condition side by side with its
 peer or limit, interleaved, medians of at least 9 rounds); this script only runs them
