@@ -143,6 +143,7 @@ def verdicts(output: str) -> list[tuple[str, str]]:
 def table(results: list[Result], header: str) -> str:
     """The markdown table of every verdict, by benchmark, under ``header``."""
     lines = [header, "", "| benchmark | what it printed | verdict |", "|---|---|---|"]
+    judged = [v for r in results if r.failed is None for _, v in verdicts(r.output)]
     for result in results:
         where = f"`{result.command}` ({result.seconds / 60:.1f} min)"
         if result.failed is not None:
@@ -154,6 +155,7 @@ def table(results: list[Result], header: str) -> str:
         for text, verdict in found:
             lines.append(f"| {where} | {text} | {'**met**' if verdict == 'met' else 'MISSED'} |")
             where = '"'
+    lines += ["", f"{judged.count('met')} of {len(judged)} lines judged met."]
     return "\n".join(lines)
 
 
