@@ -148,7 +148,7 @@ def _conditions(model: torch.nn.Module, x: torch.Tensor, root: str) -> dict[str,
 
     other = torch.randint(0, 50257, x.shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        patches = intervene_conditions(model, x, other)
+        patches = intervene_conditions(model, x, other, root)  # (its donor's store: in root)
     return {
         "plain fwd+bwd": Condition(plain),
         "hooks: every grad": Condition(hooks),

@@ -85,3 +85,11 @@ def test_targets_gathers_every_verdict_of_the_benchmarks_it_runs(tmp_path: Path)
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "unknown benchmark(s) nope" in proc.stderr
+
+
+def test_backward_and_its_intervention_conditions_run(tmp_path: Path) -> None:
+    """backward.py borrows intervene.py's conditions (a donor stored in a directory of
+    its own): it had stopped at its first line when they gained that directory."""
+    out = _run(tmp_path, "backward.py", "--small", "--repeats", "1")
+    assert re.search(r"tracelake: every grad <= 2\.0x plain fwd\+bwd: (?:MET|MISSED)", out), out
+    assert re.search(r"tracelake patch <= 1\.1x plain fwd: (?:MET|MISSED)", out), out
