@@ -222,7 +222,11 @@ class _Incoming:
     __slots__ = ("empty", "rows")
 
     def __init__(self, schema: pa.Schema) -> None:
-        self.empty = schema.empty_table()
+        import pyarrow as pa
+
+        # (not Schema.empty_table(), which imports pandas: ~0.25 s of a reader's first
+        # open in a process that has no other use for it, `tracelake verify` for one)
+        self.empty = pa.Table.from_batches([], schema=schema)
         self.rows = self.empty
 
     def __arrow_c_schema__(self) -> object:

@@ -126,6 +126,34 @@ def test_listing_runs_imports_only_duckdb_and_rich(store_path: Path) -> None:
     assert done.stdout.strip().splitlines()[-1] == "imported []"
 
 
+def test_reading_the_catalog_does_not_import_pandas(tmp_path: Path) -> None:
+    """A reader's mirror makes its connection ready for rows without pandas (pyarrow's
+    ``Schema.empty_table()`` imports it: ~0.25 s of `tracelake verify --catalog`'s
+    ~0.7 s, and of a query command's start, in a process with no other use for it). On
+    a store whose runs are folded: folding sealed runs builds Arrow columns from Python
+    values, which still asks pandas."""
+    store = tl.open(tmp_path / "s.tl")
+    model, (x,) = mlp()
+    with torch.no_grad():
+        store.record(model, x, name="base")
+    store.close()
+    commands = [
+        ["verify", str(tmp_path / "s.tl"), "--catalog"],
+        ["query", str(tmp_path / "s.tl"), "select run, label from ops where func = 'relu'"],
+    ]
+    code = (
+        "import sys\n"
+        "from tracelake.cli import main\n"
+        f"for argv in {commands!r}:\n"
+        "    main(argv)\n"
+        "print('imported', sorted(m for m in ('torch', 'pandas') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "checked against the catalog: ok" in done.stdout and "relu" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "imported []"
+
+
 def test_runs_lists_sizes_for_people_and_failures_with_their_reason(store_path: Path) -> None:
     done = run("runs", str(store_path))
     assert done.returncode == 0, done.stderr
