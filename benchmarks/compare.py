@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,7 +127,14 @@ def main() -> None:
         fn = _read_both if args.sample == "read" else _compare_all
         print(_timed(lambda: fn(store)))
         return
+    try:
+        _measure(args, where)
+    finally:
+        if args.dir is None:  # (its own temporary directory: ~320 MB left in /tmp)
+            shutil.rmtree(where, ignore_errors=True)
 
+
+def _measure(args: argparse.Namespace, where: Path) -> None:
     gpt2 = _gpt2_store(where / "gpt2.tl")
     elements = _read_both(gpt2)  # warm the page cache and the readers
     _compare_all(gpt2)
@@ -193,6 +201,8 @@ def main() -> None:
     print(f"\nper-round compare/read ratios: {', '.join(f'{r:.2f}' for r in results['ratio'])}")
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": med, "rounds": results, "cold": cold}))
+    for store in (gpt2, chains, fresh):
+        store.close()  # (their sealed runs folded now, not at exit into a removed directory)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ its own, and must end with what it measures; nothing here is timed."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,19 @@ def test_backward_and_its_intervention_conditions_run(tmp_path: Path) -> None:
     out = _run(tmp_path, "backward.py", "--small", "--repeats", "1")
     assert re.search(r"tracelake: every grad <= 2\.0x plain fwd\+bwd: (?:MET|MISSED)", out), out
     assert re.search(r"tracelake patch <= 1\.1x plain fwd: (?:MET|MISSED)", out), out
+
+
+def test_compare_judges_its_targets_and_leaves_no_stores_behind(tmp_path: Path) -> None:
+    """compare.py, at its smallest, prints both verdicts and removes the temporary
+    directory it built its stores in (it had left ~320 MB in /tmp a run)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "compare.py"), "--repeats", "1", "--runs", "3",
+         "--ops", "20", "--loop-runs", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(re.findall(r"\| <= [\d.]+ ?(?:x|ms): (?:met|MISSED) \|", proc.stdout)) == 2
+    assert list(scratch.glob("tl-compare-*")) == []  # (torch may leave its own caches)
