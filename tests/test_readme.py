@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,11 @@ def test_every_row_of_the_table_has_a_snippet() -> None:
     snippets(),
     ids=[f"row-{n}" for n in range(len(snippets()))],
 )
-def test_readme_snippet(expected: str, code: str, tmp_path: Path) -> None:
+def test_readme_snippet(
+    expected: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a snippet's tempfile.mkdtemp() (the replay row's store) under tmp_path, not /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     namespace: dict = {"__name__": "readme_snippet"}
     exec(compile(code, "<README snippet>", "exec"), namespace)
     assert namespace["RESULT"] == ast.literal_eval(expected)
