@@ -102,7 +102,8 @@ class Result(NamedTuple):
     command: str
     seconds: float
     output: str
-    failed: str | None  # why, if it did not end well
+    failed: str | None  # why it judged nothing, if it did not run or did not end well
+    crashed: bool = False  # it ran and failed (not run for want of a program: False)
 
 
 def run(step: Step, quick: bool, scratch: Path) -> Result:
@@ -126,7 +127,7 @@ def run(step: Step, quick: bool, scratch: Path) -> Result:
     failed = None
     if proc.returncode != 0:
         failed = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-    return Result(step, command, seconds, proc.stdout, failed)
+    return Result(step, command, seconds, proc.stdout, failed, crashed=failed is not None)
 
 
 def verdicts(output: str) -> list[tuple[str, str]]:
@@ -143,13 +144,14 @@ def verdicts(output: str) -> list[tuple[str, str]]:
 def table(results: list[Result], header: str) -> str:
     """The markdown table of every verdict, by benchmark, under ``header``."""
     lines = [header, "", "| benchmark | what it printed | verdict |", "|---|---|---|"]
-    judged = [v for r in results if r.failed is None for _, v in verdicts(r.output)]
+    judged: list[str] = []
     for result in results:
         where = f"`{result.command}` ({result.seconds / 60:.1f} min)"
         if result.failed is not None:
             lines.append(f"| {where} | {result.failed} | not run |")
             continue
         found = verdicts(result.output)
+        judged += [verdict for _, verdict in found]
         if not found:
             lines.append(f"| {where} | (no target judged: see its output) | |")
         for text, verdict in found:
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if out is not None:
         (out / "targets.md").write_text(text + "\n")
-    return 1 if any(r.failed is not None and r.failed.startswith("failed") for r in results) else 0
+    return 1 if any(r.crashed for r in results) else 0
 
 
 if __name__ == "__main__":
