@@ -817,7 +817,7 @@ class CatalogWriter:
         A name complete in the catalog (or earlier in ``runs``) is refused unless the
         run replaces it (``overwrite``); a ``sealed`` run replaces it all the same (its
         name was checked when it was sealed, and it has no caller left to refuse)."""
-        import pyarrow as pa  # (not at import: listing runs needs no Arrow)
+        from . import arrow  # (not at import: listing runs needs no Arrow)
 
         rows: list[dict[str, Any]] = []  # the runs' rows
         named: dict[str, int] = {}  # these runs by name, the latest one
@@ -858,7 +858,7 @@ class CatalogWriter:
             for table, data in tables.items():
                 if data is not None and data.num_rows:
                     incoming[table].append(_at_run_ids(data, ids))
-        added = pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"]))
+        added = arrow.table(rows, arrow_schema(TABLES["runs"]))
         insert(con, "runs", added)
         for table, parts in incoming.items():
             if parts:
@@ -1225,22 +1225,25 @@ class _Both(Collection[str]):
 
 
 def _with_run_id(table: Any, run_id: int) -> Any:
-    import pyarrow as pa
+    import numpy as np
+
+    from . import arrow
 
     k = table.schema.get_field_index("run_id")
     field = table.schema.field(k)
-    return table.set_column(k, field, pa.array([run_id] * table.num_rows, field.type))
+    return table.set_column(k, field, arrow.array(np.full(table.num_rows, run_id), field.type))
 
 
 def _at_run_ids(table: Any, ids: list[int]) -> Any:
     """``table`` with each ``run_id`` (a position in ``ids``) replaced by the id there."""
     import numpy as np
-    import pyarrow as pa
+
+    from . import arrow
 
     k = table.schema.get_field_index("run_id")
     field = table.schema.field(k)
-    at = np.asarray(table.column(k).to_numpy(), dtype=np.int64)
-    return table.set_column(k, field, pa.array(np.asarray(ids, np.int64)[at], field.type))
+    at = arrow.numbers(table.column(k)).astype(np.int64)
+    return table.set_column(k, field, arrow.array(np.asarray(ids, np.int64)[at], field.type))
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -2020,9 +2023,14 @@ def _attach_compressed(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def _typed(pa: Any, rows: list[tuple[Any, ...]], schema: Any) -> Any:
-    """Rows as an Arrow table of ``schema`` (converted as one array of structs: a third
-    of the time of one array per column); None where a value does not convert."""
+    """Rows as an Arrow table of ``schema``; None where a value does not convert. Types
+    ``arrays`` builds are built from buffers (no pandas import); others are converted
+    by ``pa.array``, as one array of structs (a third of the time of one per column)."""
+    from . import arrow
+
     try:
+        if all(arrow.builds(field.type) for field in schema):
+            return arrow.table(rows, schema).replace_schema_metadata(schema.metadata)
         structs = pa.array(rows, type=pa.struct(list(schema)))
         return pa.Table.from_struct_array(structs).replace_schema_metadata(schema.metadata)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):

@@ -16,7 +16,8 @@ import torch
 from tracelake.recorder.backward import GradFire
 from tracelake.recorder.record import GRADS, STAT_FIELDS
 
-from .rows import _array, distinct_codes, stat_columns
+from . import arrow
+from .rows import _assembled, _taken, distinct_codes, stat_columns
 from .schema import arrow_schema
 from .tensors import dtype_name
 from .writer import TensorWriter
@@ -105,17 +106,15 @@ def grads_table(
         "backward": [f.backward for f, _ in fires],
         "fire": [f.fire for f, _ in fires],
         "node": [f.node for f, _ in fires],
-        "shape": pa.array([list(sh) for sh in shapes], pa.list_(pa.int64())).take(shape_of),
-        "dtype": pa.array([dtype_name(dt) for dt in dtypes], pa.string()).take(dtype_of),
+        "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(pa.int64())),
+        "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, pa.string()),
         "nbytes": numel[shape_of] * itemsize[dtype_of] if n else [],
         "saved": saved,
-        "tensor": pa.array(slot_of, mask=~saved, type=pa.int32()),
+        "tensor": arrow.array(slot_of, pa.int32(), mask=~saved),
         "array": [w[0] if w else None for w in where],
-        "byte_offset": pa.array(
-            [w[1] if w and w[1] >= 0 else None for w in where], type=pa.int64()
-        ),
+        "byte_offset": [w[1] if w and w[1] >= 0 else None for w in where],
     }
     columns.update(stat_columns(stats, slot_of))
     schema = arrow_schema(GRADS)
     assert set(STAT_FIELDS) <= set(columns)
-    return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema], schema=schema)
+    return _assembled(schema, columns)

@@ -458,7 +458,7 @@ class LakeCatalog(CatalogWriter):
     def _commit_runs(
         self, runs: list[StagedRun], built: Sequence[dict[str, Any]] = ()
     ) -> list[dict[str, Any]]:
-        import pyarrow as pa
+        from . import arrow
 
         ids = [int(run.staged.name) for run in runs]
         infos = [self._reserved.pop(run_id, {}) for run_id in ids]
@@ -481,7 +481,7 @@ class LakeCatalog(CatalogWriter):
                 self._runs_row(run, run_id, info, first + k)
                 for k, (run, run_id, info) in enumerate(zip(runs, ids, infos, strict=True))
             ]
-            insert(con, "runs", pa.Table.from_pylist(rows, schema=arrow_schema(TABLES["runs"])))
+            insert(con, "runs", arrow.table(rows, arrow_schema(TABLES["runs"])))
         return rows
 
     def _check_commits(

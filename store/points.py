@@ -61,6 +61,8 @@ class _Codes:
         import pyarrow as pa
         import pyarrow.compute as pc
 
+        from . import arrow
+
         encoded = pc.dictionary_encode(
             column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         )
@@ -69,7 +71,7 @@ class _Codes:
             np.int64,
             len(encoded.dictionary),
         )
-        indices = encoded.indices.fill_null(-1).to_numpy()
+        indices = arrow.numbers(encoded.indices, null=-1)
         codes = np.full(len(indices), -1, dtype=np.int64)
         present = indices >= 0
         codes[present] = known[indices[present]]
@@ -174,19 +176,20 @@ class OpIndex:
 
     def _index(self, run_ids: list[int]) -> None:
         import numpy as np
-        import pyarrow.compute as pc
+
+        from . import arrow
 
         rows = self._load(run_ids)
         if not rows.num_rows:
             return
-        run_of = rows.column("run_id").to_numpy().astype(np.int64)
+        run_of = arrow.numbers(rows.column("run_id")).astype(np.int64)
         labels = self._labels.encode(rows.column("label"))
         # a row without a label (no op has none) gets key -1, which no lookup asks for
         keys = np.where(labels >= 0, (run_of << 32) | labels, -1)
         order = np.argsort(keys, kind="stable")  # equal keys stay in (step, idx) order
 
         def ints(name: str, dtype: Any) -> np.ndarray:
-            return pc.fill_null(rows.column(name), -1).to_numpy().astype(dtype)[order]
+            return arrow.numbers(rows.column(name), null=-1).astype(dtype)[order]
 
         columns = {
             "step": ints("step", np.int32),

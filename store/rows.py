@@ -51,6 +51,7 @@ from tracelake.recorder.record import (
     MODULES as MODULES_TABLE,
 )
 
+from . import arrow
 from .schema import CALLS, RULES, TENSORS, arrow_schema, ident
 from .structure import decode_structure, encode_structure
 from .tensors import dtype_name, parse_dtype
@@ -68,7 +69,7 @@ __all__ = [
     "stat_columns",
 ]
 
-_I32, _I64, _STR = pa.int32(), pa.int64(), pa.string()
+_I32, _I64, _F64, _STR = pa.int32(), pa.int64(), pa.float64(), pa.string()
 
 #: Row fields the catalog keeps as they are (a column of the same name and value); the
 #: other row fields are converted (``record.TRANSFORMED``) or become other tables and
@@ -122,8 +123,8 @@ def distinct_codes(values: Sequence[Any], identity: bool = False) -> tuple[list[
 
 def _taken(distinct: list[Any], codes: np.ndarray, type_: pa.DataType) -> pa.Array:
     if len(codes) <= _TAKE_MIN:  # (a tiny run: each take costs more than converting)
-        return pa.array([distinct[k] for k in codes.tolist()], type=type_)
-    return pa.array(distinct, type=type_).take(codes)
+        return arrow.array([distinct[k] for k in codes.tolist()], type_)
+    return arrow.array(distinct, type_).take(arrow.indices(codes))
 
 
 #: Up to this many rows a column is converted row by row rather than taken from its
@@ -290,7 +291,9 @@ def _assembled(schema: pa.Schema, columns: dict[str, Any]) -> pa.Table:
     missing = [f.name for f in schema if f.name not in columns]
     if missing:
         raise KeyError(f"no producer for the declared column(s) {', '.join(missing)}")
-    return pa.Table.from_arrays([_array(columns[f.name], f.type) for f in schema], schema=schema)
+    return pa.Table.from_arrays(
+        [arrow.array(columns[f.name], f.type) for f in schema], schema=schema
+    )
 
 
 def _op_columns(
@@ -328,10 +331,10 @@ def _op_columns(
                 np.fromiter(op_slot.values(), np.int64, len(op_slot))
             )
     saved = slot_of >= 0
-    tensor = pa.array(slot_of, mask=~saved, type=_I64)  # (its run's: below)
+    tensor = arrow.array(slot_of, _I64, mask=~saved)  # (its run's: below)
     if len(runs) > 1:
         first_slot = np.repeat(slot_start[step_run], sizes)
-        own = pa.array(slot_of - first_slot, mask=~saved, type=_I64)
+        own = arrow.array(slot_of - first_slot, _I64, mask=~saved)
     else:
         own = tensor
 
@@ -347,10 +350,12 @@ def _op_columns(
         """A column of the templates' rows as one of every op (numpy or Arrow)."""
         if source is None:
             return values
-        return values[source] if isinstance(values, np.ndarray) else values.take(source)
+        if isinstance(values, np.ndarray):
+            return values[source]
+        return values.take(arrow.indices(source))
 
     def strings(values: list[Any], type_: pa.DataType = _STR) -> Any:
-        return values if source is None else spread(pa.array(values, type=type_))
+        return values if source is None else spread(arrow.array(values, type_))
 
     rows = list(itertools.chain.from_iterable(table.rows for table in templates))
     columns = _transposed(rows, len(rows[0]) if t_n else ROW_WIDTH)
@@ -427,7 +432,7 @@ def _op_columns(
     for name in PLAIN_ROW_COLUMNS:
         values = columns[position(name)]
         cols[name] = (
-            values if source is None else spread(_array(values, OPS.column_type(name).arrow))
+            values if source is None else spread(arrow.array(values, OPS.column_type(name).arrow))
         )
     if PRODUCERS:
         every = (
@@ -511,24 +516,8 @@ def _stat_arrays(values: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
     cols = {}
     for k, (name, is_int) in enumerate(zip(STAT_FIELDS, _STAT_IS_INT, strict=True)):
         column = values[:, k].astype(np.int64) if is_int else values[:, k]
-        cols[name] = pa.array(column, mask=~valid[:, k])
+        cols[name] = arrow.array(column, _I64 if is_int else _F64, mask=~valid[:, k])
     return cols
-
-
-def _array(values: Any, type_: pa.DataType) -> Any:
-    if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        values = values if values.type == type_ else values.cast(type_)
-        return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-    integer = _INTEGERS.get(type_)
-    if integer is not None and isinstance(values, (tuple, list)):
-        try:  # Python ints convert faster through numpy than through pa.array
-            return pa.array(np.fromiter(values, integer, len(values)))
-        except (TypeError, OverflowError):  # None among them, or out of range
-            pass
-    return pa.array(values, type=type_)
-
-
-_INTEGERS = {_I32: np.int32, _I64: np.int64}
 
 
 def _edges(
@@ -558,7 +547,7 @@ def _edges(
             first[source] - (np.cumsum(counts) - counts), counts
         )
         parent = np.fromiter(parent, np.int64, len(parent))[at]
-        edge, arg = edge[at], arg.take(at)
+        edge, arg = edge[at], arg.take(arrow.indices(at))
     columns = {
         "run_id": np.repeat(run_of, counts),
         "step": np.repeat(step_of, counts),
@@ -629,7 +618,7 @@ def _tensor_columns(
         "step": step,
         "slot": np.arange(n, dtype=np.int32) - np.repeat(slot_start.astype(np.int32), counts),
         "array": _codes_taken(arrays, lambda _, names: names),
-        "byte_offset": pa.array(offsets, mask=offsets < 0),
+        "byte_offset": arrow.array(offsets, _I64, mask=offsets < 0),
         "nbytes": nbytes,
         "shape": _taken([list(sh) for sh in shapes], shape_of, pa.list_(_I64)),
         "dtype": _taken([dtype_name(dt) for dt in dtypes], dtype_of, _STR),

@@ -850,6 +850,7 @@ class Recording:
     def _commit(self) -> None:
         import pyarrow as pa
 
+        from . import arrow
         from .grads import grads_table
         from .rows import audit_tables, run_tables
 
@@ -906,7 +907,7 @@ class Recording:
         gone = writer.lost | self._discarded
         if gone:
             merged["tensors"] = merged["tensors"].filter(
-                pa.array([slot not in gone for slot in range(len(writer.slots))])
+                arrow.array([slot not in gone for slot in range(len(writer.slots))], pa.bool_())
             )
         if self._discarded:
             with _os_errors(f"cannot remove the tensors of a failed step of {self.name!r}"):

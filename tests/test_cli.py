@@ -139,20 +139,23 @@ def test_listing_runs_imports_only_duckdb_and_rich(store_path: Path) -> None:
 def test_reading_the_catalog_does_not_import_pandas(tmp_path: Path) -> None:
     """A reader's mirror makes its connection ready for rows without pandas (pyarrow's
     ``Schema.empty_table()`` imports it: ~0.25 s of `tracelake verify --catalog`'s
-    ~0.7 s, and of a query command's start, in a process with no other use for it). On
-    a store whose runs are folded: folding sealed runs builds Arrow columns from Python
-    values, which still asks pandas."""
+    ~0.7 s, and of a query command's start, in a process with no other use for it), and
+    folds the runs its writer left sealed without it (``store/arrow.py``: ``pa.array``
+    imports pandas)."""
     store = tl.open(tmp_path / "s.tl")
     model, (x,) = mlp()
     with torch.no_grad():
         store.record(model, x, name="base")
-    store.close()
+        store.record(model, x + 1, name="other")
+    assert store._catalog.sealed_waiting == 2  # (the verify below folds them)
     commands = [
         ["verify", str(tmp_path / "s.tl"), "--catalog"],
         ["query", str(tmp_path / "s.tl"), "select run, label from ops where func = 'relu'"],
     ]
     out = _imports_none_of(("torch", "pandas"), commands)
-    assert "checked against the catalog: ok" in out and "relu" in out
+    assert "checked against the catalog: ok" in out and "relu" in out and "other" in out
+    assert not store._catalog.paths.sealed_ids()  # (folded by the verify)
+    store.close()
 
 
 def test_runs_lists_sizes_for_people_and_failures_with_their_reason(store_path: Path) -> None:
