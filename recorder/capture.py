@@ -119,7 +119,7 @@ class ForwardRecording:
         with torch._C.DisableTorchFunction():  # copies of inputs are not the user's ops
             self.labeller.add_inputs(args, kwargs)
         self.rng.start()
-        self.training = training_modes(self._model)
+        self.training = training_modes(self._model, self.labeller.named)
         self._eager.__enter__()
         try:
             self._interceptor.__enter__()

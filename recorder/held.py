@@ -41,15 +41,34 @@ _KEY_CHARS = 40
 #: ``.`` separates a module from a buffer's name and ``:`` a label from its pass.
 _KEY_ESCAPES = (("%", "%25"), (".", "%2E"), (":", "%3A"))
 _PRIVATE = ("_", "tl_")
+#: The attribute values a module's scan looks into (what :class:`_Scan` takes or walks).
+_HOLDERS = (torch.Tensor, list, tuple, dict)
+#: The attributes every module has (``training`` and torch's private ones).
+_EVERY_MODULE = frozenset(torch.nn.Module().__dict__)
 
 
-def held_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every module's held tensors, by their full names (``block.cache['cpu']``)."""
+def held_tensors(
+    model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Every module's held tensors, by their full names (``block.cache['cpu']``).
+    ``modules``: ``named_modules(model)``, where the caller has it already."""
     held: list[tuple[str, torch.Tensor]] = []
-    for path, module in named_modules(model):
+    for path, module in named_modules(model) if modules is None else modules:
+        if not _may_hold(module.__dict__):
+            continue
         prefix = f"{path}." if path else ""
         held.extend((prefix + name, tensor) for name, tensor in _Scan(module).tensors())
     return held
+
+
+def _may_hold(attrs: dict[str, Any]) -> bool:
+    """Whether a module's ``__dict__`` has a public attribute its scan would look into.
+    Most modules have none (their own attributes are numbers, strings, configs), and
+    the attributes every module has are private: a set difference leaves the rest."""
+    for name in attrs.keys() - _EVERY_MODULE:
+        if isinstance(attrs[name], _HOLDERS) and not name.startswith(_PRIVATE):
+            return True
+    return False
 
 
 def key_segment(key: Any) -> str:

@@ -125,8 +125,11 @@ class Labeller:
         self._emit = emitter.on_entry if emitter.wants_ops else None
         self._rows = table.rows
         self._passes = table.passes
+        #: ``named_modules(model)`` as the recording began (one walk of the modules for
+        #: every use of them at its start).
+        self.named = named_modules(model)
         self._modules: dict[int, tuple[weakref.ref, str]] = {
-            id(m): (weakref.ref(m), path) for path, m in named_modules(model) if path
+            id(m): (weakref.ref(m), path) for path, m in self.named if path
         }
         # Parameters by name; a buffer as a 1-tuple of its name, which the compiled path
         # hands to Python (it takes str names only): a buffer's first read makes its
@@ -134,7 +137,7 @@ class Labeller:
         # `_orig_mod.` from a compiled model's wrapper.)
         self._params: dict[int, Any] = {id(p): module_path(n) for n, p in model.named_parameters()}
         self._params.update({id(b): (module_path(n),) for n, b in model.named_buffers()})
-        for name, tensor in held_tensors(model):  # (a registered buffer keeps its name)
+        for name, tensor in held_tensors(model, self.named):  # (a buffer keeps its name)
             self._params.setdefault(id(tensor), (name,))
         # A tensor's producer: the row index under its id(), confirmed by the weak
         # reference to the row's tensor (one per row), so a dead tensor whose id was

@@ -46,10 +46,13 @@ __all__ = [
 _PLAIN = (type(None), bool, int, str)
 
 
-def training_modes(model: torch.nn.Module) -> bool | list[str]:
+def training_modes(
+    model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]] | None = None
+) -> bool | list[str]:
     """Which of ``model``'s modules are in training mode: ``True`` or ``False`` for all
-    of them alike, else the paths of those that are (``named_modules()``'s)."""
-    modules = named_modules(model)
+    of them alike, else the paths of those that are (``named_modules()``'s; ``modules``:
+    them, where the caller has them already)."""
+    modules = named_modules(model) if modules is None else modules
     training = [path for path, module in modules if module.training]
     if not modules:
         return model.training
