@@ -2024,7 +2024,7 @@ def _attach_compressed(con: duckdb.DuckDBPyConnection) -> bool:
 
 def _typed(pa: Any, rows: list[tuple[Any, ...]], schema: Any) -> Any:
     """Rows as an Arrow table of ``schema``; None where a value does not convert. Types
-    ``arrays`` builds are built from buffers (no pandas import); others are converted
+    ``arrow.py`` builds are built from buffers (no pandas import); others are converted
     by ``pa.array``, as one array of structs (a third of the time of one per column)."""
     from . import arrow
 
