@@ -36,6 +36,9 @@ _NUMPY = {
 }
 #: The leaf types, nested in lists and structs at will (what the catalog declares).
 TYPES = (*_NUMPY, pa.string())
+#: The numpy dtype of each numeric type :func:`numbers` reads (a dictionary's indices may
+#: be narrower than the types built here).
+_READ = {**_NUMPY, pa.int8(): np.int8, pa.int16(): np.int16}
 _EPOCH = datetime(1970, 1, 1)
 _US = timedelta(microseconds=1)
 #: The ``array`` module's codes for a Python list's values of each fixed-width type but
@@ -84,7 +87,7 @@ def numbers(values: pa.Array | pa.ChunkedArray, null: Any = None) -> np.ndarray:
     read from its buffers, as ``to_numpy`` would, which imports pandas too."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
-    dtype = _NUMPY.get(values.type) or {pa.int8(): np.int8, pa.int16(): np.int16}.get(values.type)
+    dtype = _READ.get(values.type)
     if dtype is None:
         raise TypeError(f"not a numeric column: {values.type}")
     n, start = len(values), values.offset
