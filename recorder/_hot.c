@@ -1525,7 +1525,10 @@ static PyObject *same_rows(PyObject *module, PyObject *const *a, Py_ssize_t narg
  * added in order at the end. Every implementation below keeps exactly this order, so
  * they all give the same bits. The minimum and maximum are of float32s; a NaN or Inf
  * makes the sums non-finite, and the caller then takes its careful path. */
-#define LANES 8 /* (16 or 32 measured slower here: 29 and 27 µs for 512 KiB, against 21) */
+/* 16: the sums' chains of dependent adds, not the memory, bound the pass (a multiply-add's
+ * latency a vector of lanes): 8 lanes (two AVX2 chains) took 17.8 µs for 512 KiB, 16
+ * lanes 15.6 with AVX2 and 13.5 with AVX-512, 32 lanes 20.8 (registers spilled). */
+#define LANES 16
 #define BLOCK ((Py_ssize_t)1 << 24) /* elements per block: int32 zero counts cannot wrap */
 
 typedef struct {
@@ -1633,6 +1636,43 @@ __attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *
         _mm256_storeu_ps(m->lo + 8 * k, lo[k]), _mm256_storeu_ps(m->hi + 8 * k, hi[k]);
     return i;
 }
+
+/* AVX-512 where the processor has it: lanes 8k to 8k + 7 in s[k] and q[k], the zeros
+ * counted from a compare's mask (off the vector units, which the sums keep busy). */
+__attribute__((target("avx512f,popcnt"))) static Py_ssize_t moments_avx512(const float *x,
+                                                                           Py_ssize_t n,
+                                                                           Moments *m) {
+    __m512d s[LANES / 8], q[LANES / 8];
+    __m512 lo[LANES / 16], hi[LANES / 16];
+    for (int k = 0; k < LANES / 8; k++)
+        s[k] = _mm512_loadu_pd(m->sum + 8 * k), q[k] = _mm512_loadu_pd(m->sq + 8 * k);
+    for (int k = 0; k < LANES / 16; k++)
+        lo[k] = _mm512_loadu_ps(m->lo + 16 * k), hi[k] = _mm512_loadu_ps(m->hi + 16 * k);
+    __m512 zero = _mm512_setzero_ps();
+    long long zeros = 0;
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const float *p = x + i;
+        _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0); /* as moments_avx2 */
+#pragma GCC unroll 2
+        for (int k = 0; k < LANES / 8; k++) {
+            __m512d d = _mm512_cvtps_pd(_mm256_loadu_ps(p + 8 * k));
+            s[k] = _mm512_add_pd(s[k], d);
+            q[k] = _mm512_fmadd_pd(d, d, q[k]);
+        }
+        for (int k = 0; k < LANES / 16; k++) {
+            __m512 a = _mm512_loadu_ps(p + 16 * k);
+            lo[k] = _mm512_min_ps(a, lo[k]), hi[k] = _mm512_max_ps(a, hi[k]);
+            zeros += __builtin_popcount(_mm512_cmp_ps_mask(a, zero, _CMP_EQ_OQ));
+        }
+    }
+    m->zeros += zeros;
+    for (int k = 0; k < LANES / 8; k++)
+        _mm512_storeu_pd(m->sum + 8 * k, s[k]), _mm512_storeu_pd(m->sq + 8 * k, q[k]);
+    for (int k = 0; k < LANES / 16; k++)
+        _mm512_storeu_ps(m->lo + 16 * k, lo[k]), _mm512_storeu_ps(m->hi + 16 * k, hi[k]);
+    return i;
+}
 #endif
 
 /* (sum, sum of squares, min, max, zeros) of count > 0 runs of run > 0 contiguous float32s,
@@ -1644,20 +1684,23 @@ static void moments_start(const float *x, Moments *m) {
     for (int j = 0; j < LANES; j++) m->lo[j] = m->hi[j] = x[0];
 }
 
-/* n contiguous float32s into m, lane j taking the elements i = j (mod LANES) counted from
- * row: so rows cut at multiples of LANES elements give the bits of one row. */
-static int has_avx2 = 0; /* (set when the module loads) */
+static int has_avx2 = 0, has_avx512 = 0; /* (set when the module loads) */
 
 /* Which implementation: the best the processor has, or (for the tests that check they
- * all give the same bits) SSE2, or plain C. */
-typedef enum { PASS_BEST, PASS_SSE2, PASS_C } Pass;
+ * all give the same bits) one named: moment_passes() lists those this processor runs. */
+typedef enum { PASS_BEST, PASS_SSE2, PASS_C, PASS_AVX2, PASS_AVX512 } Pass;
 
+/* n contiguous float32s into m, lane j taking the elements i = j (mod LANES) counted from
+ * row: so rows cut at multiples of LANES elements give the bits of one row. */
 static void moments_row(const float *row, Py_ssize_t n, Moments *m, Pass pass) {
     Py_ssize_t done = 0;
 #ifdef HAVE_SIMD
-    if (pass == PASS_BEST && has_avx2)
+    if (pass == PASS_BEST) pass = has_avx512 ? PASS_AVX512 : has_avx2 ? PASS_AVX2 : PASS_SSE2;
+    if (pass == PASS_AVX512)
+        done = moments_avx512(row, n, m);
+    else if (pass == PASS_AVX2)
         done = moments_avx2(row, n, m);
-    else if (pass != PASS_C)
+    else if (pass == PASS_SSE2)
         done = moments_sse2(row, n, m);
 #endif
     moments_tail(row, done, n, m);
@@ -1859,9 +1902,40 @@ static PyObject *crc_moments_f32_py(PyObject *module, PyObject *const *a, Py_ssi
     return Py_BuildValue("(ddddd)", out[0], out[1], out[2], out[3], out[4]);
 }
 
+/* Whether this processor runs implementation `pass` (not PASS_BEST). */
+static int pass_runs(Pass pass) {
+    switch (pass) {
+    case PASS_C: return 1;
+#ifdef HAVE_SIMD
+    case PASS_SSE2: return 1;
+    case PASS_AVX2: return has_avx2;
+    case PASS_AVX512: return has_avx512;
+#endif
+    default: return 0;
+    }
+}
+
+/* moment_passes(): the implementations of the pass this processor runs, as the numbers
+ * moments_f32 takes, each with its name. */
+static PyObject *moment_passes(PyObject *module, PyObject *unused) {
+    static const struct {
+        Pass pass;
+        const char *name;
+    } all[] = {{PASS_C, "c"}, {PASS_SSE2, "sse2"}, {PASS_AVX2, "avx2"}, {PASS_AVX512, "avx512"}};
+    PyObject *out = PyDict_New();
+    for (size_t k = 0; out && k < sizeof all / sizeof all[0]; k++) {
+        if (!pass_runs(all[k].pass)) continue;
+        PyObject *number = PyLong_FromLong(all[k].pass);
+        int failed = !number || PyDict_SetItemString(out, all[k].name, number) < 0;
+        Py_XDECREF(number);
+        if (failed) Py_CLEAR(out);
+    }
+    return out;
+}
+
 /* moments_f32(address, run, count, step[, pass]): moments_f32's (sum, sum of squares, min,
  * max, zeros) of the float32s at address, in float64, the GIL released meanwhile. pass
- * (tests): 0 the best implementation here, 1 SSE2, 2 plain C. */
+ * (tests): 0 the best implementation here, else one of moment_passes(). */
 static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t nargs) {
     if (nargs != 4 && nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "moments_f32(address, run, count, step[, pass])");
@@ -1872,8 +1946,11 @@ static PyObject *moments_f32_py(PyObject *module, PyObject *const *a, Py_ssize_t
     Py_ssize_t step = PyLong_AsSsize_t(a[3]);
     long pass = nargs == 5 ? PyLong_AsLong(a[4]) : PASS_BEST;
     if (PyErr_Occurred()) return NULL;
-    if (pass < PASS_BEST || pass > PASS_C) {
-        PyErr_SetString(PyExc_ValueError, "moments_f32: pass is 0 (best), 1 (SSE2) or 2 (C)");
+    if (pass != PASS_BEST && !pass_runs((Pass)pass)) {
+        PyErr_Format(PyExc_ValueError,
+                     "moments_f32: pass %ld does not run here (moment_passes() lists those "
+                     "that do)",
+                     pass);
         return NULL;
     }
     if (!address || run <= 0 || count <= 0 || (count > 1 && step < run)) {
@@ -2351,6 +2428,8 @@ static PyMethodDef hot_functions[] = {
     {"moments_f32", (PyCFunction)(void (*)(void))moments_f32_py, METH_FASTCALL,
      "moments_f32(address, run, count, step[, pass]): one pass's moments of float32s "
      "(recorder/stats.py)."},
+    {"moment_passes", moment_passes, METH_NOARGS,
+     "moment_passes(): {name: pass} of moments_f32's implementations this processor runs."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_py, METH_FASTCALL,
      "crc32c(address, nbytes[, hardware]): the CRC32C of the bytes at address."},
     {"crc_moments_f32", (PyCFunction)(void (*)(void))crc_moments_f32_py, METH_FASTCALL,
@@ -2374,6 +2453,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
 #ifdef HAVE_SIMD
     crc32c_hardware = __builtin_cpu_supports("sse4.2");
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
 #endif
 #define INTERN(var, text)                                                                  \
     if (!(var = PyUnicode_InternFromString(text))) return NULL;
@@ -2430,6 +2510,12 @@ PyMODINIT_FUNC PyInit__hot(void) {
     /* The row layout this build was compiled for: compiled.py uses the extension only
      * when it matches the declaration's. */
     if (PyModule_AddStringConstant(m, "ROW_FIELDS", ROW_FIELD_NAMES) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* The pass's lanes: a row cut at a multiple of this many elements gives the bits of
+     * the whole (crc_moments_f32's blocks start at such cuts). */
+    if (PyModule_AddIntConstant(m, "MOMENT_LANES", LANES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

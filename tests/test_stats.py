@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -292,10 +293,11 @@ def test_float32_views_reduced_where_they_lie(values: np.ndarray, layout: int) -
 def test_every_implementation_of_the_pass_gives_the_same_bits(
     values: np.ndarray, run: int, gap: int
 ) -> None:
-    """The compiled pass has an implementation per instruction set (AVX2 where the
-    processor has it, SSE2, plain C): over any layout (rows of ``run`` elements ``gap``
-    apart, so every lane phase and tail) they give the same sums, extremes and zero
-    count, to the bit, so statistics do not depend on the machine that computed them."""
+    """The compiled pass has an implementation per instruction set (AVX-512 and AVX2
+    where the processor has them, SSE2, plain C): over any layout (rows of ``run``
+    elements ``gap`` apart, so every lane phase and tail) they give the same sums,
+    extremes and zero count, to the bit, so statistics do not depend on the machine that
+    computed them."""
     from tracelake.recorder import compiled
 
     hot = compiled.hot()
@@ -304,12 +306,29 @@ def test_every_implementation_of_the_pass_gives_the_same_bits(
     step = run + gap
     count = max(1, (len(values) - run) // step + 1)
     layout = (values.ctypes.data, run, count, step)
-    best, sse2, plain = (hot.moments_f32(*layout, which) for which in (0, 1, 2))
-    bits = [np.array(got, dtype=np.float64).tobytes() for got in (best, sse2, plain)]
-    assert bits[0] == bits[1] == bits[2], (best, sse2, plain)  # (a zero's sign too)
+    best = hot.moments_f32(*layout)
+    each = {name: hot.moments_f32(*layout, which) for name, which in hot.moment_passes().items()}
+    bits = {name: np.array(got, dtype=np.float64).tobytes() for name, got in each.items()}
+    if platform.machine() in ("x86_64", "AMD64"):  # every x86-64 has SSE2
+        assert {"c", "sse2"} <= set(each), each
+    assert set(bits.values()) == {np.array(best, dtype=np.float64).tobytes()}, (best, each)
     rows = [values[k * step : k * step + run].astype(np.float64) for k in range(count)]
     total = np.concatenate(rows)
     assert best[2:] == (total.min(), total.max(), float((total == 0).sum()))
+
+
+def test_a_pass_the_processor_lacks_is_refused_by_name() -> None:
+    """Asking the compiled pass for an implementation this processor does not run (or one
+    that does not exist) is an error that says where the ones it runs are listed, not a
+    crash on an illegal instruction."""
+    from tracelake.recorder import compiled
+
+    hot = compiled.hot()
+    assert hot is not None, "the extension is missing"
+    values = np.arange(100, dtype=np.float32)
+    for which in (-1, 99, *({1, 2, 3, 4} - set(hot.moment_passes().values()))):
+        with pytest.raises(ValueError, match=r"moment_passes\(\)"):
+            hot.moments_f32(values.ctypes.data, 100, 1, 100, which)
 
 
 def test_views_of_one_memory_share_statistics_until_written() -> None:
