@@ -36,7 +36,6 @@ import json
 import os
 import secrets
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -68,7 +67,7 @@ from .catalog import (
     run_table_views,
     runs_row,
 )
-from .layout import StorePaths
+from .layout import Scratch, StorePaths
 from .schema import (
     RUN_TABLES,
     TABLES,
@@ -98,6 +97,10 @@ LAKE_DDL = {
     "collected": "run_id BIGINT, stamped TIMESTAMP",
 }
 _EXTENSIONS = ("postgres_scanner", "httpfs", "ducklake")
+#: A DuckLake store's local scratch directories (its mirror of the catalog, its runs
+#: before they are uploaded): ``layout.Scratch``, so a killed process's is removed by the
+#: next one made.
+SCRATCH_PREFIX = "tracelake-lake-"
 _LAKE = "lake"
 #: Ids are drawn from here: at least 2**30 (above any local store's), within the
 #: catalog's 32-bit id columns.
@@ -654,7 +657,7 @@ class LakeMirror(CatalogMirror):
     when its snapshot id moved."""
 
     def __init__(self, url: str, catalog: str, options: Mapping[str, Any]):
-        self._scratch = tempfile.TemporaryDirectory(prefix="tracelake-lake-")
+        self._scratch = Scratch(SCRATCH_PREFIX)
         super().__init__(StorePaths(self._scratch.name))
         self._args = (url, catalog, dict(options))
         self.paths = _described(url, catalog)
@@ -793,7 +796,7 @@ class LakeStore(Store):
             raise StoreError(f"{url!r} is not an object-store URL (s3://bucket/prefix)")
         self.url = url.rstrip("/")
         options = dict(storage_options or {})
-        self._scratch = tempfile.TemporaryDirectory(prefix="tracelake-lake-")
+        self._scratch = Scratch(SCRATCH_PREFIX)
         self.paths = StorePaths(self._scratch.name)
         self.paths.runs.mkdir()
         self._args = (self.url, catalog, options)

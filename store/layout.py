@@ -50,8 +50,10 @@ import re
 import shutil
 import stat
 import sys
+import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
@@ -647,6 +649,76 @@ def full_hint(exc: BaseException) -> str:
         " (the disk holding the store is full: free space, e.g. store.delete(name) then "
         "store.gc(), which work on a full disk, and try again)"
     )
+
+
+#: A :class:`Scratch` directory's name ends so: only those are ever removed as abandoned
+#: (a directory of another make, or of an older tracelake, is never taken for one).
+_HELD = ".held"
+#: A scratch directory younger than this is left alone whether or not it is held: its
+#: maker may not have taken the lock yet (it does so at once).
+SCRATCH_GRACE_S = 60.0
+
+
+class Scratch:
+    """A private temporary directory (``name``, under ``tempfile.gettempdir()``), removed by
+    :meth:`cleanup`, when it is garbage collected or at exit (as
+    ``tempfile.TemporaryDirectory`` is), and where its process was killed before any of
+    those, by the next one made on the machine: each holds an flock on itself while its
+    process lives (the kernel drops it with the process), and a new one first removes
+    those of its ``prefix`` that no one holds (:func:`remove_abandoned`)."""
+
+    def __init__(self, prefix: str) -> None:
+        remove_abandoned(Path(tempfile.gettempdir()), prefix)
+        self.name = tempfile.mkdtemp(prefix=prefix, suffix=_HELD)
+        held = os.open(self.name, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new: no one else holds it)
+        self._finalizer = weakref.finalize(self, _remove_scratch, self.name, held)
+
+    def cleanup(self) -> None:
+        """Remove the directory (once; later calls do nothing)."""
+        self._finalizer()
+
+
+def _remove_scratch(name: str, held: int) -> None:
+    try:
+        shutil.rmtree(name, ignore_errors=True)
+    finally:
+        os.close(held)  # (after: the directory is never unheld while it exists)
+
+
+def remove_abandoned(root: Path, prefix: str) -> list[str]:
+    """Remove the :class:`Scratch` directories of ``prefix`` in ``root`` that no process
+    holds and that are older than :data:`SCRATCH_GRACE_S`: those of processes killed
+    before their clean-up. Others' (another user's, unreadable) are left alone. The
+    names removed."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        if not (entry.name.startswith(prefix) and entry.name.endswith(_HELD)):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if now - entry.stat(follow_symlinks=False).st_mtime < SCRATCH_GRACE_S:
+                continue
+            held = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            os.close(held)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+        finally:
+            os.close(held)
+    return removed
 
 
 @contextlib.contextmanager

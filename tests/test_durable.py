@@ -126,3 +126,66 @@ def test_a_forked_child_makes_its_own_fsync_pool(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "0"
+
+
+def test_a_killed_process_scratch_directory_is_removed_by_the_next_one_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DuckLake store's local scratch (``layout.Scratch``) outlives a process killed
+    before its clean-up; the next scratch directory made on the machine removes it, and
+    leaves alone one whose process lives (however old), one just made (its lock may not
+    be taken yet), and directories that are not scratch of this kind."""
+    import tempfile
+
+    prefix = "tl-test-scratch-"
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, tempfile
+        tempfile.tempdir = {str(tmp_path)!r}
+        from tracelake.store.layout import Scratch
+        scratch = Scratch({prefix!r})
+        open(os.path.join(scratch.name, "mirror.duckdb"), "w").write("x")
+        print(scratch.name, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.stdin.read()  # alive until the test closes its stdin
+        """
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "kill"], capture_output=True, text=True, check=False
+    )
+    assert killed.returncode == -9, killed.stderr
+    dead = Path(killed.stdout.strip())
+    live_process = subprocess.Popen(
+        [sys.executable, "-c", code, "live"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert live_process.stdout is not None
+        live = Path(live_process.stdout.readline().strip())
+        young = tmp_path / f"{prefix}young.held"
+        other = tmp_path / f"{prefix}other"  # (not a Scratch's name)
+        young.mkdir()
+        other.mkdir()
+        old = layout.SCRATCH_GRACE_S + 5
+        for path in (dead, live, other):
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - old, stat.st_mtime - old))
+        assert dead.exists() and live.exists()
+
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        scratch = layout.Scratch(prefix)
+        assert not dead.exists()
+        assert live.exists() and (live / "mirror.duckdb").exists()
+        assert young.exists() and other.exists()
+        assert Path(scratch.name).parent == tmp_path and Path(scratch.name).is_dir()
+        scratch.cleanup()
+        scratch.cleanup()  # (once)
+        assert not Path(scratch.name).exists()
+    finally:
+        assert live_process.stdin is not None
+        live_process.stdin.close()
+        live_process.wait(timeout=60)
+    assert not live.exists()  # its process cleaned it at exit
