@@ -320,6 +320,20 @@ def test_checksums_with_statistics_are_each_alone(
     assert crcs[chunks] == 0, "a checksum past the blocks"
 
 
+def test_packed_tensors_start_where_the_statistics_lanes_do() -> None:
+    """A store's worker reduces a packed float32 tensor's whole inner chunks from the
+    tensor's first one on (``crc_moments_f32``), which gives the tensor's own bits only
+    where that offset is a whole number of the pass's lanes: the packing's alignment and
+    the inner chunks' size must both be, whatever either is changed to."""
+    from tracelake.recorder import compiled
+    from tracelake.store.format import ALIGN, INNER_BYTES
+
+    hot = compiled.hot()
+    assert hot is not None, "the extension is missing"
+    unit = hot.MOMENT_LANES * 4
+    assert ALIGN % unit == 0 and INNER_BYTES % unit == 0, (ALIGN, INNER_BYTES, unit)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     size=st.integers(0, 7 * (64 << 10)),
