@@ -1591,10 +1591,11 @@ static Py_ssize_t moments_sse2(const float *x, Py_ssize_t n, Moments *m) {
     return i;
 }
 
-/* AVX2 where the processor has it: lanes 4k to 4k + 3 in s[k] and q[k]. Each quarter of
- * lanes is converted straight from memory (a 128-bit load into vcvtps2pd, no shuffle to
- * split a 256-bit load): what is left bounding the loop is the multiply-add chain of each
- * q[k], one a LANES elements, whose order sets the bits. */
+/* AVX2 where the processor has it: lanes 4k to 4k + 3 in s[k] and q[k]. Each group of
+ * four lanes is converted straight from memory (a 128-bit load into vcvtps2pd, no shuffle
+ * to split a 256-bit load): what is left bounding the loop is the chain of adds and
+ * multiply-adds of each s[k] and q[k], one step a LANES elements, whose order sets the
+ * bits. */
 __attribute__((target("avx2,fma"))) static Py_ssize_t moments_avx2(const float *x, Py_ssize_t n,
                                                                    Moments *m) {
     __m256d s[LANES / 4], q[LANES / 4];
