@@ -665,10 +665,10 @@ class Scratch:
     ``tempfile.TemporaryDirectory`` is), and where its process was killed before any of
     those, by the next one made on the machine: each holds an flock on itself while its
     process lives (the kernel drops it with the process), and a new one first removes
-    those of its ``prefix`` that no one holds (:func:`remove_abandoned`)."""
+    those of its ``prefix`` that no one holds (:func:`_remove_abandoned`)."""
 
     def __init__(self, prefix: str) -> None:
-        remove_abandoned(Path(tempfile.gettempdir()), prefix)
+        _remove_abandoned(Path(tempfile.gettempdir()), prefix)
         self.name = tempfile.mkdtemp(prefix=prefix, suffix=_HELD)
         held = os.open(self.name, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new: no one else holds it)
@@ -686,16 +686,14 @@ def _remove_scratch(name: str, held: int) -> None:
         os.close(held)  # (after: the directory is never unheld while it exists)
 
 
-def remove_abandoned(root: Path, prefix: str) -> list[str]:
+def _remove_abandoned(root: Path, prefix: str) -> None:
     """Remove the :class:`Scratch` directories of ``prefix`` in ``root`` that no process
     holds and that are older than :data:`SCRATCH_GRACE_S`: those of processes killed
-    before their clean-up. Others' (another user's, unreadable) are left alone. The
-    names removed."""
-    removed: list[str] = []
+    before their clean-up. Others' (another user's, unreadable) are left alone."""
     try:
         entries = list(os.scandir(root))
     except OSError:
-        return removed
+        return
     now = time.time()
     for entry in entries:
         if not (entry.name.startswith(prefix) and entry.name.endswith(_HELD)):
@@ -715,10 +713,8 @@ def remove_abandoned(root: Path, prefix: str) -> list[str]:
             continue
         try:
             shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.name)
         finally:
             os.close(held)
-    return removed
 
 
 @contextlib.contextmanager
