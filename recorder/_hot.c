@@ -441,16 +441,28 @@ static int value_type(Fused *self, PyObject *value) {
     return 0;
 }
 
+/* Whether a row keeps ``value`` as it is: None, a bool, or exactly an int, a float, a
+ * str or one of argkeys.VALUE_TYPES (argkeys._PLAIN, by exact class). */
+static int plain_value(Fused *self, PyObject *value) {
+    return value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
+           PyBool_Check(value) || PyUnicode_CheckExact(value) || value_type(self, value);
+}
+
 /* One argument. 1: scanned, 0: the call needs the Python path, -1: error. */
 static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
     if (value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
         PyBool_Check(value) || PyUnicode_CheckExact(value))
         return keep_value(s, value, where);
-    if (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 0)
+    if (PyTuple_CheckExact(value)) {
+        /* a tuple of plain values (x.view((b, -1)), layer_norm's normalized_shape): kept
+         * as it is, as argkeys.capture keeps it; tensors or anything else inside: Python */
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(value); k++)
+            if (!plain_value(self, PyTuple_GET_ITEM(value, k))) return 0;
         return keep_value(s, value, where);
+    }
     if (PyList_CheckExact(value) && PyList_GET_SIZE(value) == 0)
         return keep_value(s, self->empty_list, where);
-    if (PyList_CheckExact(value) || PyTuple_CheckExact(value))
+    if (PyList_CheckExact(value))
         return 0; /* tensors inside lists, a list Python keeps by its tokens: Python */
     if (!PyObject_TypeCheck(value, (PyTypeObject *)self->tensor_type))
         return value_type(self, value) ? keep_value(s, value, where) : 0;
@@ -2219,6 +2231,409 @@ static PyTypeObject ReducerType = {
     .tp_new = Reducer_new,
 };
 
+/* ------------------------------------------------------------------------------------
+ * ModuleEvents: ``Labeller.on_module_enter`` and ``on_module_exit`` (recorder/labels.py),
+ * compiled, for the common module call: part of the model, given tensors and plain
+ * values (in a flat tuple, and a dict of keyword arguments), one tensor or a flat tuple
+ * or list of them out, no tensor written through a view so far, and (at the exit) no
+ * output handed back from the call's own inputs. Python's pair ran some three hundred bytecodes a
+ * call (a GPT-2 block's forward makes eight such calls); this makes the same module
+ * entries, frames, stack keys and emitter calls, in the same order, and hands every
+ * other call to the Python ``fallback`` methods, which stay the reference
+ * (tests/test_compiled.py compares the two). Nothing is changed until everything that
+ * can send a call to Python has been looked at.
+ * ------------------------------------------------------------------------------------ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *labeller;                   /* its ``_aliases`` is read at each exit */
+    PyObject *enter_fallback, *exit_fallback; /* the Python methods, bound */
+    PyObject *modules;    /* id(module) -> (weakref, path) */
+    PyObject *calls;      /* path -> calls so far */
+    PyObject *first_call; /* path -> [start, end] of its first call */
+    PyObject *rows, *entries, *stack, *live, *producers, *refs, *params, *identities;
+    PyObject *entry_type, *frame_type, *emit_enter, *emit_exit, *tensor_type;
+} ModuleEvents;
+
+#define MODULE_EVENTS_REFS(X)                                                              \
+    X(labeller) X(enter_fallback) X(exit_fallback) X(modules) X(calls) X(first_call)       \
+        X(rows) X(entries) X(stack) X(live) X(producers) X(refs) X(params) X(identities)  \
+        X(entry_type) X(frame_type) X(emit_enter) X(emit_exit) X(tensor_type)
+
+GC_SLOTS(ModuleEvents, MODULE_EVENTS_REFS)
+
+static PyObject *str_module, *str_root, *str_given, *str_pass_num, *str_start, *str_entry,
+    *str_path, *str_input_indices, *str_output_indices, *str_op_range, *str_aliases;
+
+/* The module's path in the model (Labeller._path_of), borrowed; NULL without an error set
+ * when it is not one of the model's modules. */
+static PyObject *events_path(ModuleEvents *self, PyObject *module) {
+    PyObject *key = id_key(module);
+    if (!key) return NULL;
+    PyObject *rec = PyDict_GetItemWithError(self->modules, key);
+    Py_DECREF(key);
+    if (!rec || !PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 2 ||
+        !PyWeakref_Check(PyTuple_GET_ITEM(rec, 0)) ||
+        !referent_is(PyTuple_GET_ITEM(rec, 0), module))
+        return NULL;
+    return PyTuple_GET_ITEM(rec, 1);
+}
+
+/* [a, b] (b NULL: [a]). New reference. */
+static PyObject *list_of(PyObject *a, PyObject *b) {
+    PyObject *list = PyList_New(b ? 2 : 1);
+    if (!list) return NULL;
+    Py_INCREF(a);
+    PyList_SET_ITEM(list, 0, a);
+    if (b) {
+        Py_INCREF(b);
+        PyList_SET_ITEM(list, 1, b);
+    }
+    return list;
+}
+
+/* intercept.flatten_tensors for a tensor, or a flat tuple or list of tensors and plain
+ * values: a new list; NULL without an error set for anything else (Python's walk). */
+static PyObject *events_flatten(ModuleEvents *self, PyObject *obj) {
+    PyTypeObject *tensor = (PyTypeObject *)self->tensor_type;
+    if (PyObject_TypeCheck(obj, tensor)) return list_of(obj, NULL);
+    if (!PyTuple_CheckExact(obj) && !PyList_CheckExact(obj)) return NULL;
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (!seq) return NULL;
+    PyObject *found = PyList_New(0);
+    for (Py_ssize_t k = 0; found && k < PySequence_Fast_GET_SIZE(seq); k++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, k);
+        if (PyObject_TypeCheck(item, tensor)) {
+            if (PyList_Append(found, item) < 0) Py_CLEAR(found);
+        } else if (!(item == Py_None || PyLong_Check(item) || PyFloat_Check(item) ||
+                     PyUnicode_Check(item))) {
+            Py_CLEAR(found); /* (bool is an int) a container or an object: Python */
+        }
+    }
+    Py_DECREF(seq);
+    return found;
+}
+
+/* The producers of ``tensors`` (Labeller._producer): a new list of ints; NULL without an
+ * error set where one was written through a view (Python's _aliased). */
+static PyObject *events_producers(ModuleEvents *self, PyObject *tensors) {
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; out && k < n; k++) {
+        PyObject *t = PyList_GET_ITEM(tensors, k), *found = NULL;
+        PyObject *key = id_key(t);
+        if (!key) goto fail;
+        PyObject *index = PyDict_GetItemWithError(self->producers, key);
+        if (index) {
+            Py_ssize_t i = PyLong_AsSsize_t(index);
+            if (i == -1 && PyErr_Occurred()) PyErr_Clear(); /* (not an index: Python) */
+            else if (i >= 0 && i < PyList_GET_SIZE(self->refs) &&
+                     PyWeakref_Check(PyList_GET_ITEM(self->refs, i)) &&
+                     referent_is(PyList_GET_ITEM(self->refs, i), t))
+                found = index;
+        }
+        if (!found && !PyErr_Occurred()) {
+            PyObject *known = PyDict_GetItemWithError(self->params, key);
+            if (known && !PyUnicode_CheckExact(known) && !PyTuple_CheckExact(known)) {
+                Py_DECREF(key);
+                Py_CLEAR(out); /* an alias: Python finds the write through the view */
+                return NULL;
+            }
+            found = int_minus_one;
+        }
+        Py_DECREF(key);
+        if (PyErr_Occurred()) goto fail;
+        Py_INCREF(found);
+        PyList_SET_ITEM(out, k, found);
+    }
+    return out;
+fail:
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* 1: the call's entry made; 0: Python's (nothing changed); -1: an error (set). */
+static int events_enter(ModuleEvents *self, PyObject *module, PyObject *args,
+                        PyObject *kwargs) {
+    PyObject *tensors = NULL, *producers = NULL, *count = NULL, *start = NULL, *name = NULL,
+             *entry = NULL, *frame = NULL, *indices = NULL, *key = NULL, *r = NULL,
+             *values = NULL, *given = NULL, *more = NULL;
+    int done = 0;
+    PyObject *path = events_path(self, module);
+    if (!path) return PyErr_Occurred() ? -1 : 1; /* not one of the model's: nothing */
+    Py_INCREF(path);
+    if (!(tensors = events_flatten(self, args)) || !(producers = events_producers(self, tensors)))
+        goto out;
+    if (kwargs && kwargs != Py_None) {
+        /* the keyword arguments' tensors are given too (what an output handed back is
+         * looked for among): a dict of tensors and plain values here, else Python */
+        if (!PyDict_CheckExact(kwargs)) goto out;
+        if (PyDict_GET_SIZE(kwargs)) {
+            PyObject *kw_tensors = (values = PyDict_Values(kwargs)) ? events_flatten(self, values)
+                                                                   : NULL;
+            more = kw_tensors ? events_producers(self, kw_tensors) : NULL;
+            Py_XDECREF(kw_tensors);
+            if (!more) goto out;
+        }
+    }
+    if (PyList_GET_SIZE(self->live) != 3) goto out;
+    /* -- from here on, the changes (an error: -1, as Python's would raise part way) -- */
+    done = -1;
+    PyObject *before = PyDict_GetItemWithError(self->calls, path);
+    if (!before && PyErr_Occurred()) goto out;
+    if (!(count = before ? next_int(before) : (Py_INCREF(int_one), int_one))) goto out;
+    if (PyDict_SetItem(self->calls, path, count) < 0) goto out;
+    if (!(start = shared_int(PyList_GET_SIZE(self->rows)))) goto out;
+    if (count == int_one || PyObject_RichCompareBool(count, int_one, Py_EQ) == 1) {
+        PyObject *span = list_of(start, int_minus_one);
+        int failed = !span || PyDict_SetItem(self->first_call, path, span) < 0;
+        Py_XDECREF(span);
+        if (failed) goto out;
+    }
+    if (!(name = PyType_GetName(Py_TYPE(module))) ||
+        !(key = shared_int(PyList_GET_SIZE(self->entries))))
+        goto out;
+    PyObject *made[4] = {path, name, count, key};
+    if (!(entry = PyObject_Vectorcall(self->entry_type, made, 4, NULL))) goto out;
+    if (!(indices = PyList_AsTuple(producers)) ||
+        PyObject_SetAttr(entry, str_input_indices, indices) < 0)
+        goto out;
+    PyObject *framed[5] = {module, path, count, start, entry};
+    if (!(frame = PyObject_Vectorcall(self->frame_type, framed, 5, NULL))) goto out;
+    if (more) {
+        PyObject *extra = PyList_AsTuple(more);
+        given = extra ? PySequence_Concat(indices, extra) : NULL;
+        Py_XDECREF(extra);
+        if (!given || PyObject_SetAttr(frame, str_given, given) < 0) goto out;
+    }
+    Py_ssize_t depth = PyList_GET_SIZE(self->stack);
+    PyObject *root = Py_None;
+    Py_INCREF(root);
+    if (depth > 0) {
+        Py_DECREF(root);
+        if (!(root = PyObject_GetAttr(PyList_GET_ITEM(self->stack, depth - 1), str_root)))
+            goto out;
+    }
+    if (root == Py_None && PyObject_RichCompareBool(count, int_one, Py_GT) == 1) {
+        Py_DECREF(root);
+        root = frame;
+        Py_INCREF(root);
+    }
+    if (root != Py_None && PyObject_SetAttr(frame, str_root, root) < 0) {
+        Py_DECREF(root);
+        goto out;
+    }
+    if (PyErr_Occurred() || PyList_Append(self->stack, frame) < 0) {
+        Py_DECREF(root);
+        goto out;
+    }
+    PyObject *pair = PyTuple_Pack(2, path, count);
+    PyObject *stack_key = pair ? PyTuple_Pack(1, pair) : NULL;
+    PyObject *longer = stack_key ? PySequence_Concat(PyList_GET_ITEM(self->live, LIVE_STACK_KEY),
+                                                     stack_key)
+                                 : NULL;
+    Py_XDECREF(pair);
+    Py_XDECREF(stack_key);
+    if (!longer || PyList_SetItem(self->live, LIVE_STACK_KEY, longer) < 0 ||
+        PyList_SetItem(self->live, LIVE_ROOT, root) < 0) { /* (both steal) */
+        if (!longer) Py_DECREF(root);
+        goto out;
+    }
+    if (PyList_Append(self->entries, entry) < 0) goto out;
+    PyObject *emitted[3] = {entry, tensors, producers};
+    if (!(r = PyObject_Vectorcall(self->emit_enter, emitted, 3, NULL))) goto out;
+    done = 1;
+out:
+    if (done == 0) PyErr_Clear();
+    PyObject *const owned[] = {path,  tensors, producers, count, start,  name, entry,
+                               frame, indices, key,      r,     values, given, more};
+    for (size_t k = 0; k < sizeof owned / sizeof *owned; k++) Py_XDECREF(owned[k]);
+    return done;
+}
+
+/* Whether any producer (>= 0) is among ``given`` (a tuple of ints). -1: an error. */
+static int events_handed_back(PyObject *producers, PyObject *given) {
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(producers); k++) {
+        PyObject *p = PyList_GET_ITEM(producers, k);
+        if (PyObject_RichCompareBool(p, int_zero, Py_GE) != 1) continue;
+        int in = PySequence_Contains(given, p);
+        if (in != 0) return in;
+    }
+    return 0;
+}
+
+/* Labeller._is_identity: whether the module's class is named Identity (in any case), as
+ * TorchLens tells, in the labeller's cache of classes. 1, 0, or -1 (an error set). */
+static int events_identity(ModuleEvents *self, PyObject *module) {
+    PyObject *cls = (PyObject *)Py_TYPE(module);
+    PyObject *known = PyDict_GetItemWithError(self->identities, cls);
+    if (known) return known == Py_True;
+    if (PyErr_Occurred()) return -1;
+    PyObject *name = PyType_GetName(Py_TYPE(module));
+    PyObject *lower = name ? PyObject_CallMethod(name, "lower", NULL) : NULL;
+    Py_XDECREF(name);
+    if (!lower) return -1;
+    int identity = PyUnicode_Check(lower) && PyUnicode_CompareWithASCIIString(lower, "identity") == 0;
+    Py_DECREF(lower);
+    if (PyDict_SetItem(self->identities, cls, identity ? Py_True : Py_False) < 0) return -1;
+    return identity;
+}
+
+/* 1: the call's entry completed; 0: Python's (nothing changed); -1: an error (set). */
+static int events_exit(ModuleEvents *self, PyObject *module, PyObject *output) {
+    PyObject *tensors = NULL, *producers = NULL, *frame = NULL, *end = NULL, *pass = NULL,
+             *fpath = NULL, *entry = NULL, *start = NULL, *span = NULL, *indices = NULL,
+             *root = NULL, *r = NULL, *field = NULL;
+    int done = 0;
+    if (!events_path(self, module)) return PyErr_Occurred() ? -1 : 1;
+    Py_ssize_t top = PyList_GET_SIZE(self->stack) - 1, depth = top;
+    for (; depth >= 0; depth--) {
+        field = PyObject_GetAttr(PyList_GET_ITEM(self->stack, depth), str_module);
+        if (!field) goto out;
+        int found = field == module;
+        Py_CLEAR(field);
+        if (found) break;
+    }
+    if (depth < 0) return 1; /* not on the stack: nothing (as Python) */
+    frame = PyList_GET_ITEM(self->stack, depth);
+    Py_INCREF(frame);
+    if (!(tensors = events_flatten(self, output)) ||
+        !(producers = events_producers(self, tensors)))
+        goto out;
+    if (PyList_GET_SIZE(producers) && depth == top) {
+        /* an Identity, or an output handed back from the inputs: Python's identity op */
+        int identity = events_identity(self, module);
+        if (identity != 0) goto out;
+        if (!(field = PyObject_GetAttr(frame, str_given)) || !PyTuple_CheckExact(field) ||
+            events_handed_back(producers, field) != 0)
+            goto out;
+        Py_CLEAR(field);
+    }
+    if (!(field = PyObject_GetAttr(self->labeller, str_aliases)) || field != Py_False) goto out;
+    Py_CLEAR(field);
+    if (PyList_GET_SIZE(self->live) != 3 || !(pass = PyObject_GetAttr(frame, str_pass_num)) ||
+        !(fpath = PyObject_GetAttr(frame, str_path)) ||
+        !(entry = PyObject_GetAttr(frame, str_entry)) ||
+        !(start = PyObject_GetAttr(frame, str_start)))
+        goto out;
+    PyObject *key = PyList_GET_ITEM(self->live, LIVE_STACK_KEY);
+    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) < depth) goto out;
+    if (depth > 0 &&
+        !(root = PyObject_GetAttr(PyList_GET_ITEM(self->stack, depth - 1), str_root)))
+        goto out;
+    /* -- from here on, the changes -- */
+    done = -1;
+    PyObject *shorter = PyTuple_GetSlice(key, 0, depth);
+    if (!shorter || PyList_SetSlice(self->stack, depth, top + 1, NULL) < 0) {
+        Py_XDECREF(shorter);
+        goto out;
+    }
+    if (PyList_SetItem(self->live, LIVE_STACK_KEY, shorter) < 0) goto out;
+    PyObject *now = root ? root : Py_None;
+    Py_INCREF(now);
+    if (PyList_SetItem(self->live, LIVE_ROOT, now) < 0) goto out;
+    if (!(end = shared_int(PyList_GET_SIZE(self->rows)))) goto out;
+    if (PyObject_RichCompareBool(pass, int_one, Py_EQ) == 1) {
+        PyObject *first = PyDict_GetItemWithError(self->first_call, fpath);
+        if (!first) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, fpath);
+            goto out;
+        }
+        Py_INCREF(end);
+        if (PyObject_SetItem(first, int_one, end) < 0) {
+            Py_DECREF(end);
+            goto out;
+        }
+        Py_DECREF(end);
+    }
+    if (PyErr_Occurred()) goto out;
+    if (!(span = PyTuple_Pack(2, start, end)) || PyObject_SetAttr(entry, str_op_range, span) < 0 ||
+        !(indices = PyList_AsTuple(producers)) ||
+        PyObject_SetAttr(entry, str_output_indices, indices) < 0)
+        goto out;
+    PyObject *emitted[4] = {entry, output, tensors, producers};
+    if (!(r = PyObject_Vectorcall(self->emit_exit, emitted, 4, NULL))) goto out;
+    done = 1;
+out:
+    if (done == 0) PyErr_Clear();
+    PyObject *const owned[] = {tensors, producers, frame, end,     pass, fpath, entry,
+                               start,   span,      indices, root, r,    field};
+    for (size_t k = 0; k < sizeof owned / sizeof *owned; k++) Py_XDECREF(owned[k]);
+    return done;
+}
+
+static PyObject *ModuleEvents_enter(ModuleEvents *self, PyObject *const *a, Py_ssize_t n) {
+    if (!self->enter_fallback) {
+        PyErr_SetString(PyExc_RuntimeError, "ModuleEvents was cleared");
+        return NULL;
+    }
+    if (n == 2 || n == 3) {
+        int r = events_enter(self, a[0], a[1], n == 3 ? a[2] : NULL);
+        if (r < 0) return NULL;
+        if (r > 0) Py_RETURN_NONE;
+    }
+    return PyObject_Vectorcall(self->enter_fallback, a, n, NULL);
+}
+
+static PyObject *ModuleEvents_exit(ModuleEvents *self, PyObject *const *a, Py_ssize_t n) {
+    if (!self->exit_fallback) {
+        PyErr_SetString(PyExc_RuntimeError, "ModuleEvents was cleared");
+        return NULL;
+    }
+    if (n == 2) {
+        int r = events_exit(self, a[0], a[1]);
+        if (r < 0) return NULL;
+        if (r > 0) Py_RETURN_NONE;
+    }
+    return PyObject_Vectorcall(self->exit_fallback, a, n, NULL);
+}
+
+static PyMethodDef ModuleEvents_methods[] = {
+    {"enter", (PyCFunction)(void (*)(void))ModuleEvents_enter, METH_FASTCALL,
+     "enter(module, args, kwargs=None): Labeller.on_module_enter."},
+    {"exit", (PyCFunction)(void (*)(void))ModuleEvents_exit, METH_FASTCALL,
+     "exit(module, output): Labeller.on_module_exit."},
+    {NULL},
+};
+
+/* ModuleEvents(labeller, enter_fallback, exit_fallback, modules, calls, first_call, rows,
+ *              entries, stack, live, producers, refs, params, identities, entry_type,
+ *              frame_type, emit_enter, emit_exit, tensor_type) */
+static PyObject *ModuleEvents_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    enum { N = 19 };
+    PyObject *v[N];
+    if (entry_args("ModuleEvents", args, kwargs, N, v) < 0) return NULL;
+    if (!PyDict_CheckExact(v[3]) || !PyDict_CheckExact(v[4]) || !PyDict_CheckExact(v[5]) ||
+        !PyList_CheckExact(v[6]) || !PyList_CheckExact(v[7]) || !PyList_CheckExact(v[8]) ||
+        !PyList_CheckExact(v[9]) || !PyDict_Check(v[10]) || !PyList_CheckExact(v[11]) ||
+        !PyDict_CheckExact(v[12]) || !PyDict_CheckExact(v[13]) || !PyType_Check(v[18])) {
+        PyErr_SetString(PyExc_TypeError, "ModuleEvents: wrong arguments");
+        return NULL;
+    }
+    ModuleEvents *self = (ModuleEvents *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    PyObject **const fields[N] = {
+        &self->labeller,   &self->enter_fallback, &self->exit_fallback, &self->modules,
+        &self->calls,      &self->first_call,     &self->rows,          &self->entries,
+        &self->stack,      &self->live,           &self->producers,     &self->refs,
+        &self->params,     &self->identities,     &self->entry_type,    &self->frame_type,
+        &self->emit_enter, &self->emit_exit,      &self->tensor_type};
+    keep_refs(fields, v, N);
+    return (PyObject *)self;
+}
+
+static PyTypeObject ModuleEventsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelake.recorder._hot.ModuleEvents",
+    .tp_basicsize = sizeof(ModuleEvents),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Labeller.on_module_enter and on_module_exit for the common module call "
+              "(see recorder/_hot.c).",
+    .tp_traverse = (traverseproc)ModuleEvents_traverse,
+    .tp_clear = (inquiry)ModuleEvents_clear,
+    .tp_dealloc = (destructor)ModuleEvents_dealloc,
+    .tp_methods = ModuleEvents_methods,
+    .tp_new = ModuleEvents_new,
+};
+
 #if defined(__unix__) || defined(__APPLE__)
 #include <errno.h>
 #include <stdlib.h>
@@ -2423,6 +2838,74 @@ static PyObject *producers_dict(PyObject *module, PyObject *Py_UNUSED(ignored)) 
     return PyDict_New();
 }
 
+/* may_hold(attrs, every, private, holders): held._may_hold's answer for a module's
+ * __dict__ (``every``: the attributes every module has; ``private``: the prefixes of
+ * names the scan skips; ``holders``: the types it looks into, isinstance's tuple), without
+ * a set or a frame per module; None where it meets a key that is not a str (Python's
+ * rule then answers, as it would have). */
+static PyObject *may_hold(PyObject *module, PyObject *const *a, Py_ssize_t n) {
+    if (n != 4 || !PyDict_Check(a[0]) || !PyAnySet_Check(a[1]) || !PyTuple_Check(a[2])) {
+        PyErr_SetString(PyExc_TypeError, "may_hold(attrs, every, private, holders)");
+        return NULL;
+    }
+    PyObject *attrs = a[0], *every = a[1], *prefixes = a[2], *holders = a[3];
+    PyObject *key, *value;
+    Py_ssize_t at = 0;
+    int found = 0;
+    Py_INCREF(attrs); /* (isinstance may run Python code) */
+    while (!found && PyDict_Next(attrs, &at, &key, &value)) {
+        if (!PyUnicode_Check(key)) {
+            Py_DECREF(attrs);
+            Py_RETURN_NONE;
+        }
+        int r = PySet_Contains(every, key);
+        if (r != 0) {
+            if (r < 0) goto fail;
+            continue;
+        }
+        if (value == Py_None || PyBool_Check(value) || PyLong_CheckExact(value) ||
+            PyFloat_CheckExact(value) || PyUnicode_CheckExact(value))
+            continue; /* (what most attributes are: never a holder, no isinstance asked) */
+        Py_INCREF(key);
+        Py_INCREF(value);
+        r = PyObject_IsInstance(value, holders);
+        int private = 0;
+        for (Py_ssize_t k = 0; r > 0 && !private && k < PyTuple_GET_SIZE(prefixes); k++) {
+            Py_ssize_t m = PyUnicode_Tailmatch(key, PyTuple_GET_ITEM(prefixes, k), 0,
+                                               PY_SSIZE_T_MAX, -1);
+            if (m < 0) r = -1;
+            private = m > 0;
+        }
+        if (r > 0 && !private) {
+            int sequence = PyObject_IsInstance(value, (PyObject *)&PyList_Type);
+            if (sequence == 0) sequence = PyObject_IsInstance(value, (PyObject *)&PyTuple_Type);
+            if (sequence < 0) r = -1;
+            if (sequence > 0) {
+                /* a sequence of numbers and strings gives the scan no tensor */
+                PyObject *items = PySequence_Fast(value, "a list or tuple");
+                r = items ? 0 : -1;
+                for (Py_ssize_t k = 0; items && r == 0 && k < PySequence_Fast_GET_SIZE(items);
+                     k++) {
+                    PyObject *item = PySequence_Fast_GET_ITEM(items, k);
+                    Py_INCREF(item);
+                    r = PyObject_IsInstance(item, holders);
+                    Py_DECREF(item);
+                }
+                Py_XDECREF(items);
+            }
+            found = r > 0;
+        }
+        Py_DECREF(value);
+        Py_DECREF(key);
+        if (r < 0) goto fail;
+    }
+    Py_DECREF(attrs);
+    return PyBool_FromLong(found);
+fail:
+    Py_DECREF(attrs);
+    return NULL;
+}
+
 static PyMethodDef hot_functions[] = {
     {"producers_dict", producers_dict, METH_NOARGS,
      "producers_dict(): an empty dict sized for the last recording's rows."},
@@ -2437,6 +2920,9 @@ static PyMethodDef hot_functions[] = {
      "crc_moments_f32(address, count, skip, blocks, block, crcs): moments_f32 and the "
      "CRC32C of each block in one pass (store/writer.py)."},
     WRITE_RAW_SHARD
+    {"may_hold", (PyCFunction)(void (*)(void))may_hold, METH_FASTCALL,
+     "may_hold(attrs, every, private, holders): held._may_hold of a module's "
+     "__dict__ (None: a key that is not a str)."},
     {"labels", (PyCFunction)(void (*)(void))labels, METH_FASTCALL,
      "labels(rows, passes): every entry's final label (OpTable.finish)."},
     {"same_rows", (PyCFunction)(void (*)(void))same_rows, METH_FASTCALL,
@@ -2473,6 +2959,17 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(str_members, "members")
     INTERN(str_step, "step")
     INTERN(str_torch_function, "__torch_function__")
+    INTERN(str_module, "module")
+    INTERN(str_root, "root")
+    INTERN(str_given, "given")
+    INTERN(str_pass_num, "pass_num")
+    INTERN(str_start, "start")
+    INTERN(str_entry, "entry")
+    INTERN(str_path, "path")
+    INTERN(str_input_indices, "input_indices")
+    INTERN(str_output_indices, "output_indices")
+    INTERN(str_op_range, "op_range")
+    INTERN(str_aliases, "_aliases")
 #undef INTERN
     if (!(int_zero = PyLong_FromLong(0)) || !(int_one = PyLong_FromLong(1)) ||
         !(int_minus_one = PyLong_FromLong(-1)) || !(empty_tuple = PyTuple_New(0)))
@@ -2483,7 +2980,8 @@ PyMODINIT_FUNC PyInit__hot(void) {
         Py_DECREF(pos);
     }
     if (PyType_Ready(&FusedType) < 0 || PyType_Ready(&PackerType) < 0 ||
-        PyType_Ready(&ReducerType) < 0 || PyType_Ready(&FusedCallType) < 0)
+        PyType_Ready(&ReducerType) < 0 || PyType_Ready(&FusedCallType) < 0 ||
+        PyType_Ready(&ModuleEventsType) < 0)
         return NULL;
     /* (borrowed: the type's dict keeps it for the process) */
     if (!(fused_tf = PyDict_GetItemWithError(FusedType.tp_dict, str_torch_function))) {
@@ -2498,9 +2996,9 @@ PyMODINIT_FUNC PyInit__hot(void) {
         Py_DECREF(m);
         return NULL;
     }
-    PyTypeObject *types[2] = {&PackerType, &ReducerType};
-    const char *names[2] = {"Packer", "Reducer"};
-    for (int k = 0; k < 2; k++) {
+    PyTypeObject *types[3] = {&PackerType, &ReducerType, &ModuleEventsType};
+    const char *names[3] = {"Packer", "Reducer", "ModuleEvents"};
+    for (int k = 0; k < 3; k++) {
         Py_INCREF(types[k]);
         if (PyModule_AddObject(m, names[k], (PyObject *)types[k]) < 0) {
             Py_DECREF(types[k]);

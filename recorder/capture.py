@@ -110,7 +110,11 @@ class ForwardRecording:
         if record_args:  # before the interceptor, which picks its path by it
             self.labeller.record_args()
         self._interceptor = Interceptor(self.labeller, _Warner(), wrapper)
-        self._eager = EagerStance(model)  # a compiled model runs eagerly while recorded
+        # a compiled model runs eagerly while recorded (compiled: a module inside it is,
+        # or it is a wrapper itself)
+        self._eager = EagerStance(
+            model, compiled=self.labeller.compiled or uncompiled(model) is not model
+        )
         self.rng = RngWatch()  # what the forward draws, for a replay to draw again
         self._model = uncompiled(model)
         self.training: bool | list[str] = False  # its modules' modes, for a replay

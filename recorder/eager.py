@@ -26,6 +26,7 @@ __all__ = [
     "compiled_wrapper",
     "is_compiled",
     "module_path",
+    "module_tree",
     "named_modules",
     "uncompiled",
 ]
@@ -70,17 +71,34 @@ def module_path(path: str) -> str:
 def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``model.named_modules()`` as recorded: ``torch.compile`` wrappers left out (the
     module each wraps stands for it) and their ``_orig_mod`` left out of paths."""
+    return module_tree(model)[0]
+
+
+def module_tree(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], bool]:
+    """:func:`named_modules` and :func:`is_compiled` of ``model`` from one walk of its
+    modules (a recording's start needs both)."""
     if "torch._dynamo" not in sys.modules:
-        return list(model.named_modules())
-    return [(module_path(path), m) for path, m in model.named_modules() if not compiled_wrapper(m)]
+        return list(model.named_modules()), False
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (compiled_wrapper's test)
+    wrapper = () if eval_frame is None else eval_frame.OptimizedModule
+    named, compiled = [], False
+    for path, m in model.named_modules():
+        if isinstance(m, wrapper):
+            compiled = True
+            continue
+        if not compiled and getattr(m, "_compiled_call_impl", None) is not None:
+            compiled = True
+        named.append((module_path(path) if WRAPPED in path else path, m))
+    return named, compiled
 
 
 class EagerStance:
     """While entered, ``torch.compile`` directives are ignored if ``model`` is compiled
-    (and a warning says so, once per model); a no-op otherwise."""
+    (and a warning says so, once per model); a no-op otherwise. ``compiled``: what
+    :func:`is_compiled` says of ``model``, where the caller knows it already."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.active = is_compiled(model)
+    def __init__(self, model: torch.nn.Module, compiled: bool | None = None):
+        self.active = is_compiled(model) if compiled is None else compiled
         self._model = model
         self._stance: Any = None
 

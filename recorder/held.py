@@ -19,11 +19,12 @@ twice is walked once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from . import compiled
 from .eager import named_modules
 
 __all__ = ["held_tensors", "key_segment"]
@@ -53,8 +54,9 @@ def held_tensors(
     """Every module's held tensors, by their full names (``block.cache['cpu']``).
     ``modules``: ``named_modules(model)``, where the caller has it already."""
     held: list[tuple[str, torch.Tensor]] = []
+    may_hold = _may_hold_rule()
     for path, module in named_modules(model) if modules is None else modules:
-        if not _may_hold(module.__dict__):
+        if not may_hold(module.__dict__):
             continue
         prefix = f"{path}." if path else ""
         held.extend((prefix + name, tensor) for name, tensor in _Scan(module).tensors())
@@ -62,11 +64,35 @@ def held_tensors(
 
 
 def _may_hold(attrs: dict[str, Any]) -> bool:
-    """Whether a module's ``__dict__`` has a public attribute its scan would look into.
-    Most modules have none (their own attributes are numbers, strings, configs), and
-    the attributes every module has are private: a set difference leaves the rest."""
+    """Whether a module's ``__dict__`` has a public attribute its scan may take a tensor
+    from. Most modules have none (their own attributes are numbers, strings, configs,
+    and tuples of numbers such as LayerNorm's ``normalized_shape``, whose items the scan
+    would only name), and the attributes every module has are private: a set
+    difference leaves the rest. Compiled where the extension is (``_hot.may_hold``,
+    the same rule: a recording asks it of every module)."""
+    return _may_hold_rule()(attrs)
+
+
+def _may_hold_rule() -> Callable[[dict[str, Any]], bool]:
+    """:func:`_may_hold`, compiled where the extension is (looked up once a walk)."""
+    compiled_rule = getattr(compiled.hot(), "may_hold", None)
+    if compiled_rule is None:
+        return _may_hold_python
+
+    def may_hold(attrs: dict[str, Any]) -> bool:
+        found = compiled_rule(attrs, _EVERY_MODULE, _PRIVATE, _HOLDERS)
+        return _may_hold_python(attrs) if found is None else found
+
+    return may_hold
+
+
+def _may_hold_python(attrs: dict[str, Any]) -> bool:
+    """:func:`_may_hold` in Python (the reference; a key that is not a str)."""
     for name in attrs.keys() - _EVERY_MODULE:
-        if isinstance(attrs[name], _HOLDERS) and not name.startswith(_PRIVATE):
+        value = attrs[name]
+        if not isinstance(value, _HOLDERS) or name.startswith(_PRIVATE):
+            continue
+        if not isinstance(value, (list, tuple)) or any(isinstance(v, _HOLDERS) for v in value):
             return True
     return False
 

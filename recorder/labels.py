@@ -24,7 +24,7 @@ import torch
 from . import compiled
 from .argkeys import all_tensors, capture
 from .arguments import ArgsRecorder
-from .eager import module_path, named_modules
+from .eager import module_path, module_tree
 from .entries import FUNC, LAYER, N_FUNC, N_LAYER, OUT_INDEX, ModuleEntry, OpTable
 from .held import held_tensors
 from .inputs import input_entries
@@ -114,6 +114,38 @@ class _Frame:
         self.given: tuple[int, ...] = entry.input_indices
 
 
+def _parameters(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]]) -> dict[int, Any]:
+    """id() -> name of every parameter of ``model``, and id() -> (name,) of every buffer,
+    named as ``named_parameters()`` and ``named_buffers()`` name them (each tensor once,
+    under its first name; no ``_orig_mod``), read from the modules of ``named``
+    (``named_modules(model)``) where the model's class does not change how they are
+    listed (the members of each module, in their order: what torch's methods walk)."""
+    kind = type(model)
+    if not (
+        kind.named_parameters is _Module.named_parameters
+        and kind.named_buffers is _Module.named_buffers
+        and kind._named_members is _Module._named_members
+    ):
+        params: dict[int, Any] = {id(p): module_path(n) for n, p in model.named_parameters()}
+        params.update({id(b): (module_path(n),) for n, b in model.named_buffers()})
+        return params
+    params, buffers = {}, {}
+    for path, module in named:
+        prefix = f"{path}." if path else ""
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in params:
+                params[id(p)] = prefix + name
+        if module._buffers:
+            for name, b in module._buffers.items():
+                if b is not None and id(b) not in buffers:
+                    buffers[id(b)] = (prefix + name,)
+    params.update(buffers)
+    return params
+
+
+_Module = torch.nn.Module
+
+
 class Labeller:
     """Receives interception events, appends rows to an :class:`OpTable`, and hands each
     entry to an emitter."""
@@ -126,17 +158,17 @@ class Labeller:
         self._rows = table.rows
         self._passes = table.passes
         #: ``named_modules(model)`` as the recording began (one walk of the modules for
-        #: every use of them at its start).
-        self.named = named_modules(model)
+        #: every use of them at its start), and whether one of them is compiled
+        #: (``eager.is_compiled``).
+        self.named, self.compiled = module_tree(model)
         self._modules: dict[int, tuple[weakref.ref, str]] = {
             id(m): (weakref.ref(m), path) for path, m in self.named if path
         }
         # Parameters by name; a buffer as a 1-tuple of its name, which the compiled path
         # hands to Python (it takes str names only): a buffer's first read makes its
-        # buffer_N entry (TorchLens's), later reads are its children. (module_path: no
-        # `_orig_mod.` from a compiled model's wrapper.)
-        self._params: dict[int, Any] = {id(p): module_path(n) for n, p in model.named_parameters()}
-        self._params.update({id(b): (module_path(n),) for n, b in model.named_buffers()})
+        # buffer_N entry (TorchLens's), later reads are its children. (No `_orig_mod.`
+        # from a compiled model's wrapper.)
+        self._params: dict[int, Any] = _parameters(model, self.named)
         for name, tensor in held_tensors(model, self.named):  # (a buffer keeps its name)
             self._params.setdefault(id(tensor), (name,))
         # A tensor's producer: the row index under its id(), confirmed by the weak
@@ -164,6 +196,36 @@ class Labeller:
         self.call_args: ArgsRecorder | None = None
         #: After :meth:`finish`: the emitter's slots that only pruned entries used.
         self.pruned_slots: set[int] = set()
+        events = getattr(hot, "ModuleEvents", None)
+        emit_enter = getattr(emitter, "on_module_enter", None)
+        emit_exit = getattr(emitter, "on_module_exit", None)
+        if events is not None and emit_enter is not None and emit_exit is not None:
+            # The common module call's entry compiled (recorder/_hot.c, ``ModuleEvents``):
+            # what on_module_enter and on_module_exit below do for it, without their
+            # frames; any other call goes to them, the reference.
+            compiled_events = events(
+                self,
+                self.on_module_enter,
+                self.on_module_exit,
+                self._modules,
+                self._calls,
+                self._first_call,
+                self._rows,
+                self.module_entries,
+                self._stack,
+                self._live,
+                self._producers,
+                self._refs,
+                self._params,
+                self._identities,
+                ModuleEntry,
+                _Frame,
+                emit_enter,
+                emit_exit,
+                _Tensor,
+            )
+            self.on_module_enter = compiled_events.enter  # type: ignore[method-assign]
+            self.on_module_exit = compiled_events.exit  # type: ignore[method-assign]
 
     def record_args(self) -> None:
         """Encode every call's arguments into ``table.call_args`` (before the recording
@@ -601,6 +663,10 @@ class Labeller:
     def finish(self) -> None:
         """The forward is over: prune orphans (unless ``table.keep_orphans``), label,
         and renumber the module entries and the emitter's tables to the entries kept."""
+        # no more module calls: drop the compiled events, and with them the cycle through
+        # their Python fallbacks (this labeller's methods)
+        self.__dict__.pop("on_module_enter", None)
+        self.__dict__.pop("on_module_exit", None)
         self._emitter.finish_ops()
         table = self.table
         size = len(table.rows)

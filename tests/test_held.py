@@ -117,3 +117,23 @@ def test_a_deeply_held_tensor_is_a_validated_buffer() -> None:
     ops = [op.label for op in trace if op.kind == "op"]
     assert [op.label for op in trace if op.kind == "buffer"] == [f"buffer_{k}" for k in range(1, 6)]
     assert report.ok and sorted(report.matched) == sorted(ops) and not report.skipped, report
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "_c", "tl_d", "training", "_parameters", "e"]),
+        st.one_of(_holders, st.floats(allow_nan=False), st.booleans()),
+        max_size=5,
+    )
+)
+def test_which_modules_are_scanned_compiled_as_in_python(attrs: dict[str, Any]) -> None:
+    """The extension's answer to "may this module hold a tensor?" (asked of every module
+    at every recording's start) is the Python rule's, for any attributes."""
+    hot = pytest.importorskip("tracelake.recorder._hot")
+    values = {name: _build(spec, []) for name, spec in attrs.items()}
+    compiled_answer = hot.may_hold(values, held._EVERY_MODULE, held._PRIVATE, held._HOLDERS)
+    assert compiled_answer is held._may_hold_python(values)
+    assert held._may_hold(values) is compiled_answer
+    odd = {1: torch.zeros(1)}  # a key that is not a str: Python's rule answers
+    assert hot.may_hold(odd, held._EVERY_MODULE, held._PRIVATE, held._HOLDERS) is None

@@ -34,6 +34,9 @@ SHARED = {"tracelake.errors", "tracelake.progress", "tracelake._lazy"}
 
 #: Underscore names that are public API of the standard library (namedtuple's).
 PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
+#: torch.nn.Module's own attributes that the recorder reads (a module's parameters and
+#: buffers, as named_parameters() walks them): torch's, whatever a room names its own.
+TORCH_UNDERSCORED = {"_parameters", "_buffers"}
 
 #: The modules that may import DuckDB: its boundary and the catalog behind it.
 # (store/lake.py: the DuckLake catalog, the same job as catalog.py for a shared store)
@@ -190,6 +193,7 @@ def findings() -> set[tuple[str, str]]:
                 isinstance(node, ast.Attribute)
                 and _private(node.attr)
                 and node.attr not in PUBLIC_UNDERSCORED
+                and not (room == "recorder" and node.attr in TORCH_UNDERSCORED)
                 and node.attr not in DEFINED[room]
                 and any(node.attr in DEFINED[r] for r in ROOMS if r != room)
             ):
