@@ -4,8 +4,8 @@
  * call only: ``intercept._Mode.__torch_function__`` (name the function, call it) and
  * ``labels.Labeller.on_call`` (parents, source site, shape, layer numbers, one row).
  * The common call is: a function already named, that writes nothing in place, whose
- * arguments are tensors, scalars and torch's small values (argkeys.VALUE_TYPES; no
- * lists), outside any repeated module call, returning one tensor. Its non-tensor
+ * arguments are tensors, scalars and torch's small values (argkeys.VALUE_TYPES), and
+ * tuples of those (no lists), outside any repeated module call, returning one tensor. Its non-tensor
  * arguments go into the row as they are (``arg_values``, TorchLens's loop keys). Every other call goes to the Python code, which
  * stays the reference: tests/test_compiled.py checks that both give the same tables.
  *
@@ -441,18 +441,21 @@ static int value_type(Fused *self, PyObject *value) {
     return 0;
 }
 
-/* Whether a row keeps ``value`` as it is: None, a bool, or exactly an int, a float, a
- * str or one of argkeys.VALUE_TYPES (argkeys._PLAIN, by exact class). */
-static int plain_value(Fused *self, PyObject *value) {
+/* Whether ``value`` is None, a bool, or exactly an int, a float or a str. */
+static int scalar_value(PyObject *value) {
     return value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
-           PyBool_Check(value) || PyUnicode_CheckExact(value) || value_type(self, value);
+           PyBool_Check(value) || PyUnicode_CheckExact(value);
+}
+
+/* Whether a row keeps ``value`` as it is: a scalar or one of argkeys.VALUE_TYPES
+ * (argkeys._PLAIN, by exact class). */
+static int plain_value(Fused *self, PyObject *value) {
+    return scalar_value(value) || value_type(self, value);
 }
 
 /* One argument. 1: scanned, 0: the call needs the Python path, -1: error. */
 static int scan_value(Fused *self, Scan *s, PyObject *value, PyObject *where) {
-    if (value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
-        PyBool_Check(value) || PyUnicode_CheckExact(value))
-        return keep_value(s, value, where);
+    if (scalar_value(value)) return keep_value(s, value, where);
     if (PyTuple_CheckExact(value)) {
         /* a tuple of plain values (x.view((b, -1)), layer_norm's normalized_shape): kept
          * as it is, as argkeys.capture keeps it; tensors or anything else inside: Python */
@@ -2380,10 +2383,11 @@ static int events_enter(ModuleEvents *self, PyObject *module, PyObject *args,
     done = -1;
     PyObject *before = PyDict_GetItemWithError(self->calls, path);
     if (!before && PyErr_Occurred()) goto out;
+    int repeated = before != NULL; /* calls > 1 (before: borrowed, replaced below) */
     if (!(count = before ? next_int(before) : (Py_INCREF(int_one), int_one))) goto out;
     if (PyDict_SetItem(self->calls, path, count) < 0) goto out;
     if (!(start = shared_int(PyList_GET_SIZE(self->rows)))) goto out;
-    if (count == int_one || PyObject_RichCompareBool(count, int_one, Py_EQ) == 1) {
+    if (!repeated) { /* the first call (calls == 1) */
         PyObject *span = list_of(start, int_minus_one);
         int failed = !span || PyDict_SetItem(self->first_call, path, span) < 0;
         Py_XDECREF(span);
@@ -2413,7 +2417,7 @@ static int events_enter(ModuleEvents *self, PyObject *module, PyObject *args,
         if (!(root = PyObject_GetAttr(PyList_GET_ITEM(self->stack, depth - 1), str_root)))
             goto out;
     }
-    if (root == Py_None && PyObject_RichCompareBool(count, int_one, Py_GT) == 1) {
+    if (root == Py_None && repeated) { /* a repeated call roots its ops */
         Py_DECREF(root);
         root = frame;
         Py_INCREF(root);
@@ -2538,12 +2542,7 @@ static int events_exit(ModuleEvents *self, PyObject *module, PyObject *output) {
             if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, fpath);
             goto out;
         }
-        Py_INCREF(end);
-        if (PyObject_SetItem(first, int_one, end) < 0) {
-            Py_DECREF(end);
-            goto out;
-        }
-        Py_DECREF(end);
+        if (PyObject_SetItem(first, int_one, end) < 0) goto out;
     }
     if (PyErr_Occurred()) goto out;
     if (!(span = PyTuple_Pack(2, start, end)) || PyObject_SetAttr(entry, str_op_range, span) < 0 ||
@@ -2863,8 +2862,7 @@ static PyObject *may_hold(PyObject *module, PyObject *const *a, Py_ssize_t n) {
             if (r < 0) goto fail;
             continue;
         }
-        if (value == Py_None || PyBool_Check(value) || PyLong_CheckExact(value) ||
-            PyFloat_CheckExact(value) || PyUnicode_CheckExact(value))
+        if (scalar_value(value))
             continue; /* (what most attributes are: never a holder, no isinstance asked) */
         Py_INCREF(key);
         Py_INCREF(value);

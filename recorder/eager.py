@@ -53,12 +53,7 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether calling ``model`` would run compiled code: it, or a module inside it, is a
     ``torch.compile`` wrapper or was compiled in place (``module.compile()``)."""
-    if "torch._dynamo" not in sys.modules:
-        return False  # nothing was ever compiled in this process
-    return any(
-        compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in model.modules()
-    )
+    return module_tree(model)[1]
 
 
 def module_path(path: str) -> str:
@@ -77,7 +72,7 @@ def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def module_tree(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], bool]:
     """:func:`named_modules` and :func:`is_compiled` of ``model`` from one walk of its
     modules (a recording's start needs both)."""
-    if "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled in this process
         return list(model.named_modules()), False
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (compiled_wrapper's test)
     wrapper = () if eval_frame is None else eval_frame.OptimizedModule
